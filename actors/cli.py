@@ -1,0 +1,80 @@
+"""The ``specroll`` command. Arguments are parsed before any heavy import (torch, the model)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate rollouts for a set of prompts and write them as JSONL",
+        description="Generate n rollouts per prompt with the specroll engine and write them, with "
+        "token ids, behavior logprobs and policy versions, to a JSONL file.",
+    )
+    p.add_argument("--model", default="smollm2-135m",
+                   help="registered name, Hugging Face checkpoint directory or .gguf file (default: %(default)s)")
+    p.add_argument("--prompts", default=None,
+                   help="JSONL file with a 'question' or 'prompt' per line (GSM8K works as is); "
+                        "default: the built-in arithmetic task")
+    p.add_argument("--limit", type=_positive_int, default=None, help="use only the first N prompts")
+    p.add_argument("--num-builtin", type=_positive_int, default=16,
+                   help="prompts in the built-in task when --prompts is not given (default: %(default)s)")
+    p.add_argument("--n", type=_positive_int, default=4, help="samples per prompt (a group; default: %(default)s)")
+    p.add_argument("--max-tokens", type=_positive_int, default=256,
+                   help="response tokens at most (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="0 disables (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 disables (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="base seed; sample i of prompt j is seeded from it")
+    p.add_argument("--reward", choices=["gsm8k", "none"], default="gsm8k",
+                   help="reward of each rollout: last number in the response vs the answer (default: %(default)s)")
+    p.add_argument("--out", default="runs/rollouts.jsonl", help="output JSONL (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=64, help="sequences per step at most")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="token budget per step")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV-cache memory in GiB (default: %(default)s)")
+    p.add_argument("--backend", choices=["auto", "torch", "flashinfer"], default="auto")
+    p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specroll", description="specroll: a rollout engine for RL on LLMs")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``specroll`` console script; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        from specroll.actors.generate import GenerateError, run_generate
+
+        try:
+            run_generate(args)
+        except GenerateError as exc:
+            print(f"specroll generate: error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("specroll generate: interrupted; no output written", file=sys.stderr)
+            return 130
+        return 0
+    raise AssertionError(f"unhandled command {args.command!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

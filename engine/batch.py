@@ -1,0 +1,86 @@
+"""The description of one forward step: FlashInfer's ragged, paged batch layout.
+
+Every step (prefill chunks, one-token decodes, multi-token verifies) is one ragged batch of B
+sequences; sequence b appends ``q_len[b]`` new tokens to a K/V history that then holds
+``kv_len[b]`` tokens on the pages ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``. Every attention
+backend consumes exactly this description (FlashInfer docs, "Page Table Layout").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """A ragged batch over a paged KV cache, after the new tokens are appended.
+
+    Attributes:
+        qo_indptr: int32 ``[B+1]``; new tokens of sequence b are rows ``qo_indptr[b]:qo_indptr[b+1]``.
+        kv_indptr: int32 ``[B+1]``; pages of sequence b are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``.
+        kv_indices: int32 ``[kv_indptr[-1]]``; page ids, concatenated.
+        kv_last_page_len: int32 ``[B]``; tokens on each sequence's last page, in ``[1, page_size]``.
+        page_size: tokens per page.
+    """
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    page_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.qo_indptr.numel() - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.qo_indptr[-1])
+
+    def q_lens(self) -> torch.Tensor:
+        """int64 ``[B]``: new tokens per sequence."""
+        return (self.qo_indptr[1:] - self.qo_indptr[:-1]).long()
+
+    def kv_lens(self) -> torch.Tensor:
+        """int64 ``[B]``: K/V length per sequence after the append."""
+        num_pages = (self.kv_indptr[1:] - self.kv_indptr[:-1]).long()
+        return (num_pages - 1) * self.page_size + self.kv_last_page_len.long()
+
+    def positions(self) -> torch.Tensor:
+        """int64 ``[T]``: position of each new token (row j of b is ``kv_len - q_len + j``)."""
+        q_lens = self.q_lens()
+        seq_of_row = torch.repeat_interleave(torch.arange(self.num_seqs), q_lens)
+        row_in_seq = torch.arange(self.num_tokens) - self.qo_indptr[:-1].long()[seq_of_row]
+        return (self.kv_lens() - q_lens)[seq_of_row] + row_in_seq
+
+
+def build_metadata(
+    q_lens: Sequence[int], kv_lens: Sequence[int], block_tables: Sequence[Sequence[int]], page_size: int
+) -> AttentionMetadata:
+    """Describe a batch in FlashInfer's form.
+
+    Args:
+        q_lens: new tokens per sequence (≥ 1).
+        kv_lens: K/V length per sequence after the append (≥ q_len).
+        block_tables: each sequence's pages; only the first ``ceil(kv_len / page_size)`` are used.
+        page_size: tokens per page.
+
+    Raises:
+        ValueError: when lengths disagree or a block table is too short.
+    """
+    if not len(q_lens) == len(kv_lens) == len(block_tables):
+        raise ValueError(f"{len(q_lens)} q_lens, {len(kv_lens)} kv_lens, {len(block_tables)} block tables")
+    qo_indptr, kv_indptr, indices, last = [0], [0], [], []
+    for q_len, kv_len, table in zip(q_lens, kv_lens, block_tables, strict=True):
+        num_pages = -(-kv_len // page_size)
+        if not 1 <= q_len <= kv_len or num_pages > len(table):
+            raise ValueError(f"q_len={q_len}, kv_len={kv_len} with {len(table)} pages of {page_size}")
+        qo_indptr.append(qo_indptr[-1] + q_len)
+        kv_indptr.append(kv_indptr[-1] + num_pages)
+        indices.extend(table[:num_pages])
+        last.append(kv_len - (num_pages - 1) * page_size)
+    as_int32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    return AttentionMetadata(as_int32(qo_indptr), as_int32(kv_indptr), as_int32(indices), as_int32(last), page_size)

@@ -1,0 +1,60 @@
+"""Engine configuration: one strict struct, validated when it is built."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+from specroll.engine.registry import DEFAULT_MODEL
+
+BackendName = Literal["auto", "torch", "flashinfer"]
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything an :class:`~specroll.engine.engine.Engine` needs to start.
+
+    Raises:
+        ValueError: on construction, naming the field, when a value is out of range.
+    """
+
+    model: str = DEFAULT_MODEL
+    """A registered model name, a Hugging Face checkpoint directory or a ``.gguf`` file."""
+    backend: BackendName = "auto"
+    """Attention backend: ``torch`` (reference, CPU), ``flashinfer`` (CUDA) or ``auto``."""
+    device: str = "cpu"
+    """Torch device the weights and KV cache live on."""
+    dtype: DTypeName = "auto"
+    """Weight and KV dtype; ``auto`` is float32 on CPU and bfloat16 on CUDA."""
+    page_size: int = 16
+    """Tokens per KV-cache page."""
+    kv_cache_memory_gb: float = 1.0
+    """Memory given to the paged KV cache, in GiB; the number of pages follows from it."""
+    max_num_seqs: int = 64
+    """Most sequences decoded in one step."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks + decode tokens)."""
+    max_model_len: int | None = None
+    """Context length cap in tokens; ``None`` takes the checkpoint's."""
+    enable_prefix_caching: bool = True
+    """Share full prompt pages between requests (the n samples of a group prefill once)."""
+    seed: int = 0
+    """Seed for requests that bring none of their own."""
+    num_threads: int | None = None
+    """Intra-op CPU threads for torch; ``None`` leaves torch's default."""
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size={self.page_size}, expected a positive power of two")
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb}, expected a positive number")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs}, expected a positive integer")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens}, expected a positive integer"
+            )
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len={self.max_model_len}, expected a positive integer or None")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"num_threads={self.num_threads}, expected a positive integer or None")

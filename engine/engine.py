@@ -1,0 +1,241 @@
+"""The generation engine: schedule → run the model → sample → report deltas, one step at a time.
+
+Synchronous and seedable, with no I/O of its own; the generator actor drives it from a worker
+thread. A step is one ragged batch (prefill chunks and decodes together) over the paged KV cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from collections.abc import Sequence as SequenceOf
+
+import torch
+from specroll.engine.attention import allocate_kv_cache, kv_bytes_per_page, select_backend
+from specroll.engine.batch import build_metadata
+from specroll.engine.block_manager import BlockManager
+from specroll.engine.checkpoint import Checkpoint, expected_weight_shapes, load_checkpoint
+from specroll.engine.config import EngineConfig
+from specroll.engine.model import CausalLM
+from specroll.engine.sampler import sample
+from specroll.engine.scheduler import ScheduledSequence, Scheduler
+from specroll.engine.sequence import Completion, Sequence, SequenceStatus, StepOutput
+from specroll.protocol.sampling import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Engine:
+    """Continuous-batching generation over a paged KV cache.
+
+    Args:
+        config: engine settings; the model is loaded from ``config.model``.
+        checkpoint: an already loaded checkpoint to use instead of loading ``config.model``.
+
+    Raises:
+        CheckpointError: the model cannot be loaded.
+        ValueError: the KV-cache memory holds too few pages to serve one full-length request.
+    """
+
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        name = config.dtype if config.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
+        self.dtype = _DTYPES[name]
+        ckpt = checkpoint if checkpoint is not None else load_checkpoint(config.model, dtype=self.dtype)
+        self.model_config = ckpt.config
+        self.tokenizer = ckpt.tokenizer
+        self.model = CausalLM(ckpt.config).to(dtype=self.dtype)
+        self.model.load_state_dict(ckpt.weights, strict=True)
+        self.model.to(self.device).eval()
+        self.max_model_len = min(config.max_model_len or ckpt.config.max_position_embeddings,
+                                 ckpt.config.max_position_embeddings)
+        page_bytes = kv_bytes_per_page(ckpt.config, config.page_size, self.dtype)
+        num_pages = int(config.kv_cache_memory_gb * 2**30) // page_bytes
+        if num_pages * config.page_size < self.max_model_len:
+            raise ValueError(
+                f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds {num_pages} pages of "
+                f"{config.page_size} tokens, fewer than one {self.max_model_len}-token request needs; "
+                "raise kv_cache_memory_gb or lower max_model_len"
+            )
+        self.kv_caches = allocate_kv_cache(ckpt.config, num_pages, config.page_size, self.dtype, self.device)
+        self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.backend = select_backend(config.backend, ckpt.config, self.device)
+        self.eos_token_ids = frozenset(ckpt.tokenizer.eos_token_ids) | frozenset(ckpt.config.eos_token_ids)
+        self.weight_version = 0
+        self._weight_shapes = expected_weight_shapes(ckpt.config)
+        self._requests: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: SequenceOf[int],
+        sampling: SamplingParams,
+        request_id: str,
+        group_id: str | None = None,
+    ) -> None:
+        """Queue a request; it joins the batch at the next step.
+
+        Args:
+            prompt_token_ids: the prompt, already tokenized (chat template applied).
+            sampling: how to sample and when to stop.
+            request_id: unique among live requests.
+            group_id: requests sharing it (the n samples of one prompt) share prompt pages.
+
+        Raises:
+            ValueError: duplicate ``request_id``, empty prompt, out-of-vocabulary token ids, or a
+                prompt that leaves no room in the context for one response token.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already live")
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: empty prompt, expected at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: prompt has {len(prompt)} tokens, the context holds "
+                f"{self.max_model_len}; expected at most {self.max_model_len - 1}"
+            )
+        arrival = next(self._arrivals)
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator()
+            seed = sampling.seed if sampling.seed is not None else hash((self.config.seed, arrival)) & (2**63 - 1)
+            generator.manual_seed(seed)
+        seq = Sequence(
+            request_id=request_id,
+            group_id=group_id,
+            prompt_len=len(prompt),
+            token_ids=prompt,
+            sampling=sampling,
+            generator=generator,
+            arrival=arrival,
+            max_len=min(self.max_model_len, len(prompt) + sampling.max_tokens),
+        )
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> Completion:
+        """Stop a request in any state and return every token it produced so far.
+
+        Raises:
+            KeyError: no live request has this id.
+        """
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            raise KeyError(f"no live request {request_id!r}")
+        self.scheduler.remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        return Completion.of(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- stepping -------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """Run one batch and return a delta for every request that produced a token or finished."""
+        scheduled = self.scheduler.schedule(self.weight_version)
+        if not scheduled:
+            return []
+        logits = self._forward(scheduled)  # [N, V] for the sequences that sample
+        samplers = [s.seq for s in scheduled if s.samples]
+        tokens, logprobs = sample(logits, [s.sampling for s in samplers], [s.generator for s in samplers])
+        for s in scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_full_pages(s.seq, self.weight_version)
+        outputs = []
+        for seq, token, logprob in zip(samplers, tokens.tolist(), logprobs.tolist(), strict=True):
+            seq.token_ids.append(token)
+            seq.logprobs.append(logprob)
+            seq.versions.append(self.weight_version)
+            finish = self._finish_reason(seq, token)
+            if finish is not None:
+                self.scheduler.remove(seq)
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, finish
+                del self._requests[seq.request_id]
+            outputs.append(
+                StepOutput(seq.request_id, seq.group_id, [token], [logprob], [self.weight_version],
+                           finish is not None, finish, seq.num_output_tokens)
+            )
+        return outputs
+
+    def _forward(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
+        input_ids: list[int] = []
+        logits_rows: list[int] = []
+        for s in scheduled:
+            start = s.seq.num_computed_tokens
+            input_ids.extend(s.seq.token_ids[start : start + s.num_new_tokens])
+            if s.samples:
+                logits_rows.append(len(input_ids) - 1)
+        meta = build_metadata(
+            [s.num_new_tokens for s in scheduled],
+            [s.seq.num_computed_tokens + s.num_new_tokens for s in scheduled],
+            [s.seq.block_table for s in scheduled],
+            self.config.page_size,
+        )
+        self.backend.plan(meta)
+        hidden = self.model(
+            torch.tensor(input_ids, device=self.device), meta.positions().to(self.device),
+            self.kv_caches, self.backend,
+        )
+        return self.model.compute_logits(hidden[torch.tensor(logits_rows, device=self.device)]).cpu()
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        if not seq.sampling.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if token in seq.sampling.stop_token_ids:
+            return "stop"
+        if seq.num_tokens >= seq.max_len:
+            return "length"
+        return None
+
+    # ---- weights --------------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Replace some or all policy weights between steps and tag later tokens with ``version``.
+
+        Every tensor is validated before any is copied, so a bad update changes nothing. Floating
+        tensors of any dtype are accepted and cast to the engine's dtype (bf16 on the wire).
+        Running requests keep their K/V (computed under older weights); their pages are no longer
+        shared through the prefix cache.
+
+        Args:
+            named_tensors: Hugging Face parameter names → tensors of the checkpoint's shapes.
+            version: the new policy version; must be greater than the served one.
+
+        Raises:
+            ValueError: unknown name, wrong shape, non-floating dtype, or a version not above the
+                current one. The message names the offending tensor or value.
+        """
+        if version <= self.weight_version:
+            raise ValueError(f"weight version {version} is not newer than the served version {self.weight_version}")
+        for name, tensor in named_tensors.items():
+            shape = self._weight_shapes.get(name)
+            if shape is None:
+                raise ValueError(f"weight update: unknown tensor {name!r}; expected a name of the model's state dict")
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"weight update: {name} has shape {tuple(tensor.shape)}, expected {shape}")
+            if not tensor.is_floating_point():
+                raise ValueError(f"weight update: {name} has dtype {tensor.dtype}, expected a floating dtype")
+        params = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in named_tensors.items():
+                params[name].copy_(tensor)
+        self.weight_version = version
+        for seq in self._requests.values():
+            if seq.num_computed_tokens:
+                seq.prefix_cacheable = False

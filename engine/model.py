@@ -1,0 +1,181 @@
+"""A Llama-family decoder over the paged KV cache: Llama/SmolLM2, Qwen2 and Qwen3.
+
+Pre-norm decoder layers (RMSNorm → attention with RoPE and GQA → residual → RMSNorm → SwiGLU →
+residual), final RMSNorm and an LM head tied or not to the embedding (Touvron et al. 2023,
+"LLaMA"; Qwen2 adds q/k/v biases, Qwen3 a per-head RMSNorm on q and k before RoPE). Parameter
+names are Hugging Face's, so checkpoints and weight updates load by name.
+
+The forward pass takes one ragged batch of new tokens (``[T]``, no padding); attention goes
+through an :class:`~specroll.engine.attention.AttentionBackend` planned for that batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from specroll.engine.attention import AttentionBackend
+from specroll.engine.model_config import ModelConfig
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x²) + eps) * weight`` over the last dimension (Zhang & Sennrich 2019)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE in the rotate-half convention (Su et al. 2021; Hugging Face's ``rotate_half``).
+
+    ``inv_freq[i] = theta^(-2i/D)``; position p rotates the pair (x_i, x_{i+D/2}) by
+    ``p * inv_freq[i]``. Computed in float32 as Hugging Face does, so logits match it.
+    """
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        self.register_buffer("inv_freq", 1.0 / (theta**exponents), persistent=False)  # [D/2]
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``sin``: ``[T, 1, D]`` for int64 ``positions`` ``[T]``."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, H, D]`` by the angles in ``cos``/``sin`` ``[T, 1, D]``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        h, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = backend.forward(q, k, v, kv_cache)  # [T, H, D]
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` (Shazeer 2020)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """Hugging Face's ``model.*``: embedding, layers and final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The decoder plus its LM head.
+
+    Args:
+        config: the architecture.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False
+        )
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """``[vocab_size, hidden_size]``: the LM head (the embedding when tied)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Run the step's new tokens through the decoder, appending their K/V to the caches.
+
+        Args:
+            input_ids: int64 ``[T]`` new tokens of every sequence, concatenated.
+            positions: int64 ``[T]`` their positions.
+            kv_caches: per layer ``[num_pages, 2, page_size, num_kv_heads, head_dim]``.
+            backend: attention backend already planned for this batch.
+
+        Returns:
+            ``[T, hidden_size]`` final hidden states (after the last RMSNorm).
+        """
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, backend)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 ``[N, vocab_size]`` logits for hidden states ``[N, hidden_size]``."""
+        return F.linear(hidden, self.lm_head_weight).float()

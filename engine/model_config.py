@@ -1,0 +1,79 @@
+"""Architecture hyper-parameters of a Llama-family decoder.
+
+One struct describes Llama/SmolLM2, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm); the
+loaders in ``checkpoint.py`` (Hugging Face directories) and ``gguf_loader.py`` (GGUF files) fill it
+from a checkpoint and validate it at that boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Architecture = Literal["llama", "qwen2", "qwen3"]
+
+
+class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Shape and numerics of one decoder-only checkpoint.
+
+    Weight names follow Hugging Face's Llama layout (``model.layers.{i}.self_attn.q_proj.weight``
+    and so on); every loader converts to those names.
+    """
+
+    architecture: Architecture
+    """Which family: ``llama`` (Llama, SmolLM2), ``qwen2`` (q/k/v bias) or ``qwen3`` (q/k norm)."""
+    vocab_size: int
+    """Rows of the embedding and of the LM head."""
+    hidden_size: int
+    """Width of the residual stream."""
+    intermediate_size: int
+    """Width of the SwiGLU MLP."""
+    num_layers: int
+    """Number of decoder layers."""
+    num_heads: int
+    """Query heads per layer."""
+    num_kv_heads: int
+    """Key/value heads per layer (GQA: ``num_heads`` must be a multiple of it)."""
+    head_dim: int
+    """Width of one attention head."""
+    rms_norm_eps: float
+    """Epsilon of every RMSNorm, read from the checkpoint."""
+    rope_theta: float
+    """RoPE base frequency, read from the checkpoint (never a library default)."""
+    max_position_embeddings: int
+    """Context length in tokens: prompt + response never pass it."""
+    tie_word_embeddings: bool
+    """The LM head reuses the embedding matrix."""
+    attention_bias: bool = False
+    """q/k/v projections carry a bias (Qwen2; Llama's ``attention_bias``)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence token, if the checkpoint names one."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Tokens that end a generation."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if value <= 0:
+                raise ValueError(f"model config: {name}={value}, expected a positive integer")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model config: num_heads={self.num_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads} (grouped-query attention needs it)"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"model config: head_dim={self.head_dim}, expected an even number for RoPE")
+        if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
+            raise ValueError(
+                f"model config: rope_theta={self.rope_theta}, rms_norm_eps={self.rms_norm_eps}, "
+                "expected positive numbers"
+            )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token occupies across all layers, per byte of element size."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim

@@ -1,0 +1,79 @@
+"""Token sampling with behavior logprobs: temperature → top-k → top-p, per-request seeds.
+
+The processed distribution of a request is ``softmax(logits / T)`` restricted to its ``top_k``
+most likely tokens, then to the smallest prefix of those (by probability) whose mass reaches
+``top_p``, renormalised — the order and semantics of Hugging Face's ``TemperatureLogitsWarper``,
+``TopKLogitsWarper`` and ``TopPLogitsWarper``. Every token is drawn from that distribution and its
+logprob is taken under it (the behavior logprob an off-policy RL loss needs).
+
+Sampling uses the exponential race ``argmax(p / E)``, ``E ~ Exp(1)`` i.i.d. — an exact draw from
+``p`` (the Gumbel-max trick in another form; vLLM's sampler does the same) — with the noise drawn
+from the request's own ``torch.Generator``, so a seeded request gets the same tokens whatever else
+shares its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from specroll.protocol.sampling import SamplingParams
+
+
+def processed_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Log-probabilities of each row's processed distribution.
+
+    Args:
+        logits: float32 ``[B, V]`` raw logits.
+        params: one :class:`SamplingParams` per row. Greedy rows (temperature 0) use T = 1 and no
+            filters: their logprob is the model's own ``log_softmax`` at the argmax.
+
+    Returns:
+        float32 ``[B, V]``; ``-inf`` for tokens the filters removed.
+    """
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=logits.dtype)
+    scaled = logits / temps[:, None]  # [B, V]
+    top_ks = [p.top_k if p.temperature > 0 else 0 for p in params]
+    top_ps = [p.top_p if p.temperature > 0 else 1.0 for p in params]
+    if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
+        scaled = _filter_top_k_top_p(scaled, top_ks, top_ps)
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def _filter_top_k_top_p(scaled: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    vocab = scaled.shape[-1]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, V]
+    rank = torch.arange(vocab)[None, :]
+    k = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks])[:, None]
+    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))  # top-k: keep ranks < k
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
+    p = torch.tensor(top_ps, dtype=scaled.dtype)[:, None]
+    # top-p: keep token i while the mass before it is < p (so the kept mass first reaches p at i);
+    # the most likely token is always kept.
+    drop = (mass_before >= p) & (rank > 0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+
+
+def sample(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row and its behavior logprob.
+
+    Args:
+        logits: float32 ``[B, V]`` raw logits.
+        params: one :class:`SamplingParams` per row.
+        generators: one generator per row (``None`` only for greedy rows).
+
+    Returns:
+        ``(tokens, logprobs)``: int64 ``[B]`` and float32 ``[B]`` (natural log, under the
+        processed distribution; see :func:`processed_logprobs`).
+    """
+    logprobs = processed_logprobs(logits, params)  # [B, V]
+    tokens = logprobs.argmax(dim=-1)  # greedy rows keep the argmax
+    for i, (p, gen) in enumerate(zip(params, generators, strict=True)):
+        if p.temperature > 0:
+            noise = torch.empty_like(logprobs[i]).exponential_(generator=gen)  # [V], Exp(1)
+            tokens[i] = (logprobs[i].exp() / noise).argmax()
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)

@@ -1,0 +1,127 @@
+"""Continuous batching: which sequences run in the next step, and on how many tokens.
+
+Each step has a token budget. Running sequences go first (a decode costs one token; a chunked
+prefill in progress takes what is left of the budget), then waiting ones are admitted in arrival
+order while the budget, ``max_num_seqs`` and free pages allow. When a running sequence cannot get
+the page it needs, the most recently admitted sequence is preempted: its pages are freed and it
+waits at the head of the queue to be recomputed from its prompt and the tokens it already has.
+The policy follows vLLM v1's unified scheduler and nano-vllm's ``scheduler.py``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from specroll.engine.block_manager import BlockManager
+from specroll.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+    """Tokens whose K/V this step computes: ``token_ids[num_computed : num_computed + n]``."""
+
+    @property
+    def samples(self) -> bool:
+        """True when the step reaches the sequence's last token, so a new token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    """Chooses each step's batch under a token budget and the free pages.
+
+    Raises:
+        ValueError: on construction when a limit is not positive.
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_num_batched_tokens}: "
+                "expected positive integers"
+            )
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out of the queues and free its pages."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            assert seq.status is SequenceStatus.WAITING, f"{seq.request_id} is already finished"
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _computes_shared_pages(self, seq: Sequence) -> bool:
+        ps = self.block_manager.page_size
+        return seq.group_id is not None and seq.num_computed_tokens < (seq.prompt_len - 1) // ps * ps
+
+    def schedule(self, version: int, lookahead: int = 0) -> list[ScheduledSequence]:
+        """Pick the next step's batch.
+
+        Args:
+            version: weight version the step runs under (prefix-cache key).
+            lookahead: extra KV slots each decoding sequence needs (speculative drafts).
+
+        Returns:
+            The batch, running sequences first; empty when nothing can run.
+        """
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        bm = self.block_manager
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+                continue  # preempted earlier in this loop, or out of budget
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            extra = lookahead if num_new == seq.num_tokens - seq.num_computed_tokens else 0
+            while not bm.grow(seq, seq.num_computed_tokens + num_new + extra):
+                victim = self.running[-1]
+                self._preempt(victim)
+                budget += sum(s.num_new_tokens for s in scheduled if s.seq is victim)
+                scheduled = [s for s in scheduled if s.seq is not victim]
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                scheduled.append(ScheduledSequence(seq, num_new))
+                budget -= num_new
+        # A request whose group has a member computing shareable prompt pages waits one step and
+        # then takes those pages from the prefix cache: the group's prompt is prefilled once.
+        prefilling = {s.seq.group_id for s in scheduled if self._computes_shared_pages(s.seq)}
+        deferred: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.group_id is not None and seq.group_id in prefilling:
+                deferred.append(self.waiting.popleft())
+                continue
+            if not bm.allocate(seq, version):
+                break
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+            if self._computes_shared_pages(seq):
+                prefilling.add(seq.group_id)
+        self.waiting.extendleft(reversed(deferred))
+        return scheduled

@@ -1,0 +1,115 @@
+"""Reference paged attention in plain torch: the CPU backend and the correctness oracle.
+
+``plan`` turns FlashInfer's batch description into gather indices once per step; ``forward``
+then, for each layer, scatters the new K/V into the pages and runs
+``scaled_dot_product_attention`` on K/V gathered from them. Sequences with few new tokens
+(decodes, speculative verifies) are padded into one batched call; long prefills run one by one so
+that a long prompt never pads the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from specroll.engine.batch import AttentionMetadata
+
+SHORT_QUERY = 16
+"""Sequences with at most this many new tokens share one padded attention call."""
+
+
+@dataclass(frozen=True)
+class _PaddedGroup:
+    rows: torch.Tensor  # [S, q_max] int64: token row of each (sequence, query) slot
+    valid: torch.Tensor  # [S, q_max] bool: the slot holds a real query
+    k_slots: torch.Tensor  # [S, kv_max] int64: K index into the flat cache (V is + page_size)
+    mask: torch.Tensor | None  # [S, 1, q_max, kv_max] bool, True = attend; None = attend to all
+
+
+@dataclass(frozen=True)
+class _Prefill:
+    rows: slice
+    k_slots: torch.Tensor  # [kv_len] int64
+    mask: torch.Tensor | None  # [q_len, kv_len] bool; None when q_len == kv_len (plain causal)
+
+
+def _k_slot(meta: AttentionMetadata, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Flat K index of token ``pos`` of sequence ``seq`` in a cache viewed as ``[-1, H_kv, D]``."""
+    ps = meta.page_size
+    page = meta.kv_indices.long()[meta.kv_indptr.long()[seq] + torch.div(pos, ps, rounding_mode="floor")]
+    return page * (2 * ps) + pos % ps
+
+
+class TorchAttention:
+    """Paged attention with torch ops; see :class:`~specroll.engine.attention.AttentionBackend`."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        self.page_size = meta.page_size
+        q_lens, kv_lens = meta.q_lens(), meta.kv_lens()
+        positions = meta.positions()  # [T]
+        seq_of_row = torch.repeat_interleave(torch.arange(meta.num_seqs), q_lens)
+        self.k_slots = _k_slot(meta, seq_of_row, positions)  # [T]
+        self.num_tokens = meta.num_tokens
+        short = (q_lens <= SHORT_QUERY).nonzero().flatten()
+        self.short: _PaddedGroup | None = None
+        self.short_rows: torch.Tensor | None = None
+        if short.numel():
+            self.short = self._plan_padded(meta, short, q_lens[short], kv_lens[short])
+            self.short_rows = self.short.rows[self.short.valid]
+        self.prefills: list[_Prefill] = []
+        starts = meta.qo_indptr.tolist()
+        for b in (q_lens > SHORT_QUERY).nonzero().flatten().tolist():
+            q_len, kv_len = int(q_lens[b]), int(kv_lens[b])
+            k_slots = _k_slot(meta, torch.full((kv_len,), b), torch.arange(kv_len))
+            mask = None
+            if q_len != kv_len:  # bottom-right causal: row i sees positions <= kv_len - q_len + i
+                mask = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
+            self.prefills.append(_Prefill(slice(starts[b], starts[b] + q_len), k_slots, mask))
+
+    def _plan_padded(
+        self, meta: AttentionMetadata, seqs: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor
+    ) -> _PaddedGroup:
+        q_max, kv_max = int(q_lens.max()), int(kv_lens.max())
+        j = torch.arange(q_max)[None, :]  # [1, q_max]
+        valid = j < q_lens[:, None]  # [S, q_max]
+        rows = meta.qo_indptr.long()[seqs][:, None] + torch.where(valid, j, 0)
+        p = torch.arange(kv_max)[None, :]  # [1, kv_max]
+        in_range = p < kv_lens[:, None]  # [S, kv_max]
+        k_slots = torch.where(in_range, _k_slot(meta, seqs[:, None], torch.where(in_range, p, 0)), 0)
+        mask = None
+        if q_max > 1 or bool((kv_lens != kv_max).any()):
+            last_visible = (kv_lens - q_lens)[:, None, None] + j[:, :, None]  # [S, q_max, 1]
+            mask = (in_range[:, None, :] & (p[:, None, :] <= last_visible))[:, None]
+        return _PaddedGroup(rows, valid, k_slots, mask)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        ps = self.page_size
+        flat = kv_cache.view(-1, self.num_kv_heads, self.head_dim)  # [P * 2 * ps, H_kv, D]
+        flat.index_copy_(0, self.k_slots, k.to(flat.dtype))
+        flat.index_copy_(0, self.k_slots + ps, v.to(flat.dtype))
+        out = torch.empty_like(q)  # [T, H, D]
+        if self.short is not None:
+            g = self.short
+            qg = q[g.rows].transpose(1, 2)  # [S, H, q_max, D]
+            kg = flat[g.k_slots].transpose(1, 2).to(q.dtype)  # [S, H_kv, kv_max, D]
+            vg = flat[g.k_slots + ps].transpose(1, 2).to(q.dtype)
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True)
+            out[self.short_rows] = o.transpose(1, 2)[g.valid]
+        for p in self.prefills:
+            qp = q[p.rows].transpose(0, 1)  # [H, q_len, D]
+            kp = flat[p.k_slots].transpose(0, 1).to(q.dtype)  # [H_kv, kv_len, D]
+            vp = flat[p.k_slots + ps].transpose(0, 1).to(q.dtype)
+            o = F.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=self.scale, enable_gqa=True
+            )
+            out[p.rows] = o.transpose(0, 1)
+        return out

@@ -1,0 +1,83 @@
+"""Shared fixtures: tiny random-weight checkpoints written the way Hugging Face writes them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_VOCAB = 320
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tiny_tokenizer(path: Path) -> None:
+    """A byte-level BPE tokenizer.json (+ tokenizer_config.json) with TINY_VOCAB tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many in May."] * 50
+    tok.train_from_iterator(corpus, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHAT_TEMPLATE}
+    ))
+
+
+def hf_tiny_config(arch: str, **overrides: object):
+    """A transformers config for a tiny Llama / Qwen2 / Qwen3."""
+    import transformers
+
+    kw: dict[str, object] = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+        tie_word_embeddings=arch == "llama", eos_token_id=2, bos_token_id=None, rope_theta=10000.0,
+    )
+    if arch == "qwen3":
+        kw["head_dim"] = 32
+    kw.update(overrides)
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
+    return cls[arch](**kw)
+
+
+def write_tiny_checkpoint(path: Path, arch: str = "llama", seed: int = 0, **overrides: object):
+    """Save a random-weight model (and tokenizer) to ``path``; return the transformers model."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = hf_tiny_config(arch, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():  # random init is tiny; widen it so logits are not all near-uniform
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    model.eval()
+    model.save_pretrained(path)
+    write_tiny_tokenizer(path)
+    return model
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path: Path) -> Callable[..., Path]:
+    """Factory: ``tiny_checkpoint(arch="llama", **config_overrides) -> checkpoint directory``."""
+
+    def make(arch: str = "llama", **overrides: object) -> Path:
+        path = tmp_path / f"tiny-{arch}"
+        path.mkdir(exist_ok=True)
+        write_tiny_checkpoint(path, arch, **overrides)
+        return path
+
+    return make
