@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import msgspec
+
 from specroll.actors.tasks import (
     Prompt,
     PromptFileError,
@@ -84,8 +85,9 @@ def run_generate(args: argparse.Namespace) -> None:
             engine.add_request(prompt_ids[p.prompt_id], msgspec.structs.replace(base, seed=seed),
                                request_id=f"{p.prompt_id}#{i}", group_id=p.prompt_id)
 
-    from specroll.engine.driver import run_to_completion
     from tqdm import tqdm
+
+    from specroll.engine.driver import run_to_completion
 
     start = time.perf_counter()
     num_tokens = 0

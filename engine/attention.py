@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+
 from specroll.engine.batch import AttentionMetadata
 from specroll.engine.model_config import ModelConfig
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+
 from specroll.engine.model_config import Architecture, ModelConfig
 
 if TYPE_CHECKING:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
+
 from specroll.engine.registry import DEFAULT_MODEL
 
 BackendName = Literal["auto", "torch", "flashinfer"]

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
 
 import torch
+
 from specroll.engine.attention import allocate_kv_cache, kv_bytes_per_page, select_backend
 from specroll.engine.batch import build_metadata
 from specroll.engine.block_manager import BlockManager

@@ -13,6 +13,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
+
 from specroll.engine.checkpoint import Checkpoint, CheckpointError, check_weights
 from specroll.engine.model_config import Architecture, ModelConfig
 from specroll.engine.tokenizer import Tokenizer

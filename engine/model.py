@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from specroll.engine.attention import AttentionBackend
 from specroll.engine.model_config import ModelConfig
-from torch import nn
 
 
 class RMSNorm(nn.Module):

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
 from specroll.protocol.sampling import SamplingParams
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+
 from specroll.protocol.sampling import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort"]

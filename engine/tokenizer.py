@@ -20,9 +20,10 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from specroll.engine.checkpoint import CheckpointError
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
+
+from specroll.engine.checkpoint import CheckpointError
 
 # llama.cpp's GGUF token types (gguf.TokenType): CONTROL tokens are special (skipped when decoding),
 # USER_DEFINED ones are added tokens matched whole but kept in decoded text.

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from specroll.engine.batch import AttentionMetadata
 
 SHORT_QUERY = 16

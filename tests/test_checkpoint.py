@@ -11,8 +11,6 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from specroll.engine.checkpoint import Checkpoint, CheckpointError, load_checkpoint
-from specroll.engine.registry import REGISTERED_MODELS, RegisteredModel, resolve_model
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers
 from transformers import (
@@ -27,6 +25,9 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+from specroll.engine.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from specroll.engine.registry import REGISTERED_MODELS, RegisteredModel, resolve_model
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

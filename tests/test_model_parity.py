@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from specroll.engine.attention import allocate_kv_cache
 from specroll.engine.batch import build_metadata
 from specroll.engine.checkpoint import load_checkpoint

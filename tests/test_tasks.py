@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from specroll.actors.tasks import (
     REWARDS,
     Prompt,

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import gguf
 import pytest
-from specroll.engine.checkpoint import CheckpointError
-from specroll.engine.registry import resolve_model
-from specroll.engine.tokenizer import ChatTemplateError, Tokenizer
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
+
+from specroll.engine.checkpoint import CheckpointError
+from specroll.engine.registry import resolve_model
+from specroll.engine.tokenizer import ChatTemplateError, Tokenizer
 
 # The pre-tokenizers we implement and transformers' GGUF converter agree on these; they cover
 # words, digits, whitespace runs, newlines, unicode, code and chat special tokens.
