@@ -45,6 +45,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=_positive_int, default=64, help="sequences per step at most")
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="token budget per step")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV-cache memory in GiB (default: %(default)s)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="weights and KV cache (default: %(default)s, see the README)")
     p.add_argument("--backend", choices=["auto", "torch", "flashinfer"], default="auto")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")

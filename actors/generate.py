@@ -128,7 +128,8 @@ def _build_engine(args: argparse.Namespace):  # -> Engine, imported lazily (torc
 
     try:
         config = EngineConfig(
-            model=args.model, backend=args.backend, device=args.device, kv_cache_memory_gb=args.kv_cache_gb,
+            model=args.model, backend=args.backend, device=args.device, dtype=args.dtype,
+            kv_cache_memory_gb=args.kv_cache_gb,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             seed=args.seed, num_threads=args.threads,
         )

@@ -48,9 +48,10 @@ class Engine:
         ckpt = checkpoint if checkpoint is not None else load_checkpoint(config.model, dtype=self.dtype)
         self.model_config = ckpt.config
         self.tokenizer = ckpt.tokenizer
-        self.model = CausalLM(ckpt.config).to(dtype=self.dtype)
-        self.model.load_state_dict(ckpt.weights, strict=True)
-        self.model.to(self.device).eval()
+        with torch.device("meta"):  # no random init: every parameter is loaded below
+            model = CausalLM(ckpt.config).to(dtype=self.dtype)
+        self.model = model.to_empty(device=self.device).eval()
+        self.model.load_weights(ckpt.weights)
         self.max_model_len = min(config.max_model_len or ckpt.config.max_position_embeddings,
                                  ckpt.config.max_position_embeddings)
         page_bytes = kv_bytes_per_page(ckpt.config, config.page_size, self.dtype)
@@ -232,10 +233,7 @@ class Engine:
                 raise ValueError(f"weight update: {name} has shape {tuple(tensor.shape)}, expected {shape}")
             if not tensor.is_floating_point():
                 raise ValueError(f"weight update: {name} has dtype {tensor.dtype}, expected a floating dtype")
-        params = self.model.state_dict()
-        with torch.no_grad():
-            for name, tensor in named_tensors.items():
-                params[name].copy_(tensor)
+        self.model.load_weights(named_tensors)
         self.weight_version = version
         for seq in self._requests.values():
             if seq.num_computed_tokens:

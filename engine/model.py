@@ -11,6 +11,8 @@ through an :class:`~specroll.engine.attention.AttentionBackend` planned for that
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,7 +33,7 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding:
     """RoPE in the rotate-half convention (Su et al. 2021; Hugging Face's ``rotate_half``).
 
     ``inv_freq[i] = theta^(-2i/D)``; position p rotates the pair (x_i, x_{i+D/2}) by
@@ -39,13 +41,13 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(self, head_dim: int, theta: float) -> None:
-        super().__init__()
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        self.register_buffer("inv_freq", 1.0 / (theta**exponents), persistent=False)  # [D/2]
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+        self.inv_freq = 1.0 / (theta**exponents)  # [D/2] float32
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos``, ``sin``: ``[T, 1, D]`` for int64 ``positions`` ``[T]``."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        """``cos``, ``sin``: ``[T, 1, D]`` for int64 ``positions`` ``[T]``, on ``positions``' device."""
+        inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -61,9 +63,9 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         h, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # q, k and v in one matmul: rows [q; k; v] (checkpoint names map into it, see FUSED)
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -77,9 +79,10 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -92,12 +95,14 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.intermediate_size = config.intermediate_size
+        # gate and up in one matmul: rows [gate; up]
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -130,8 +135,32 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+def _fused_slot(config: ModelConfig, name: str) -> tuple[str, int, int] | None:
+    """Where checkpoint tensor ``name`` lives when it is a slice of a fused parameter.
+
+    Returns ``(parameter name, first row, number of rows)``, or None for an unfused tensor.
+    """
+    prefix, _, leaf = name.rpartition(".")  # leaf: weight / bias
+    module_path, _, proj = prefix.rpartition(".")
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    slots = {
+        "q_proj": ("qkv_proj", 0, q_size),
+        "k_proj": ("qkv_proj", q_size, kv_size),
+        "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
+        "gate_proj": ("gate_up_proj", 0, config.intermediate_size),
+        "up_proj": ("gate_up_proj", config.intermediate_size, config.intermediate_size),
+    }
+    if proj not in slots:
+        return None
+    fused, start, rows = slots[proj]
+    return f"{module_path}.{fused}.{leaf}", start, rows
+
+
 class CausalLM(nn.Module):
     """The decoder plus its LM head.
+
+    q/k/v and gate/up projections are stored fused (one matmul each); :meth:`load_weights` takes
+    tensors under the checkpoint's unfused Hugging Face names and copies them into place.
 
     Args:
         config: the architecture.
@@ -145,6 +174,22 @@ class CausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False
         )
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy tensors named as in a Hugging Face checkpoint into the (fused) parameters.
+
+        Tensors are cast to each parameter's dtype and device. Names and shapes must already be
+        validated (``checkpoint.check_weights``); an unknown name raises KeyError.
+        """
+        params = dict(self.named_parameters())
+        for name, tensor in named_tensors.items():
+            slot = _fused_slot(self.config, name)
+            if slot is None:
+                params[name].copy_(tensor)
+            else:
+                fused, start, rows = slot
+                params[fused][start : start + rows].copy_(tensor)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

