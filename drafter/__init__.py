@@ -1,0 +1,1 @@
+"""Proposers and drafter training for speculative decoding (built on the engine; see DESIGN.md)."""

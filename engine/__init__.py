@@ -1,0 +1,1 @@
+"""The synchronous generation core: model, paged KV cache, scheduler, sampler, engine."""

@@ -20,7 +20,7 @@ def run_to_completion(
     Returns:
         request id → its completion (response tokens, behavior logprobs, policy versions).
     """
-    prompts = {rid: list(seq.token_ids[: seq.prompt_len]) for rid, seq in engine._requests.items()}
+    prompts = {rid: engine.prompt_token_ids(rid) for rid in engine.live_request_ids()}
     partial: dict[str, tuple[list[int], list[float], list[int]]] = {rid: ([], [], []) for rid in prompts}
     done: dict[str, Completion] = {}
     while engine.has_unfinished():

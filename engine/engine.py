@@ -142,6 +142,21 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def prompt_token_ids(self, request_id: str) -> list[int]:
+        """The prompt of a live request.
+
+        Raises:
+            KeyError: no live request has this id.
+        """
+        seq = self._requests.get(request_id)
+        if seq is None:
+            raise KeyError(f"no live request {request_id!r}")
+        return seq.token_ids[: seq.prompt_len]
+
+    def live_request_ids(self) -> list[str]:
+        """Ids of every request not yet finished or aborted, in arrival order."""
+        return list(self._requests)
+
     @property
     def num_live_requests(self) -> int:
         return len(self._requests)

@@ -1,0 +1,1 @@
+"""Structs shared across processes and layers: sampling parameters now, wire messages later."""
