@@ -61,6 +61,7 @@ def run_generate(args: argparse.Namespace) -> None:
     """
     from specroll.protocol.sampling import SamplingParams
 
+    _check_out_path(Path(args.out))
     prompts = _load_task(args)
     reward_fn = None if args.reward == "none" else get_reward(args.reward)
     try:
@@ -112,7 +113,10 @@ def run_generate(args: argparse.Namespace) -> None:
                 versions=c.versions, finish_reason=c.finish_reason, answer=p.answer,
                 reward=None if reward_fn is None else reward_fn(response, p.answer),
             ))
-    _write_atomic(Path(args.out), records)
+    try:
+        _write_atomic(Path(args.out), records)
+    except OSError as exc:
+        raise GenerateError(f"cannot write {args.out}: {exc}") from None
     rewards = [r.reward for r in records if r.reward is not None]
     mean_reward = f"{sum(rewards) / len(rewards):.3f}" if rewards else "n/a"
     print(
@@ -136,6 +140,17 @@ def _build_engine(args: argparse.Namespace):  # -> Engine, imported lazily (torc
         return Engine(config)
     except (CheckpointError, ValueError) as exc:
         raise GenerateError(str(exc)) from None
+
+
+def _check_out_path(path: Path) -> None:
+    """Fail before generating when the output cannot be written."""
+    if path.is_dir():
+        raise GenerateError(f"--out {path} is a directory; expected a file path")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise GenerateError(f"--out {path}: {parent} is not a writable directory")
 
 
 def _write_atomic(path: Path, records: list[RolloutRecord]) -> None:

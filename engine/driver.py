@@ -18,10 +18,11 @@ def run_to_completion(
         on_step: called with each step's outputs (progress bars, streaming).
 
     Returns:
-        request id → its completion (response tokens, behavior logprobs, policy versions).
+        request id → its completion (response tokens, behavior logprobs, policy versions), tokens
+        produced before the call included.
     """
     prompts = {rid: engine.prompt_token_ids(rid) for rid in engine.live_request_ids()}
-    partial: dict[str, tuple[list[int], list[float], list[int]]] = {rid: ([], [], []) for rid in prompts}
+    partial = {rid: engine.output_so_far(rid) for rid in prompts}
     done: dict[str, Completion] = {}
     while engine.has_unfinished():
         outputs = engine.step()

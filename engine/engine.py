@@ -26,6 +26,18 @@ from specroll.protocol.sampling import SamplingParams
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _check_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device {name!r} is not a torch device; expected e.g. 'cpu' or 'cuda:0'") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: this torch build or machine has no CUDA; use 'cpu'")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r}: expected 'cpu' or a CUDA device")
+    return device
+
+
 class Engine:
     """Continuous-batching generation over a paged KV cache.
 
@@ -42,7 +54,7 @@ class Engine:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        self.device = torch.device(config.device)
+        self.device = _check_device(config.device)
         name = config.dtype if config.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = _DTYPES[name]
         ckpt = checkpoint if checkpoint is not None else load_checkpoint(config.model, dtype=self.dtype)
@@ -153,6 +165,17 @@ class Engine:
             raise KeyError(f"no live request {request_id!r}")
         return seq.token_ids[: seq.prompt_len]
 
+    def output_so_far(self, request_id: str) -> tuple[list[int], list[float], list[int]]:
+        """Response token ids, behavior logprobs and policy versions a live request has so far.
+
+        Raises:
+            KeyError: no live request has this id.
+        """
+        seq = self._requests.get(request_id)
+        if seq is None:
+            raise KeyError(f"no live request {request_id!r}")
+        return seq.output_token_ids, list(seq.logprobs), list(seq.versions)
+
     def live_request_ids(self) -> list[str]:
         """Ids of every request not yet finished or aborted, in arrival order."""
         return list(self._requests)
@@ -209,7 +232,8 @@ class Engine:
             torch.tensor(input_ids, device=self.device), meta.positions().to(self.device),
             self.kv_caches, self.backend,
         )
-        return self.model.compute_logits(hidden[torch.tensor(logits_rows, device=self.device)]).cpu()
+        rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[rows]).cpu()
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if not seq.sampling.ignore_eos and token in self.eos_token_ids:

@@ -51,8 +51,9 @@ def _filter_top_k_top_p(scaled: torch.Tensor, top_ks: list[int], top_ps: list[fl
     mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
     p = torch.tensor(top_ps, dtype=scaled.dtype)[:, None]
     # top-p: keep token i while the mass before it is < p (so the kept mass first reaches p at i);
-    # the most likely token is always kept.
-    drop = (mass_before >= p) & (rank > 0)
+    # the most likely token is always kept, and rows with p = 1 are left alone (float rounding
+    # can make the running sum reach 1 before the tail ends).
+    drop = (mass_before >= p) & (rank > 0) & (p < 1.0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
 

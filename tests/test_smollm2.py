@@ -1,0 +1,99 @@
+"""The default model end to end: SmolLM2-135M-Instruct (Q4_1 GGUF) through specroll's loader, model and
+paged attention against transformers' own GGUF conversion of the same file.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, LlamaForCausalLM
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+from specroll.actors.tasks import format_question
+from specroll.engine.attention import allocate_kv_cache
+from specroll.engine.batch import build_metadata
+from specroll.engine.checkpoint import Checkpoint, load_checkpoint
+from specroll.engine.config import EngineConfig
+from specroll.engine.driver import run_to_completion
+from specroll.engine.engine import Engine
+from specroll.engine.model import CausalLM
+from specroll.engine.registry import resolve_model
+from specroll.engine.torch_attention import TorchAttention
+from specroll.protocol.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+            "How many clips did Natalia sell altogether in April and May?")
+TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def checkpoint() -> Checkpoint:
+    return load_checkpoint("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def reference() -> LlamaForCausalLM:
+    # What from_pretrained(gguf_file=...) does, minus accelerate: transformers' config and its own
+    # dequantized, un-permuted state dict for the same file.
+    path = resolve_model("smollm2-135m")
+    model = LlamaForCausalLM(AutoConfig.from_pretrained(path.parent, gguf_file=path.name)).eval()
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model,
+                                   torch_dtype=torch.float32)["tensors"]
+    result = model.load_state_dict(tensors, strict=False)
+    assert result.unexpected_keys == [] and result.missing_keys == ["lm_head.weight"]  # tied to the embedding
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model.float()
+
+
+@pytest.fixture(scope="module")
+def prompt(checkpoint: Checkpoint) -> list[int]:
+    return checkpoint.tokenizer.encode_chat(format_question(QUESTION))
+
+
+def test_prefill_and_decode_logits_match_transformers(checkpoint: Checkpoint, reference, prompt: list[int]) -> None:
+    config = checkpoint.config
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model = model.to_empty(device="cpu").eval()
+    model.load_weights(checkpoint.weights)
+    page_size, decode_steps = 16, 6
+    num_pages = -(-(len(prompt) + decode_steps) // page_size)
+    table = torch.randperm(num_pages + 3, generator=torch.Generator().manual_seed(0))[:num_pages].tolist()
+    caches = allocate_kv_cache(config, num_pages + 3, page_size, torch.float32, "cpu")
+    backend = TorchAttention(config.num_heads, config.num_kv_heads, config.head_dim)
+
+    meta = build_metadata([len(prompt)], [len(prompt)], [table], page_size)
+    backend.plan(meta)
+    prefill = model.compute_logits(model(torch.tensor(prompt), meta.positions(), caches, backend))  # [P, V]
+    ids, got = list(prompt), [prefill]
+    for _ in range(decode_steps):  # greedy continuation, one token a step
+        ids.append(int(got[-1][-1].argmax()))
+        meta = build_metadata([1], [len(ids)], [table], page_size)
+        backend.plan(meta)
+        got.append(model.compute_logits(model(torch.tensor(ids[-1:]), meta.positions(), caches, backend)))
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0, :-1].float()  # [P + steps - 1, V]
+    got_all = torch.cat(got)[: expected.shape[0]]
+    diff = (got_all - expected).abs()
+    prefill_diff = diff[: len(prompt)].max().item()
+    assert prefill_diff <= TOL, f"prefill: max |logits - transformers| = {prefill_diff}"
+    assert diff.max().item() <= TOL, f"decode: max |logits - transformers| = {diff.max().item()}"
+    assert expected.abs().max().item() > 10  # real logits, not a degenerate model
+
+
+def test_greedy_generation_equals_transformers(checkpoint: Checkpoint, reference, prompt: list[int]) -> None:
+    engine = Engine(EngineConfig(model="smollm2-135m", kv_cache_memory_gb=0.05, max_model_len=1024), checkpoint)
+    max_tokens = 32
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens), "q")
+    done = run_to_completion(engine)["q"]
+    eos = 2  # <|im_end|>
+    with torch.no_grad():
+        generated = reference.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                                       eos_token_id=eos, pad_token_id=eos)[0, len(prompt):].tolist()
+    assert done.token_ids == generated
+    text = checkpoint.tokenizer.decode(done.token_ids)
+    # A coherent start of an answer about the question, in English.
+    assert text.isascii() and len(text.split()) >= 10, text
+    assert any(word in text for word in ("Natalia", "clips", "48", "April", "May")), text
