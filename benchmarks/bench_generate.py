@@ -21,11 +21,16 @@ tokens cost time but are not rollouts, so they are not counted. Sampling is rand
 sides' responses differ in length; tokens/s normalises for it, and more prompts steady it.
 
 A second figure puts specroll's single-sequence decode step against a memory-bandwidth floor: at
-batch 1 a decode step must read every weight once, so it cannot take less than
-``weight bytes / bandwidth``. The bandwidth is measured in the same run as the rate
-``dst.copy_(src)`` moves a 256 MiB float32 tensor (bytes = the size of ``src``; a copy also writes
-them, so this is a conservative, reproducible stand-in for read bandwidth). ``decode_step_over_floor``
-is the median step time over that floor: 1 would be a step that does nothing but stream weights.
+batch 1 a decode step reads every weight once, so it costs at least about ``weight bytes /
+bandwidth``. The bandwidth is measured in the same run as the rate ``dst.copy_(src)`` moves a
+256 MiB float32 tensor, counting the bytes of ``src`` only. A copy also writes what it reads, so a
+pure read of the weights may stream somewhat faster: the floor is a reproducible yardstick, not a
+hard bound. ``decode_step_over_floor`` is the median step time over it; 1 would be a step that does
+nothing but stream its weights.
+
+Timing is wall-clock and the machine is shared: another busy process on a 2-core machine stalls
+every op of a 2-thread torch at its thread barrier (steps 10x slower). The 1-minute load average is
+printed and written with the results; ``--threads 1`` is far less sensitive to it.
 
 Usage::
 
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -89,15 +95,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 16],
                    help="comma-separated batch sizes: specroll's max_num_seqs and generate()'s chunk "
                         "(default: 1,16)")
-    p.add_argument("--num-prompts", type=_int_list, default=[4, 32],
+    p.add_argument("--num-prompts", type=_int_list, default=[8, 64],
                    help="prompts per batch size: one number for all, or one per --batch-sizes entry "
-                        "(default: 4,32)")
+                        "(default: 8,64)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128,
                    help="response tokens at most (default: %(default)s)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="weight and activation dtype of both sides (default: %(default)s)")
     p.add_argument("--decode-steps", type=_positive_int, default=40,
                    help="timed single-sequence decode steps for the floor ratio, >= 30 (default: %(default)s)")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch intra-op threads for both sides (default: torch's own choice). With 2 threads "
+                        "on 2 cores, any other busy process stalls every op at a thread barrier")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of both sides (default: %(default)s)")
     args = p.parse_args(argv)
     if len(args.num_prompts) == 1:
@@ -119,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---- bandwidth floor -----------------------------------------------------------------------
 
 
-def copy_bandwidth(repeats: int = 5) -> float:
+def copy_bandwidth(repeats: int = 10) -> float:
     """Bytes per second ``dst.copy_(src)`` moves for a float32 tensor of :data:`COPY_BYTES`; best of
     ``repeats`` after one untimed copy that faults the pages in."""
     import torch
@@ -304,8 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     from specroll.engine.engine import Engine
     from specroll.engine.registry import resolve_model
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     threads = torch.get_num_threads()
+    load_before = os.getloadavg()[0]
     print(f"model {args.model}, dtype {args.dtype}, {threads} torch threads, "
           f"max_new_tokens {args.max_new_tokens}", flush=True)
 
@@ -357,10 +369,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"decode step {step * 1e3:.2f} ms / floor {floor * 1e3:.2f} ms = {step / floor:.2f}  "
           f"(weights {weights / 1e6:.1f} MB at {bandwidth / 1e9:.2f} GB/s)")
 
+    # Other processes on the machine skew both sides, not necessarily alike; the load shows them.
+    load_after = os.getloadavg()[0]
+    print(f"1-min load average {load_before:.2f} before, {load_after:.2f} after ({os.cpu_count()} CPUs)")
+
     report = {
         "model": args.model, "dtype": args.dtype, "threads": threads, "max_new_tokens": args.max_new_tokens,
         "weight_bytes": weights, "copy_bandwidth_gb_s": bandwidth / 1e9, "floor_ms": floor * 1e3,
-        "decode_step_ms": step * 1e3, "decode_step_over_floor": step / floor, "batch": results,
+        "decode_step_ms": step * 1e3, "decode_step_over_floor": step / floor,
+        "load_average": [load_before, load_after], "batch": results,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -26,7 +26,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     device: str = "cpu"
     """Torch device the weights and KV cache live on."""
     dtype: DTypeName = "auto"
-    """Weight and KV dtype; ``auto`` is float32 on CPU and bfloat16 on CUDA."""
+    """Weight and KV dtype; ``auto`` is bfloat16 on CUDA and on CPUs with native bf16, else float32.
+    float32 is the reference: the parity tests run in it."""
     page_size: int = 16
     """Tokens per KV-cache page."""
     kv_cache_memory_gb: float = 1.0

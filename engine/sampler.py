@@ -6,10 +6,10 @@ most likely tokens, then to the smallest prefix of those (by probability) whose 
 ``TopKLogitsWarper`` and ``TopPLogitsWarper``. Every token is drawn from that distribution and its
 logprob is taken under it (the behavior logprob an off-policy RL loss needs).
 
-Sampling uses the exponential race ``argmax(p / E)``, ``E ~ Exp(1)`` i.i.d. — an exact draw from
-``p`` (the Gumbel-max trick in another form; vLLM's sampler does the same) — with the noise drawn
-from the request's own ``torch.Generator``, so a seeded request gets the same tokens whatever else
-shares its batch.
+Sampling inverts the CDF: one uniform ``u`` per row from the request's own ``torch.Generator``,
+and the token is the first whose cumulative probability (float64) exceeds ``u · total`` — an exact
+draw that costs one random number per row instead of one per vocabulary entry, and gives a seeded
+request the same tokens whatever else shares its batch.
 """
 
 from __future__ import annotations
@@ -74,8 +74,11 @@ def sample(
     """
     logprobs = processed_logprobs(logits, params)  # [B, V]
     tokens = logprobs.argmax(dim=-1)  # greedy rows keep the argmax
-    for i, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if p.temperature > 0:
-            noise = torch.empty_like(logprobs[i]).exponential_(generator=gen)  # [V], Exp(1)
-            tokens[i] = (logprobs[i].exp() / noise).argmax()
+    sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+    if sampled:
+        u = torch.cat([torch.rand(1, dtype=torch.float64, generator=generators[i]) for i in sampled])  # [S]
+        cdf = logprobs[sampled].double().exp().cumsum(dim=-1)  # [S, V]
+        # First index whose CDF exceeds u * total; clamp guards u * total == total.
+        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+        tokens[sampled] = drawn.clamp_(max=logprobs.shape[-1] - 1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)

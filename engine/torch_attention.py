@@ -97,20 +97,23 @@ class TorchAttention:
         flat = kv_cache.view(-1, self.num_kv_heads, self.head_dim)  # [P * 2 * ps, H_kv, D]
         flat.index_copy_(0, self.k_slots, k.to(flat.dtype))
         flat.index_copy_(0, self.k_slots + ps, v.to(flat.dtype))
-        out = torch.empty_like(q)  # [T, H, D]
+        # The attention maths runs in float32: torch's CPU kernels for bf16/fp16 with a mask are
+        # several times slower, and the gathered copies are made anyway.
+        qf = q.float()
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # [T, H, D]
         if self.short is not None:
             g = self.short
-            qg = q[g.rows].transpose(1, 2)  # [S, H, q_max, D]
-            kg = flat[g.k_slots].transpose(1, 2).to(q.dtype)  # [S, H_kv, kv_max, D]
-            vg = flat[g.k_slots + ps].transpose(1, 2).to(q.dtype)
+            qg = qf[g.rows].transpose(1, 2)  # [S, H, q_max, D]
+            kg = flat[g.k_slots].float().transpose(1, 2)  # [S, H_kv, kv_max, D]
+            vg = flat[g.k_slots + ps].float().transpose(1, 2)
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True)
             out[self.short_rows] = o.transpose(1, 2)[g.valid]
         for p in self.prefills:
-            qp = q[p.rows].transpose(0, 1)  # [H, q_len, D]
-            kp = flat[p.k_slots].transpose(0, 1).to(q.dtype)  # [H_kv, kv_len, D]
-            vp = flat[p.k_slots + ps].transpose(0, 1).to(q.dtype)
+            qp = qf[p.rows].transpose(0, 1)  # [H, q_len, D]
+            kp = flat[p.k_slots].float().transpose(0, 1)  # [H_kv, kv_len, D]
+            vp = flat[p.k_slots + ps].float().transpose(0, 1)
             o = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=self.scale, enable_gqa=True
             )
             out[p.rows] = o.transpose(0, 1)
-        return out
+        return out.to(q.dtype)

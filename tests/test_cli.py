@@ -129,7 +129,8 @@ def runs(work: Path) -> dict[str, Run]:
         args, out = _generate_args(w, name, extra)
         jobs[name] = ([sys.executable, "-m", "specroll.actors.cli", "generate", *args], out)
     jobs["gsm8k"] = _gsm8k_job(w, "gsm8k")
-    greedy = ["generate", "--model", str(w / "tiny"), "--limit", "2", "--num-builtin", "3", "--n", "2",
+    greedy = ["generate", "--dtype", "float32", "--model", str(w / "tiny"),
+              "--limit", "2", "--num-builtin", "3", "--n", "2",
               "--max-tokens", "12", "--temperature", "0", "--reward", "none", "--no-progress"]
     for name, extra in (("greedy", []), ("greedy_chunked", ["--max-num-batched-tokens", "8"])):
         out = w / "out" / name / "rollouts.jsonl"
@@ -156,7 +157,8 @@ def runs(work: Path) -> dict[str, Run]:
 
 def _gsm8k_job(w: Path, name: str) -> tuple[list[str], Path]:
     out = w / "out" / name / "rollouts.jsonl"
-    argv = [str(SPECROLL), "generate", "--model", str(w / "tiny"), "--prompts", str(w / f"{name}.jsonl"),
+    argv = [str(SPECROLL), "generate", "--dtype", "float32", "--model", str(w / "tiny"),
+            "--prompts", str(w / f"{name}.jsonl"),
             "--n", str(N), "--max-tokens", str(MAX_TOKENS), "--temperature", str(TEMPERATURE), "--top-k",
             str(TOP_K), "--top-p", str(TOP_P), "--seed", "7", "--reward", "gsm8k", "--out", str(out),
             "--no-progress"]

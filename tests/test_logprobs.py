@@ -25,7 +25,8 @@ MAX_TOKENS = 20
 
 
 def make_engine(path: Path, **kw: object) -> Engine:
-    defaults: dict[str, object] = dict(model=str(path), page_size=8, kv_cache_memory_gb=0.01, max_model_len=256)
+    defaults: dict[str, object] = dict(model=str(path), page_size=8, kv_cache_memory_gb=0.01, max_model_len=256,
+                    dtype="float32")
     defaults.update(kw)
     return Engine(EngineConfig(**defaults))
 

@@ -84,7 +84,8 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint: Checkpoint, re
 
 
 def test_greedy_generation_equals_transformers(checkpoint: Checkpoint, reference, prompt: list[int]) -> None:
-    engine = Engine(EngineConfig(model="smollm2-135m", kv_cache_memory_gb=0.05, max_model_len=1024), checkpoint)
+    engine = Engine(EngineConfig(model="smollm2-135m", kv_cache_memory_gb=0.05, max_model_len=1024,
+                                 dtype="float32"), checkpoint)
     max_tokens = 32
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens), "q")
     done = run_to_completion(engine)["q"]
