@@ -100,8 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: 8,64)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128,
                    help="response tokens at most (default: %(default)s)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="weight and activation dtype of both sides (default: %(default)s)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="weight and activation dtype of both sides; auto = the engine's default "
+                        "(bfloat16 on CPUs with native bf16, else float32) (default: %(default)s)")
     p.add_argument("--decode-steps", type=_positive_int, default=40,
                    help="timed single-sequence decode steps for the floor ratio, >= 30 (default: %(default)s)")
     p.add_argument("--threads", type=_positive_int, default=None,
@@ -310,12 +311,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from specroll.engine.checkpoint import load_checkpoint
     from specroll.engine.config import EngineConfig
-    from specroll.engine.engine import Engine
+    from specroll.engine.engine import Engine, resolve_dtype
     from specroll.engine.registry import resolve_model
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    args.dtype = str(dtype).removeprefix("torch.")
     threads = torch.get_num_threads()
     load_before = os.getloadavg()[0]
     print(f"model {args.model}, dtype {args.dtype}, {threads} torch threads, "

@@ -24,8 +24,8 @@ SHORT_QUERY = 16
 class _PaddedGroup:
     rows: torch.Tensor  # [S, q_max] int64: token row of each (sequence, query) slot
     valid: torch.Tensor  # [S, q_max] bool: the slot holds a real query
-    k_slots: torch.Tensor  # [S, kv_max] int64: K index into the flat cache (V is + page_size)
-    mask: torch.Tensor | None  # [S, 1, q_max, kv_max] bool, True = attend; None = attend to all
+    page_table: torch.Tensor  # [S, max_pages] int64: each sequence's pages (padded with page 0)
+    mask: torch.Tensor | None  # [S, 1, q_max, max_pages * page_size] bool, True = attend; None = all
 
 
 @dataclass(frozen=True)
@@ -77,18 +77,25 @@ class TorchAttention:
     def _plan_padded(
         self, meta: AttentionMetadata, seqs: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor
     ) -> _PaddedGroup:
-        q_max, kv_max = int(q_lens.max()), int(kv_lens.max())
+        ps = meta.page_size
+        q_max = int(q_lens.max())
         j = torch.arange(q_max)[None, :]  # [1, q_max]
         valid = j < q_lens[:, None]  # [S, q_max]
         rows = meta.qo_indptr.long()[seqs][:, None] + torch.where(valid, j, 0)
-        p = torch.arange(kv_max)[None, :]  # [1, kv_max]
-        in_range = p < kv_lens[:, None]  # [S, kv_max]
-        k_slots = torch.where(in_range, _k_slot(meta, seqs[:, None], torch.where(in_range, p, 0)), 0)
+        # Whole pages are gathered (one block copy per page, not one per token); columns past a
+        # sequence's length are masked.
+        num_pages = (meta.kv_indptr[1:] - meta.kv_indptr[:-1]).long()[seqs]  # [S]
+        pi = torch.arange(int(num_pages.max()))[None, :]  # [1, max_pages]
+        in_table = pi < num_pages[:, None]
+        start = meta.kv_indptr.long()[seqs][:, None]
+        page_table = torch.where(in_table, meta.kv_indices.long()[start + torch.where(in_table, pi, 0)], 0)
+        kv_cols = pi.shape[1] * ps
+        p = torch.arange(kv_cols)[None, :]  # [1, kv_cols]
         mask = None
-        if q_max > 1 or bool((kv_lens != kv_max).any()):
+        if q_max > 1 or bool((kv_lens != kv_cols).any()):
             last_visible = (kv_lens - q_lens)[:, None, None] + j[:, :, None]  # [S, q_max, 1]
-            mask = (in_range[:, None, :] & (p[:, None, :] <= last_visible))[:, None]
-        return _PaddedGroup(rows, valid, k_slots, mask)
+            mask = ((p < kv_lens[:, None])[:, None, :] & (p[:, None, :] <= last_visible))[:, None]
+        return _PaddedGroup(rows, valid, page_table, mask)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor
@@ -104,8 +111,10 @@ class TorchAttention:
         if self.short is not None:
             g = self.short
             qg = qf[g.rows].transpose(1, 2)  # [S, H, q_max, D]
-            kg = flat[g.k_slots].float().transpose(1, 2)  # [S, H_kv, kv_max, D]
-            vg = flat[g.k_slots + ps].float().transpose(1, 2)
+            pages = kv_cache[g.page_table]  # [S, max_pages, 2, ps, H_kv, D]
+            s_, n = pages.shape[:2]
+            kg = pages[:, :, 0].float().reshape(s_, n * ps, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            vg = pages[:, :, 1].float().reshape(s_, n * ps, self.num_kv_heads, self.head_dim).transpose(1, 2)
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True)
             out[self.short_rows] = o.transpose(1, 2)[g.valid]
         for p in self.prefills:
