@@ -7,7 +7,8 @@ import sys
 from collections.abc import Sequence
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: a positive integer, with a message naming the bad value."""
     try:
         value = int(text)
     except ValueError:
@@ -29,11 +30,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", default=None,
                    help="JSONL file with a 'question' or 'prompt' per line (GSM8K works as is); "
                         "default: the built-in arithmetic task")
-    p.add_argument("--limit", type=_positive_int, default=None, help="use only the first N prompts")
-    p.add_argument("--num-builtin", type=_positive_int, default=16,
+    p.add_argument("--limit", type=positive_int, default=None, help="use only the first N prompts")
+    p.add_argument("--num-builtin", type=positive_int, default=16,
                    help="prompts in the built-in task when --prompts is not given (default: %(default)s)")
-    p.add_argument("--n", type=_positive_int, default=4, help="samples per prompt (a group; default: %(default)s)")
-    p.add_argument("--max-tokens", type=_positive_int, default=256,
+    p.add_argument("--n", type=positive_int, default=4, help="samples per prompt (a group; default: %(default)s)")
+    p.add_argument("--max-tokens", type=positive_int, default=256,
                    help="response tokens at most (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="0 disables (default: %(default)s)")
@@ -42,14 +43,14 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reward", choices=["gsm8k", "none"], default="gsm8k",
                    help="reward of each rollout: last number in the response vs the answer (default: %(default)s)")
     p.add_argument("--out", default="runs/rollouts.jsonl", help="output JSONL (default: %(default)s)")
-    p.add_argument("--max-num-seqs", type=_positive_int, default=64, help="sequences per step at most")
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="token budget per step")
+    p.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences per step at most")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="token budget per step")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV-cache memory in GiB (default: %(default)s)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="weights and KV cache (default: %(default)s, see the README)")
     p.add_argument("--backend", choices=["auto", "torch", "flashinfer"], default="auto")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
-    p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import msgspec
@@ -86,21 +85,10 @@ def run_generate(args: argparse.Namespace) -> None:
             engine.add_request(prompt_ids[p.prompt_id], msgspec.structs.replace(base, seed=seed),
                                request_id=f"{p.prompt_id}#{i}", group_id=p.prompt_id)
 
-    from tqdm import tqdm
+    from specroll.actors.progress import run_with_progress
 
-    from specroll.engine.driver import run_to_completion
-
-    start = time.perf_counter()
-    num_tokens = 0
-    with tqdm(total=len(prompts) * args.n, unit="rollout", disable=args.no_progress, dynamic_ncols=True) as bar:
-        def on_step(outputs: list) -> None:
-            nonlocal num_tokens
-            num_tokens += sum(len(o.new_token_ids) for o in outputs)
-            bar.update(sum(o.finished for o in outputs))
-            bar.set_postfix_str(f"{num_tokens / (time.perf_counter() - start):.1f} tok/s", refresh=False)
-
-        done = run_to_completion(engine, on_step)
-    elapsed = time.perf_counter() - start
+    run = run_with_progress(engine, total=len(prompts) * args.n, disable=args.no_progress)
+    done, num_tokens, elapsed = run.completions, run.num_tokens, run.seconds
 
     records = []
     for p in prompts:

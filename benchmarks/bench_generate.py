@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from specroll.actors.cli import positive_int as _positive_int
 from specroll.actors.tasks import PromptFileError, format_question, load_prompts
 
 if TYPE_CHECKING:
@@ -71,16 +72,6 @@ def _int_list(text: str) -> list[int]:
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers")
     return values
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -179,27 +170,15 @@ def decode_step_seconds(engine: Engine, prompt: list[int], steps: int, seed: int
 
 def run_specroll(engine: Engine, prompts: list[list[int]], max_new_tokens: int, seed: int) -> tuple[int, float]:
     """Queue every prompt, run the engine dry; returns (response tokens, seconds)."""
-    from tqdm import tqdm
 
-    from specroll.engine.driver import run_to_completion
+    from specroll.actors.progress import run_with_progress
     from specroll.protocol.sampling import SamplingParams
 
     for i, prompt in enumerate(prompts):
         sampling = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_new_tokens, seed=seed * 1_000_003 + i)
         engine.add_request(prompt, sampling, request_id=f"p{i}")
-    num_tokens = 0
-    with tqdm(total=len(prompts), unit="seq", desc=f"specroll B={engine.config.max_num_seqs}",
-              dynamic_ncols=True) as bar:
-        start = time.perf_counter()
-
-        def on_step(outputs: list) -> None:
-            nonlocal num_tokens
-            num_tokens += sum(len(o.new_token_ids) for o in outputs)
-            bar.update(sum(o.finished for o in outputs))
-            bar.set_postfix_str(f"{num_tokens / (time.perf_counter() - start):.1f} tok/s", refresh=False)
-
-        done = run_to_completion(engine, on_step)
-        elapsed = time.perf_counter() - start
+    run = run_with_progress(engine, total=len(prompts), desc=f"specroll B={engine.config.max_num_seqs}")
+    done, elapsed = run.completions, run.seconds
     assert len(done) == len(prompts)
     return sum(len(c.token_ids) for c in done.values()), elapsed
 
