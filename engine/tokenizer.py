@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import gguf
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
+from specroll.engine.chat_template import ChatTemplateError, compile_chat_template, read_hf_chat_template
 from specroll.engine.checkpoint import CheckpointError
+
+__all__ = ["ChatTemplateError", "Tokenizer"]
 
 # llama.cpp's GGUF token types (gguf.TokenType): CONTROL tokens are special (skipped when decoding),
 # USER_DEFINED ones are added tokens matched whole but kept in decoded text.
@@ -49,9 +46,6 @@ _SPLIT_REGEXES = {
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
 }
 
-
-class ChatTemplateError(ValueError):
-    """The checkpoint has no chat template, or its template rejected the conversation."""
 
 
 class Tokenizer:
@@ -81,7 +75,7 @@ class Tokenizer:
         self._add_bos = add_bos_token and self._bos_token_id is not None
         self.chat_template = chat_template
         """The jinja source of the chat template, or ``None`` when the checkpoint has none."""
-        self._template = _compile_template(chat_template) if chat_template is not None else None
+        self._template = compile_chat_template(chat_template) if chat_template is not None else None
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
@@ -125,7 +119,7 @@ class Tokenizer:
             eos_token=eos_token,
             eos_token_ids=tuple(dict.fromkeys(eos_ids)),
             add_bos_token=add_bos,
-            chat_template=_hf_chat_template(path, config),
+            chat_template=read_hf_chat_template(path, config),
         )
 
     @classmethod
@@ -314,54 +308,3 @@ def _token_id(backend: _Backend, token: str | None, what: str) -> int | None:
     if token_id is None:
         raise CheckpointError(f"{what}={token!r} is not in the tokenizer's vocabulary")
     return token_id
-
-
-def _hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:
-    """``chat_template.jinja`` (newer layout) or tokenizer_config's ``chat_template`` (a string, or
-    a list of ``{"name", "template"}`` of which we take ``default``)."""
-    jinja_file = path / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
-    template = config.get("chat_template")
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    return template if isinstance(template, str) else None
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """Accepts HF's ``{% generation %}…{% endgeneration %}`` (assistant-mask markers) and renders
-    the body unchanged; we never compute assistant masks."""
-
-    tags = {"generation"}  # noqa: RUF012 - jinja2's Extension API declares it as a class attribute
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.Scope(body, lineno=lineno)
-
-
-def _raise_exception(message: str) -> NoReturn:
-    raise ChatTemplateError(f"chat template rejected the conversation: {message}")
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # jinja's own tojson HTML-escapes; chat templates expect plain json.dumps (as transformers does).
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _compile_template(source: str) -> jinja2.Template:
-    """Compile a checkpoint's chat template with transformers' sandbox and options."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as exc:
-        raise CheckpointError(f"chat template does not parse: {exc.message} (line {exc.lineno})") from exc
