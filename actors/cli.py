@@ -46,6 +46,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences per step at most")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="token budget per step")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV-cache memory in GiB (default: %(default)s)")
+    p.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="context length cap in tokens (default: the checkpoint's)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="weights and KV cache (default: %(default)s, see the README)")
     p.add_argument("--backend", choices=["auto", "torch", "flashinfer"], default="auto")

@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from specroll.actors.tasks import (
     Prompt,
     PromptFileError,
+    RewardFn,
     builtin_prompts,
     format_question,
     get_reward,
     load_prompts,
 )
+
+if TYPE_CHECKING:
+    from specroll.engine.tokenizer import Tokenizer
+    from specroll.protocol.sampling import SamplingParams
 
 
 class GenerateError(Exception):
@@ -60,7 +67,8 @@ def run_generate(args: argparse.Namespace) -> None:
     """
     from specroll.protocol.sampling import SamplingParams
 
-    _check_out_path(Path(args.out))
+    if Path(args.out).is_dir():
+        raise GenerateError(f"--out {args.out} is a directory; expected a file path")
     prompts = _load_task(args)
     reward_fn = None if args.reward == "none" else get_reward(args.reward)
     try:
@@ -68,11 +76,20 @@ def run_generate(args: argparse.Namespace) -> None:
                               max_tokens=args.max_tokens)
     except ValueError as exc:
         raise GenerateError(str(exc)) from None
+    with _AtomicOutput(Path(args.out)) as output:
+        _generate(args, prompts, base, reward_fn, output)
+
+
+def _generate(args: argparse.Namespace, prompts: list[Prompt], base: SamplingParams,
+              reward_fn: RewardFn | None, output: _AtomicOutput) -> None:
     engine = _build_engine(args)
     tok = engine.tokenizer
+    if tok.chat_template is None:
+        print("specroll generate: the checkpoint has no chat template; prompts are encoded as plain text",
+              file=sys.stderr)
     prompt_ids = {}
     for p in prompts:
-        ids = tok.encode_chat(format_question(p.question))
+        ids = _encode_prompt(tok, p.question)
         if len(ids) >= engine.max_model_len:
             raise GenerateError(
                 f"prompt {p.prompt_id!r} has {len(ids)} tokens with the chat template; the model's "
@@ -99,12 +116,9 @@ def run_generate(args: argparse.Namespace) -> None:
                 prompt_id=p.prompt_id, sample_index=i, prompt=p.question, response=response,
                 prompt_token_ids=c.prompt_token_ids, token_ids=c.token_ids, logprobs=c.logprobs,
                 versions=c.versions, finish_reason=c.finish_reason, answer=p.answer,
-                reward=None if reward_fn is None else reward_fn(response, p.answer),
+                reward=None if reward_fn is None or p.answer is None else reward_fn(response, p.answer),
             ))
-    try:
-        _write_atomic(Path(args.out), records)
-    except OSError as exc:
-        raise GenerateError(f"cannot write {args.out}: {exc}") from None
+    output.commit(records)
     rewards = [r.reward for r in records if r.reward is not None]
     mean_reward = f"{sum(rewards) / len(rewards):.3f}" if rewards else "n/a"
     print(
@@ -121,7 +135,7 @@ def _build_engine(args: argparse.Namespace):  # -> Engine, imported lazily (torc
     try:
         config = EngineConfig(
             model=args.model, backend=args.backend, device=args.device, dtype=args.dtype,
-            kv_cache_memory_gb=args.kv_cache_gb,
+            kv_cache_memory_gb=args.kv_cache_gb, max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             seed=args.seed, num_threads=args.threads,
         )
@@ -130,27 +144,65 @@ def _build_engine(args: argparse.Namespace):  # -> Engine, imported lazily (torc
         raise GenerateError(str(exc)) from None
 
 
-def _check_out_path(path: Path) -> None:
-    """Fail before generating when the output cannot be written."""
-    if path.is_dir():
-        raise GenerateError(f"--out {path} is a directory; expected a file path")
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise GenerateError(f"--out {path}: {parent} is not a writable directory")
+def _encode_prompt(tok: Tokenizer, question: str) -> list[int]:
+    """The chat-formatted prompt, or the plain question and instruction for a base model."""
+    from specroll.engine.chat_template import ChatTemplateError
 
-
-def _write_atomic(path: Path, records: list[RolloutRecord]) -> None:
-    """Write JSONL to a temporary file beside ``path`` and rename it: never a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    messages = format_question(question)
+    if tok.chat_template is None:
+        return tok.encode(messages[-1]["content"])
     try:
-        with os.fdopen(fd, "wb") as f:
-            encoder = msgspec.json.Encoder()
+        return tok.encode_chat(messages)
+    except ChatTemplateError as exc:
+        raise GenerateError(str(exc)) from None
+
+
+class _AtomicOutput:
+    """The output file, written all at once: a temporary file beside it is created before any work
+    (so an unwritable path fails at once) and renamed over it on success; on failure the temporary
+    file and any folders made for it are removed, and an existing output is left untouched."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> _AtomicOutput:
+        self._made: list[Path] = []
+        parent = self.path.parent
+        while not parent.exists():
+            self._made.append(parent)
+            parent = parent.parent
+        try:
+            for folder in reversed(self._made):
+                folder.mkdir()
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        except OSError as exc:
+            self._remove_made()
+            raise GenerateError(f"--out {self.path}: cannot write there ({exc.strerror})") from None
+        self._file, self._tmp = os.fdopen(fd, "wb"), Path(tmp)
+        return self
+
+    def commit(self, records: list[RolloutRecord]) -> None:
+        encoder = msgspec.json.Encoder()
+        try:
             for r in records:
-                f.write(encoder.encode(r) + b"\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+                self._file.write(encoder.encode(r) + b"\n")
+            self._file.close()
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(self._tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
+            os.replace(self._tmp, self.path)
+        except OSError as exc:
+            raise GenerateError(f"cannot write {self.path}: {exc}") from None
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._file.close()
+        if self._tmp.exists():  # not committed
+            self._tmp.unlink()
+            self._remove_made()
+
+    def _remove_made(self) -> None:
+        for folder in self._made:  # deepest first
+            try:
+                folder.rmdir()
+            except OSError:
+                break

@@ -7,7 +7,7 @@ thread. A step is one ragged batch (prefill chunks and decodes together) over th
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
 
 import torch
@@ -265,7 +265,9 @@ class Engine:
 
     # ---- weights --------------------------------------------------------------------------
 
-    def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
+    def update_weights(
+        self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
         """Replace some or all policy weights between steps and tag later tokens with ``version``.
 
         Every tensor is validated before any is copied, so a bad update changes nothing. Floating
@@ -274,13 +276,15 @@ class Engine:
         shared through the prefix cache.
 
         Args:
-            named_tensors: Hugging Face parameter names → tensors of the checkpoint's shapes.
+            named_tensors: Hugging Face parameter names → tensors of the checkpoint's shapes (a
+                mapping, or ``(name, tensor)`` pairs such as ``model.named_parameters()``).
             version: the new policy version; must be greater than the served one.
 
         Raises:
             ValueError: unknown name, wrong shape, non-floating dtype, or a version not above the
                 current one. The message names the offending tensor or value.
         """
+        named_tensors = dict(named_tensors)
         if version <= self.weight_version:
             raise ValueError(f"weight version {version} is not newer than the served version {self.weight_version}")
         for name, tensor in named_tensors.items():
