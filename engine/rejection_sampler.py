@@ -1,0 +1,108 @@
+"""Chain speculative sampling: verify k drafted tokens against the target in one pass, losslessly.
+
+For draft position i with target distribution p_i and draft distribution q_i (Leviathan et al.
+2023, "Fast Inference from Transformers via Speculative Decoding", Algorithm 1; Chen et al. 2023):
+
+- accept d_i with probability min(1, p_i(d_i) / q_i(d_i)), i.e. when ``u_i · q_i(d_i) < p_i(d_i)``;
+- at the first rejection j, emit a token drawn from ``norm(max(0, p_j − q_j))`` and stop;
+- if all k drafts pass, emit a bonus token drawn from p_k.
+
+Every emitted token is then distributed exactly as if drawn from p. A proposer without
+probabilities (n-gram, greedy drafter) has a one-hot q: d_i is accepted with probability p_i(d_i)
+and the recovery distribution is p_i with d_i removed. Greedy rows accept d_i iff it is the argmax
+of p_i and emit the argmax at the first mismatch (or as the bonus). The same semantics as vLLM v1's
+``rejection_sampler.py`` and FlashInfer's ``chain_speculative_sampling``.
+
+The function is pure and vectorised: the caller supplies the uniform random numbers (drawn from each
+request's own generator), so results never depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    token_ids: torch.Tensor
+    """int64 ``[B, K+1]``: accepted drafts, then the recovered or bonus token, then -1 padding."""
+    num_accepted: torch.Tensor
+    """int64 ``[B]``: drafts accepted per row; each row emits ``num_accepted + 1`` tokens."""
+
+
+def chain_rejection_sample(
+    target_probs: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    num_drafts: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    accept_uniform: torch.Tensor,
+    sample_uniform: torch.Tensor,
+    greedy: torch.Tensor,
+) -> VerifyResult:
+    """Accept a prefix of each row's drafts and emit one more token.
+
+    Args:
+        target_probs: float ``[B, K+1, V]``: the target's processed distributions p at each draft
+            position and after the last one (temperature, top-k, top-p already applied).
+        draft_token_ids: int64 ``[B, K]``; row b's drafts are the first ``num_drafts[b]``.
+        num_drafts: int64 ``[B]``, each in ``[0, K]`` (0 = plain decoding from ``p_0``).
+        draft_probs: float ``[B, K, V]`` draft distributions q the drafts were sampled from, or
+            ``None`` for one-hot q (deterministic proposers).
+        accept_uniform: float64 ``[B, K]`` i.i.d. U(0, 1) for the accept tests.
+        sample_uniform: float64 ``[B]`` U(0, 1) for the recovered or bonus token.
+        greedy: bool ``[B]``: rows that decode by argmax.
+
+    Returns:
+        A :class:`VerifyResult`.
+
+    Raises:
+        ValueError: when shapes disagree.
+    """
+    b, k_plus_1, vocab = target_probs.shape
+    k = k_plus_1 - 1
+    if draft_token_ids.shape != (b, k) or num_drafts.shape != (b,) or accept_uniform.shape != (b, k):
+        raise ValueError(
+            f"target_probs {tuple(target_probs.shape)}, draft_token_ids {tuple(draft_token_ids.shape)}, "
+            f"num_drafts {tuple(num_drafts.shape)}, accept_uniform {tuple(accept_uniform.shape)}: "
+            "expected [B, K+1, V], [B, K], [B], [B, K]"
+        )
+    if draft_probs is not None and draft_probs.shape != (b, k, vocab):
+        raise ValueError(f"draft_probs {tuple(draft_probs.shape)}, expected {(b, k, vocab)}")
+    p = target_probs.double()
+    d = draft_token_ids.long()
+    p_draft = p[:, :k].gather(-1, d[..., None]).squeeze(-1)  # [B, K] p_i(d_i)
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)  # one-hot q: q_i(d_i) = 1
+    else:
+        q_draft = draft_probs.double().gather(-1, d[..., None]).squeeze(-1)
+    accept = accept_uniform * q_draft < p_draft  # u < p/q: accept with probability min(1, p/q)
+    accept = torch.where(greedy[:, None], d == p[:, :k].argmax(-1), accept)
+    accept &= torch.arange(k)[None, :] < num_drafts[:, None]
+    num_accepted = accept.long().cumprod(-1).sum(-1)  # [B] length of the accepted prefix
+
+    j = num_accepted  # position of the emitted extra token
+    p_j = p[torch.arange(b), j]  # [B, V]
+    rejected = j < num_drafts  # else all drafts passed: bonus token from p_j
+    residual = p_j.clone()
+    if rejected.any():
+        rows = rejected.nonzero().squeeze(-1)
+        jr = j[rows]
+        if draft_probs is None:
+            q_j = torch.zeros_like(residual[rows]).scatter_(-1, d[rows, jr][:, None], 1.0)
+        else:
+            q_j = draft_probs.double()[rows, jr]
+        r = (residual[rows] - q_j).clamp_(min=0)  # max(0, p - q)
+        # p == q leaves nothing to resample from; rejection then had probability 0, keep p.
+        empty = r.sum(-1) <= 0
+        residual[rows] = torch.where(empty[:, None], residual[rows], r)
+    cdf = residual.cumsum(-1)  # [B, V], unnormalised
+    drawn = torch.searchsorted(cdf, (sample_uniform * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    extra = torch.where(greedy, p_j.argmax(-1), drawn.clamp_(max=vocab - 1))
+
+    pos = torch.arange(k_plus_1)[None, :]
+    padded_drafts = torch.cat([d, torch.full((b, 1), -1, dtype=torch.long)], dim=-1)
+    tokens = torch.where(pos < j[:, None], padded_drafts, -1)
+    tokens = torch.where(pos == j[:, None], extra[:, None], tokens)
+    return VerifyResult(tokens, num_accepted)
