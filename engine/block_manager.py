@@ -72,8 +72,8 @@ class BlockManager:
         """Give a waiting ``seq`` pages for all its tokens, reusing cached full pages.
 
         At least the last token is always left to compute, so the step that admits ``seq``
-        produces its next-token logits. Sets ``block_table``, ``num_computed_tokens`` and
-        ``num_cached_tokens``. Returns False, changing nothing, when pages are short.
+        produces its next-token logits. Sets ``block_table`` and ``num_computed_tokens``
+        (the tokens whose K/V came from the cache). Returns False, changing nothing, when pages are short.
         """
         assert not seq.block_table, f"request {seq.request_id} already holds pages"
         num_pages = self.pages_needed(seq.num_tokens)
@@ -96,7 +96,7 @@ class BlockManager:
             self.ref_counts[page] += 1
         fresh = [self._take_free_page() for _ in range(num_pages - len(cached))]
         seq.block_table = cached + fresh
-        seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.page_size
+        seq.num_computed_tokens = len(cached) * self.page_size
         seq.num_keyed_pages = len(cached)
         seq.last_page_hash = hash(keys[len(cached) - 1]) if cached else 0
         return True

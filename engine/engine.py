@@ -20,7 +20,7 @@ from specroll.engine.config import EngineConfig
 from specroll.engine.model import CausalLM
 from specroll.engine.sampler import sample
 from specroll.engine.scheduler import ScheduledSequence, Scheduler
-from specroll.engine.sequence import Completion, Sequence, SequenceStatus, StepOutput
+from specroll.engine.sequence import Completion, FinishReason, Sequence, SequenceStatus, StepOutput
 from specroll.protocol.sampling import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -254,7 +254,7 @@ class Engine:
         rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows]).cpu()
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         if not seq.sampling.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if token in seq.sampling.stop_token_ids:

@@ -41,9 +41,6 @@ class Sequence:
     versions: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0
-    """Prompt tokens whose K/V came from the prefix cache at the last admission."""
-    num_preemptions: int = 0
     prefix_cacheable: bool = True
     """False once the sequence's K/V mixes weight versions: its pages are never shared."""
     num_keyed_pages: int = 0
