@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specroll.drafter.proposer import DraftInput, Proposal
+from specroll.engine.proposal import DraftInput, Proposal
 
 
 class _NgramIndex:

@@ -44,6 +44,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Seed for requests that bring none of their own."""
     num_threads: int | None = None
     """Intra-op CPU threads for torch; ``None`` leaves torch's default."""
+    num_draft_tokens: int = 4
+    """Most draft tokens per sequence and step when the engine has a proposer."""
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -58,5 +60,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len={self.max_model_len}, expected a positive integer or None")
+        if self.num_draft_tokens <= 0:
+            raise ValueError(f"num_draft_tokens={self.num_draft_tokens}, expected a positive integer")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads={self.num_threads}, expected a positive integer or None")

@@ -18,9 +18,11 @@ from specroll.engine.block_manager import BlockManager
 from specroll.engine.checkpoint import Checkpoint, expected_weight_shapes, load_checkpoint
 from specroll.engine.config import EngineConfig
 from specroll.engine.model import CausalLM
+from specroll.engine.proposal import DraftInput, Proposer
 from specroll.engine.sampler import sample
 from specroll.engine.scheduler import ScheduledSequence, Scheduler
 from specroll.engine.sequence import Completion, FinishReason, Sequence, SequenceStatus, StepOutput
+from specroll.engine.speculative import verify_drafts
 from specroll.protocol.sampling import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,13 +66,17 @@ class Engine:
     Args:
         config: engine settings; the model is loaded from ``config.model``.
         checkpoint: an already loaded checkpoint to use instead of loading ``config.model``.
+        proposer: a drafter (``specroll.drafter``) for speculative decoding; ``None`` decodes one
+            token per step.
 
     Raises:
         CheckpointError: the model cannot be loaded.
         ValueError: the KV-cache memory holds too few pages to serve one full-length request.
     """
 
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, checkpoint: Checkpoint | None = None, proposer: Proposer | None = None
+    ) -> None:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -101,6 +107,11 @@ class Engine:
         self.weight_version = 0
         self._weight_shapes = expected_weight_shapes(ckpt.config)
         self._requests: dict[str, Sequence] = {}
+        self.proposer = proposer
+        self.num_drafted = 0
+        """Draft tokens verified so far (speculative decoding)."""
+        self.num_accepted = 0
+        """Draft tokens accepted so far; acceptance length = 1 + accepted / drafting steps."""
         self._arrivals = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------
@@ -168,6 +179,8 @@ class Engine:
             raise KeyError(f"no live request {request_id!r}")
         self.scheduler.remove(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        if self.proposer is not None:
+            self.proposer.finish(request_id)
         return Completion.of(seq)
 
     def has_unfinished(self) -> bool:
@@ -206,43 +219,90 @@ class Engine:
     # ---- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        """Run one batch and return a delta for every request that produced a token or finished."""
-        scheduled = self.scheduler.schedule(self.weight_version)
+        """Run one batch and return a delta for every request that produced a token or finished.
+
+        With a proposer, each decoding sequence's drafts ride along in the same forward pass and
+        are verified losslessly (``speculative.py``); K/V slots of rejected drafts are rolled back.
+        """
+        k = self.config.num_draft_tokens if self.proposer is not None else 0
+        scheduled = self.scheduler.schedule(self.weight_version, lookahead=k)
         if not scheduled:
             return []
-        logits = self._forward(scheduled)  # [N, V] for the sequences that sample
+        drafts = self._propose(scheduled, k) if k else {}
+        logits = self._forward(scheduled, drafts)  # [rows, V]: 1 + len(drafts) per sampling sequence
         samplers = [s.seq for s in scheduled if s.samples]
-        tokens, logprobs = sample(logits, [s.sampling for s in samplers], [s.generator for s in samplers])
         for s in scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
+            s.seq.num_computed_tokens += s.num_new_tokens + len(drafts.get(s.seq, ()))
+        if k:
+            seq_drafts = [drafts.get(seq, []) for seq in samplers]
+            emitted = verify_drafts(logits, samplers, seq_drafts, k)
+            for seq, d, (_, _, accepted) in zip(samplers, seq_drafts, emitted, strict=True):
+                # Roll back the K/V of rejected drafts: only [last, d_1..d_accepted] stay valid.
+                seq.num_computed_tokens -= len(d) - accepted
+                self.block_manager.truncate(seq, seq.num_computed_tokens)
+                self.num_drafted += len(d)
+                self.num_accepted += accepted
+        else:
+            tokens, logprobs = sample(logits, [s.sampling for s in samplers], [s.generator for s in samplers])
+            emitted = [([t], [lp], 0) for t, lp in zip(tokens.tolist(), logprobs.tolist(), strict=True)]
+        for s in scheduled:
             self.block_manager.cache_full_pages(s.seq, self.weight_version)
-        outputs = []
-        for seq, token, logprob in zip(samplers, tokens.tolist(), logprobs.tolist(), strict=True):
+        return [self._emit(seq, tokens, lps) for seq, (tokens, lps, _) in zip(samplers, emitted, strict=True)]
+
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> StepOutput:
+        """Append tokens in order until one finishes the request; report the delta."""
+        finish: FinishReason | None = None
+        kept = 0
+        for token, logprob in zip(tokens, logprobs, strict=True):
             seq.token_ids.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(self.weight_version)
+            kept += 1
             finish = self._finish_reason(seq, token)
             if finish is not None:
-                self.scheduler.remove(seq)
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, finish
-                del self._requests[seq.request_id]
-            outputs.append(
-                StepOutput(seq.request_id, seq.group_id, [token], [logprob], [self.weight_version],
-                           finish is not None, finish, seq.num_output_tokens)
-            )
-        return outputs
+                break
+        if finish is not None:
+            self.scheduler.remove(seq)
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, finish
+            del self._requests[seq.request_id]
+            if self.proposer is not None:
+                self.proposer.finish(seq.request_id)
+        return StepOutput(seq.request_id, seq.group_id, tokens[:kept], logprobs[:kept],
+                          [self.weight_version] * kept, finish is not None, finish, seq.num_output_tokens)
 
-    def _forward(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
+    def _propose(self, scheduled: list[ScheduledSequence], k: int) -> dict[Sequence, list[int]]:
+        """Drafts for the sequences that decode this step, capped so a request never passes its
+        length limit (each step emits accepted drafts + 1)."""
+        assert self.proposer is not None
+        decoding = [s.seq for s in scheduled if s.samples and s.num_new_tokens == 1]
+        if not decoding:
+            return {}
+        proposal = self.proposer.propose(
+            [DraftInput(seq.request_id, seq.group_id, seq.token_ids) for seq in decoding], k
+        )
+        drafts = {}
+        for seq, row, n in zip(decoding, proposal.token_ids.tolist(), proposal.num_drafts.tolist(), strict=True):
+            n = min(n, seq.max_len - seq.num_tokens - 1)
+            if n > 0:
+                drafts[seq] = row[:n]
+        return drafts
+
+    def _forward(self, scheduled: list[ScheduledSequence], drafts: dict[Sequence, list[int]]) -> torch.Tensor:
         input_ids: list[int] = []
         logits_rows: list[int] = []
+        q_lens: list[int] = []
         for s in scheduled:
             start = s.seq.num_computed_tokens
+            extra = drafts.get(s.seq, [])
             input_ids.extend(s.seq.token_ids[start : start + s.num_new_tokens])
+            input_ids.extend(extra)
+            q_lens.append(s.num_new_tokens + len(extra))
+            assert start + q_lens[-1] <= self.max_model_len, f"{s.seq.request_id} would pass the context"
             if s.samples:
-                logits_rows.append(len(input_ids) - 1)
+                logits_rows.extend(range(len(input_ids) - len(extra) - 1, len(input_ids)))
         meta = build_metadata(
-            [s.num_new_tokens for s in scheduled],
-            [s.seq.num_computed_tokens + s.num_new_tokens for s in scheduled],
+            q_lens,
+            [s.seq.num_computed_tokens + q for s, q in zip(scheduled, q_lens, strict=True)],
             [s.seq.block_table for s in scheduled],
             self.config.page_size,
         )

@@ -65,9 +65,9 @@ def test_prefix_sharing_prefills_a_group_once_and_keeps_greedy(tiny_checkpoint):
     computed = []
     original_forward = shared._forward
 
-    def counting_forward(scheduled):
+    def counting_forward(scheduled, drafts):
         computed.append(sum(s.num_new_tokens for s in scheduled))
-        return original_forward(scheduled)
+        return original_forward(scheduled, drafts)
 
     shared._forward = counting_forward
     out_shared = generate(shared, batch, groups=groups)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specroll.drafter.proposer import DraftInput
 from specroll.drafter.suffix import SuffixProposer
+from specroll.engine.proposal import DraftInput
 
 
 def drafts(proposer: SuffixProposer, seqs: list[DraftInput], k: int) -> list[list[int]]:

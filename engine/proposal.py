@@ -1,4 +1,4 @@
-"""The proposer interface: what a drafter gives the verifier.
+"""The proposer interface: what a drafter (``specroll.drafter``) gives the engine's verifier.
 
 A proposer drafts up to k tokens per sequence. Model-free proposers (n-gram/suffix matching) give
 no probabilities, which the verifier treats as one-hot q; a learned drafter that samples its drafts
@@ -40,4 +40,8 @@ class Proposer(Protocol):
 
     def propose(self, batch: Sequence[DraftInput], k: int) -> Proposal:
         """Draft up to ``k`` tokens for each sequence in ``batch``."""
+        ...
+
+    def finish(self, request_id: str) -> None:
+        """The request finished or was aborted: drop its state (or keep it as history)."""
         ...
