@@ -48,6 +48,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV-cache memory in GiB (default: %(default)s)")
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context length cap in tokens (default: the checkpoint's)")
+    p.add_argument("--speculative", choices=["off", "suffix"], default="off",
+                   help="speculative decoding: suffix = model-free drafts from the sequence, its group "
+                        "siblings and earlier rollouts of the prompt, verified losslessly (default: %(default)s)")
+    p.add_argument("--num-draft-tokens", type=positive_int, default=4,
+                   help="most drafts per sequence and step (default: %(default)s)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="weights and KV cache (default: %(default)s, see the README)")
     p.add_argument("--backend", choices=["auto", "torch", "flashinfer"], default="auto")

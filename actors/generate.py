@@ -22,6 +22,7 @@ from specroll.actors.tasks import (
 )
 
 if TYPE_CHECKING:
+    from specroll.engine.engine import Engine
     from specroll.engine.tokenizer import Tokenizer
     from specroll.protocol.sampling import SamplingParams
 
@@ -123,11 +124,19 @@ def _generate(args: argparse.Namespace, prompts: list[Prompt], base: SamplingPar
     mean_reward = f"{sum(rewards) / len(rewards):.3f}" if rewards else "n/a"
     print(
         f"{len(records)} rollouts, {num_tokens} tokens in {elapsed:.1f} s ({num_tokens / elapsed:.1f} tok/s), "
-        f"mean reward {mean_reward} -> {args.out}"
+        f"mean reward {mean_reward}{_speculation_summary(engine)} -> {args.out}"
     )
 
 
+def _speculation_summary(engine: Engine) -> str:
+    if engine.proposer is None:
+        return ""
+    return (f", {engine.num_accepted}/{engine.num_drafted} drafts accepted, "
+            f"acceptance length {engine.acceptance_length:.2f}")
+
+
 def _build_engine(args: argparse.Namespace):  # -> Engine, imported lazily (torch)
+    from specroll.drafter.suffix import SuffixProposer
     from specroll.engine.checkpoint import CheckpointError
     from specroll.engine.config import EngineConfig
     from specroll.engine.engine import Engine
@@ -137,9 +146,10 @@ def _build_engine(args: argparse.Namespace):  # -> Engine, imported lazily (torc
             model=args.model, backend=args.backend, device=args.device, dtype=args.dtype,
             kv_cache_memory_gb=args.kv_cache_gb, max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            seed=args.seed, num_threads=args.threads,
+            seed=args.seed, num_threads=args.threads, num_draft_tokens=args.num_draft_tokens,
         )
-        return Engine(config)
+        proposer = SuffixProposer() if args.speculative == "suffix" else None
+        return Engine(config, proposer=proposer)
     except (CheckpointError, ValueError) as exc:
         raise GenerateError(str(exc)) from None
 

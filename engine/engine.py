@@ -111,7 +111,9 @@ class Engine:
         self.num_drafted = 0
         """Draft tokens verified so far (speculative decoding)."""
         self.num_accepted = 0
-        """Draft tokens accepted so far; acceptance length = 1 + accepted / drafting steps."""
+        """Draft tokens accepted so far."""
+        self.num_draft_steps = 0
+        """(sequence, step) pairs that verified at least one draft."""
         self._arrivals = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------
@@ -213,6 +215,11 @@ class Engine:
         return list(self._requests)
 
     @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per drafting (sequence, step): ``1 + accepted / draft steps`` (1.0 before any)."""
+        return 1.0 + self.num_accepted / self.num_draft_steps if self.num_draft_steps else 1.0
+
+    @property
     def num_live_requests(self) -> int:
         return len(self._requests)
 
@@ -242,6 +249,7 @@ class Engine:
                 self.block_manager.truncate(seq, seq.num_computed_tokens)
                 self.num_drafted += len(d)
                 self.num_accepted += accepted
+                self.num_draft_steps += bool(d)
         else:
             tokens, logprobs = sample(logits, [s.sampling for s in samplers], [s.generator for s in samplers])
             emitted = [([t], [lp], 0) for t, lp in zip(tokens.tolist(), logprobs.tolist(), strict=True)]
