@@ -176,14 +176,19 @@ class _AtomicOutput:
         self.path = path
 
     def __enter__(self) -> _AtomicOutput:
-        self._made: list[Path] = []
+        self._made: list[Path] = []  # folders this run created, deepest first
+        missing = []
         parent = self.path.parent
         while not parent.exists():
-            self._made.append(parent)
+            missing.append(parent)
             parent = parent.parent
         try:
-            for folder in reversed(self._made):
-                folder.mkdir()
+            for folder in reversed(missing):
+                try:
+                    folder.mkdir()
+                except FileExistsError:  # made meanwhile by someone else: not ours to remove
+                    continue
+                self._made.insert(0, folder)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
         except OSError as exc:
             self._remove_made()
