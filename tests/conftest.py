@@ -81,3 +81,15 @@ def tiny_checkpoint(tmp_path: Path) -> Callable[..., Path]:
         return path
 
     return make
+
+
+def teacher_forced_logits(engine, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """float32 ``[len(response), V]``: ``engine``'s model logits predicting each response token,
+    from one prefill of prompt + response on scratch pages 0..7 of its KV cache."""
+    from specroll.engine.batch import build_metadata
+
+    ids = torch.tensor(prompt + response)
+    meta = build_metadata([len(ids)], [len(ids)], [list(range(8))], engine.config.page_size)
+    engine.backend.plan(meta)
+    hidden = engine.model(ids, meta.positions(), engine.kv_caches, engine.backend)
+    return engine.model.compute_logits(hidden)[len(prompt) - 1 : -1]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import teacher_forced_logits
 
-from specroll.engine.batch import build_metadata
 from specroll.engine.config import EngineConfig
 from specroll.engine.driver import run_to_completion
 from specroll.engine.engine import Engine
@@ -184,12 +184,7 @@ def test_bfloat16_engine_tracks_float32(tiny_checkpoint):
     reference = make_engine(path)
     for i, p in enumerate(batch):
         c = done[f"r{i}"]
-        ids = torch.tensor(p + c.token_ids)
-        meta = build_metadata([len(ids)], [len(ids)], [list(range(8))], PAGE)
-        reference.backend.plan(meta)
-        logits = reference.model.compute_logits(
-            reference.model(ids, meta.positions(), reference.kv_caches, reference.backend)
-        )[len(p) - 1 : -1]
+        logits = teacher_forced_logits(reference, p, c.token_ids)
         expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
         diff = (torch.tensor(c.logprobs) - expected).abs()
         # bf16 keeps 8 bits of mantissa: logprobs move by a few hundredths on this sharp model.

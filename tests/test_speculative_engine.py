@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import teacher_forced_logits
 
 from specroll.drafter.suffix import SuffixProposer
-from specroll.engine.batch import build_metadata
 from specroll.engine.config import EngineConfig
 from specroll.engine.driver import run_to_completion
 from specroll.engine.engine import Engine
+from specroll.engine.sampler import processed_logprobs
 from specroll.protocol.sampling import SamplingParams
 
 PAGE, K = 8, 4
@@ -65,14 +66,7 @@ def test_sampled_speculative_logprobs_equal_teacher_forcing(tiny_checkpoint):
     reference = make_engine(path, False)
     for i, p in enumerate(prompts):
         c = done[f"r{i}"]
-        ids = torch.tensor(p + c.token_ids)
-        meta = build_metadata([len(ids)], [len(ids)], [list(range(8))], PAGE)
-        reference.backend.plan(meta)
-        logits = reference.model.compute_logits(
-            reference.model(ids, meta.positions(), reference.kv_caches, reference.backend)
-        )[len(p) - 1 : -1]
-        from specroll.engine.sampler import processed_logprobs
-
+        logits = teacher_forced_logits(reference, p, c.token_ids)
         expected = processed_logprobs(logits, [sampling] * len(c.token_ids))
         expected = expected.gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
         assert torch.isfinite(expected).all()
