@@ -176,14 +176,23 @@ class Engine:
         Raises:
             KeyError: no live request has this id.
         """
-        seq = self._requests.pop(request_id, None)
+        seq = self._live(request_id)
+        self._retire(seq, "abort")
+        return Completion.of(seq)
+
+    def _live(self, request_id: str) -> Sequence:
+        seq = self._requests.get(request_id)
         if seq is None:
             raise KeyError(f"no live request {request_id!r}")
+        return seq
+
+    def _retire(self, seq: Sequence, reason: FinishReason) -> None:
+        """Finish ``seq``: free its pages, drop it from the queues and the proposer's state."""
         self.scheduler.remove(seq)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        del self._requests[seq.request_id]
         if self.proposer is not None:
-            self.proposer.finish(request_id)
-        return Completion.of(seq)
+            self.proposer.finish(seq.request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -194,9 +203,7 @@ class Engine:
         Raises:
             KeyError: no live request has this id.
         """
-        seq = self._requests.get(request_id)
-        if seq is None:
-            raise KeyError(f"no live request {request_id!r}")
+        seq = self._live(request_id)
         return seq.token_ids[: seq.prompt_len]
 
     def output_so_far(self, request_id: str) -> tuple[list[int], list[float], list[int]]:
@@ -205,9 +212,7 @@ class Engine:
         Raises:
             KeyError: no live request has this id.
         """
-        seq = self._requests.get(request_id)
-        if seq is None:
-            raise KeyError(f"no live request {request_id!r}")
+        seq = self._live(request_id)
         return seq.output_token_ids, list(seq.logprobs), list(seq.versions)
 
     def live_request_ids(self) -> list[str]:
@@ -270,11 +275,7 @@ class Engine:
             if finish is not None:
                 break
         if finish is not None:
-            self.scheduler.remove(seq)
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, finish
-            del self._requests[seq.request_id]
-            if self.proposer is not None:
-                self.proposer.finish(seq.request_id)
+            self._retire(seq, finish)
         return StepOutput(seq.request_id, seq.group_id, tokens[:kept], logprobs[:kept],
                           [self.weight_version] * kept, finish is not None, finish, seq.num_output_tokens)
 
