@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specroll.engine.sampler import draw_inverse_cdf
+
 
 @dataclass(frozen=True)
 class VerifyResult:
@@ -97,9 +99,7 @@ def chain_rejection_sample(
         # p == q leaves nothing to resample from; rejection then had probability 0, keep p.
         empty = r.sum(-1) <= 0
         residual[rows] = torch.where(empty[:, None], residual[rows], r)
-    cdf = residual.cumsum(-1)  # [B, V], unnormalised
-    drawn = torch.searchsorted(cdf, (sample_uniform * cdf[:, -1])[:, None], right=True).squeeze(-1)
-    extra = torch.where(greedy, p_j.argmax(-1), drawn.clamp_(max=vocab - 1))
+    extra = torch.where(greedy, p_j.argmax(-1), draw_inverse_cdf(residual, sample_uniform))
 
     pos = torch.arange(k_plus_1)[None, :]
     padded_drafts = torch.cat([d, torch.full((b, 1), -1, dtype=torch.long)], dim=-1)

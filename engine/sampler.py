@@ -58,6 +58,17 @@ def _filter_top_k_top_p(scaled: torch.Tensor, top_ks: list[int], top_ps: list[fl
     return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
 
 
+def draw_inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One draw per row from unnormalised non-negative ``weights`` (float64 ``[B, V]``).
+
+    Returns int64 ``[B]``: the first index whose cumulative weight exceeds ``uniform · total``,
+    ``uniform`` float64 ``[B]`` in [0, 1).
+    """
+    cdf = weights.cumsum(dim=-1)  # [B, V]
+    drawn = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    return drawn.clamp_(max=weights.shape[-1] - 1)  # guards uniform * total == total in rounding
+
+
 def sample(
     logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,8 +88,5 @@ def sample(
     sampled = [i for i, p in enumerate(params) if p.temperature > 0]
     if sampled:
         u = torch.cat([torch.rand(1, dtype=torch.float64, generator=generators[i]) for i in sampled])  # [S]
-        cdf = logprobs[sampled].double().exp().cumsum(dim=-1)  # [S, V]
-        # First index whose CDF exceeds u * total; clamp guards u * total == total.
-        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
-        tokens[sampled] = drawn.clamp_(max=logprobs.shape[-1] - 1)
+        tokens[sampled] = draw_inverse_cdf(logprobs[sampled].double().exp(), u)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
