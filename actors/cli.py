@@ -48,11 +48,17 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV-cache memory in GiB (default: %(default)s)")
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context length cap in tokens (default: the checkpoint's)")
-    p.add_argument("--speculative", choices=["off", "suffix"], default="off",
-                   help="speculative decoding: suffix = model-free drafts from the sequence, its group "
-                        "siblings and earlier rollouts of the prompt, verified losslessly (default: %(default)s)")
+    p.add_argument("--speculative", choices=["off", "suffix", "eagle", "auto"], default="off",
+                   help="speculative decoding, verified losslessly: suffix = model-free drafts from the "
+                        "sequence, its group siblings and earlier rollouts of the prompt; eagle = the learned "
+                        "drafter in --drafter; auto = eagle if --drafter is given, else suffix, with the draft "
+                        "length chosen each step by measured tokens/s (0 when drafting doesn't pay) "
+                        "(default: %(default)s)")
     p.add_argument("--num-draft-tokens", type=positive_int, default=4,
-                   help="most drafts per sequence and step (default: %(default)s)")
+                   help="drafts per sequence and step; the most with --speculative auto (default: %(default)s)")
+    p.add_argument("--drafter", default=None,
+                   help="EAGLE drafter directory (config.json + model.safetensors), e.g. from "
+                        "'specroll init-drafter'")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="weights and KV cache (default: %(default)s, see the README)")
     p.add_argument("--backend", choices=["auto", "torch", "flashinfer"], default="auto")
@@ -61,10 +67,33 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _add_init_drafter(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "init-drafter",
+        help="write a fresh (untrained) EAGLE drafter for a model",
+        description="Initialise an EAGLE drafter (one decoder layer on the target's features) for --model, "
+        "with a draft vocabulary of the most frequent tokens of a prompt set, and save it to --out.",
+    )
+    p.add_argument("--model", default="smollm2-135m", help="target model (default: %(default)s)")
+    p.add_argument("--out", required=True, help="directory to write config.json and model.safetensors into")
+    p.add_argument("--features", choices=["last", "eagle3"], default="eagle3",
+                   help="target features: the last hidden state (EAGLE-1) or three layers low/mid/high "
+                        "(EAGLE-3) (default: %(default)s)")
+    p.add_argument("--draft-vocab-size", type=positive_int, default=8192,
+                   help="tokens the drafter can propose (default: %(default)s)")
+    p.add_argument("--prompts", default=None,
+                   help="JSONL prompts whose tokens rank the draft vocabulary (default: the built-in task)")
+    p.add_argument("--limit", type=positive_int, default=None, help="use only the first N prompts")
+    p.add_argument("--num-builtin", type=positive_int, default=256,
+                   help="built-in prompts when --prompts is not given (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="initialisation seed")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specroll", description="specroll: a rollout engine for RL on LLMs")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
+    _add_init_drafter(sub)
     return parser
 
 
@@ -82,6 +111,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("specroll generate: interrupted; no output written", file=sys.stderr)
             return 130
+        return 0
+    if args.command == "init-drafter":
+        from specroll.actors.generate import GenerateError
+        from specroll.actors.init_drafter import run_init_drafter
+
+        try:
+            run_init_drafter(args)
+        except GenerateError as exc:
+            print(f"specroll init-drafter: error: {exc}", file=sys.stderr)
+            return 2
         return 0
     raise AssertionError(f"unhandled command {args.command!r}")
 

@@ -131,27 +131,43 @@ def _generate(args: argparse.Namespace, prompts: list[Prompt], base: SamplingPar
 def _speculation_summary(engine: Engine) -> str:
     if engine.proposer is None:
         return ""
-    return (f", {engine.num_accepted}/{engine.num_drafted} drafts accepted, "
-            f"acceptance length {engine.acceptance_length:.2f}")
+    return (f", {engine.spec_stats.num_accepted}/{engine.spec_stats.num_drafted} drafts accepted, "
+            f"acceptance length {engine.spec_stats.acceptance_length:.2f}")
 
 
 def _build_engine(args: argparse.Namespace):  # -> Engine, imported lazily (torch)
-    from specroll.drafter.suffix import SuffixProposer
     from specroll.engine.checkpoint import CheckpointError
     from specroll.engine.config import EngineConfig
     from specroll.engine.engine import Engine
 
+    if args.drafter is not None and args.speculative not in ("eagle", "auto"):
+        raise GenerateError(f"--drafter {args.drafter} is used only with --speculative eagle or auto, "
+                            f"not {args.speculative}")
+    if args.speculative == "eagle" and args.drafter is None:
+        raise GenerateError("--speculative eagle needs --drafter DIR (a drafter made by 'specroll init-drafter')")
     try:
         config = EngineConfig(
             model=args.model, backend=args.backend, device=args.device, dtype=args.dtype,
             kv_cache_memory_gb=args.kv_cache_gb, max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             seed=args.seed, num_threads=args.threads, num_draft_tokens=args.num_draft_tokens,
+            draft_length="adaptive" if args.speculative == "auto" else "fixed",
         )
-        proposer = SuffixProposer() if args.speculative == "suffix" else None
-        return Engine(config, proposer=proposer)
+        return Engine(config, proposer=_build_proposer(args, config.page_size))
     except (CheckpointError, ValueError) as exc:
         raise GenerateError(str(exc)) from None
+
+
+def _build_proposer(args: argparse.Namespace, page_size: int):  # -> Proposer | None
+    if args.speculative == "off":
+        return None
+    if args.drafter is not None:
+        from specroll.drafter.eagle import EagleProposer
+
+        return EagleProposer(args.drafter, page_size=page_size, seed=args.seed)
+    from specroll.drafter.suffix import SuffixProposer
+
+    return SuffixProposer()
 
 
 def _encode_prompt(tok: Tokenizer, question: str) -> list[int]:

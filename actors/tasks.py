@@ -213,7 +213,8 @@ def _bakery(rng: random.Random) -> tuple[str, int]:
 
 def _savings(rng: random.Random) -> tuple[str, int]:
     name = rng.choice(_NAMES)
-    wage, weeks, spent = rng.randint(10, 60), rng.randint(3, 12), rng.randint(5, 40)
+    wage, weeks = rng.randint(10, 60), rng.randint(3, 12)
+    spent = rng.randint(5, min(40, wage * weeks - 1))  # leaves a positive amount to double
     question = (
         f"{name} earns ${wage} every week for {weeks} weeks. Then {name} spends ${spent} on a gift "
         f"and doubles the money that is left. How many dollars does {name} have now?"

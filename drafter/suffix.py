@@ -20,7 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-from specroll.engine.proposal import DraftInput, Proposal
+from specroll.engine.model import CausalLM
+from specroll.engine.proposal import DraftInput, FeatureUpdate, Proposal
 
 
 class _NgramIndex:
@@ -79,6 +80,15 @@ class SuffixProposer:
         self._live: dict[str, _NgramIndex] = {}
         self._group_of: dict[str, str | None] = {}
         self._history: OrderedDict[str, deque[_NgramIndex]] = OrderedDict()
+
+    feature_layers: tuple[int, ...] = ()
+    """Model-free: reads no target features."""
+
+    def attach(self, target: CausalLM) -> None:
+        """Model-free: nothing to bind."""
+
+    def observe(self, updates: Sequence[FeatureUpdate]) -> None:
+        """Model-free: never called (no ``feature_layers``)."""
 
     def _index_of(self, seq: DraftInput) -> _NgramIndex:
         index = self._live.get(seq.request_id)

@@ -10,6 +10,7 @@ from specroll.engine.registry import DEFAULT_MODEL
 
 BackendName = Literal["auto", "torch", "flashinfer"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+DraftLength = Literal["fixed", "adaptive"]
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -45,7 +46,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_threads: int | None = None
     """Intra-op CPU threads for torch; ``None`` leaves torch's default."""
     num_draft_tokens: int = 4
-    """Most draft tokens per sequence and step when the engine has a proposer."""
+    """Most draft tokens per sequence and step when the engine has a proposer (K)."""
+    draft_length: DraftLength = "fixed"
+    """``fixed``: draft K tokens every step. ``adaptive``: choose k in [0, K] each step with a
+    bandit on measured tokens/s per batch-size bucket (0 = plain decoding when drafting doesn't
+    pay). Greedy output is the same either way; sampled output keeps the target's distribution but,
+    as k then depends on timing, is not reproducible run to run."""
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):

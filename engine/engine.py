@@ -7,6 +7,7 @@ thread. A step is one ragged batch (prefill chunks and decodes together) over th
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
 
@@ -17,12 +18,13 @@ from specroll.engine.batch import build_metadata
 from specroll.engine.block_manager import BlockManager
 from specroll.engine.checkpoint import Checkpoint, expected_weight_shapes, load_checkpoint
 from specroll.engine.config import EngineConfig
+from specroll.engine.draft_length import DraftLengthBandit
 from specroll.engine.model import CausalLM
-from specroll.engine.proposal import DraftInput, Proposer
+from specroll.engine.proposal import DraftInput, FeatureUpdate, Proposer
 from specroll.engine.sampler import sample
 from specroll.engine.scheduler import ScheduledSequence, Scheduler
 from specroll.engine.sequence import Completion, FinishReason, Sequence, SequenceStatus, StepOutput
-from specroll.engine.speculative import verify_drafts
+from specroll.engine.speculative import SpeculativeStats, verify_drafts
 from specroll.protocol.sampling import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -67,11 +69,14 @@ class Engine:
         config: engine settings; the model is loaded from ``config.model``.
         checkpoint: an already loaded checkpoint to use instead of loading ``config.model``.
         proposer: a drafter (``specroll.drafter``) for speculative decoding; ``None`` decodes one
-            token per step.
+            token per step. Each step drafts ``config.num_draft_tokens`` tokens per decoding
+            sequence, or, with ``config.draft_length="adaptive"``, a length in ``[0, K]`` chosen
+            online (``draft_length.py``).
 
     Raises:
         CheckpointError: the model cannot be loaded.
-        ValueError: the KV-cache memory holds too few pages to serve one full-length request.
+        ValueError: the KV-cache memory holds too few pages to serve one full-length request, or the
+            proposer taps a layer the model does not have.
     """
 
     def __init__(
@@ -108,12 +113,23 @@ class Engine:
         self._weight_shapes = expected_weight_shapes(ckpt.config)
         self._requests: dict[str, Sequence] = {}
         self.proposer = proposer
-        self.num_drafted = 0
-        """Draft tokens verified so far (speculative decoding)."""
-        self.num_accepted = 0
-        """Draft tokens accepted so far."""
-        self.num_draft_steps = 0
-        """(sequence, step) pairs that verified at least one draft."""
+        self.spec_stats = SpeculativeStats()
+        """Speculative-decoding counters summed over every step so far."""
+        self.last_step_stats = SpeculativeStats()
+        """The last step's counters (k chosen, drafted, accepted, draft and verify time)."""
+        self._feature_layers: tuple[int, ...] = ()
+        self._bandit: DraftLengthBandit | None = None
+        if proposer is not None:
+            bad = [i for i in proposer.feature_layers if not 0 <= i <= ckpt.config.num_layers]
+            if bad:
+                raise ValueError(
+                    f"the proposer taps layers {bad}; the model has {ckpt.config.num_layers} layers, "
+                    f"expected taps in [0, {ckpt.config.num_layers}]"
+                )
+            self._feature_layers = tuple(proposer.feature_layers)
+            proposer.attach(self.model)
+            if config.draft_length == "adaptive":
+                self._bandit = DraftLengthBandit(config.num_draft_tokens, seed=config.seed)
         self._arrivals = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------
@@ -220,11 +236,6 @@ class Engine:
         return list(self._requests)
 
     @property
-    def acceptance_length(self) -> float:
-        """Tokens emitted per drafting (sequence, step): ``1 + accepted / draft steps`` (1.0 before any)."""
-        return 1.0 + self.num_accepted / self.num_draft_steps if self.num_draft_steps else 1.0
-
-    @property
     def num_live_requests(self) -> int:
         return len(self._requests)
 
@@ -236,31 +247,56 @@ class Engine:
         With a proposer, each decoding sequence's drafts ride along in the same forward pass and
         are verified losslessly (``speculative.py``); K/V slots of rejected drafts are rolled back.
         """
-        k = self.config.num_draft_tokens if self.proposer is not None else 0
+        start_time = time.perf_counter()
+        k = self._choose_draft_length()
         scheduled = self.scheduler.schedule(self.weight_version, lookahead=k)
         if not scheduled:
             return []
-        drafts = self._propose(scheduled, k) if k else {}
-        logits = self._forward(scheduled, drafts)  # [rows, V]: 1 + len(drafts) per sampling sequence
+        stats = SpeculativeStats(num_steps=1, k=k)
+        drafts, draft_probs = self._propose(scheduled, k) if k else ({}, {})
+        stats.draft_time_s = time.perf_counter() - start_time
+        starts = [s.seq.num_computed_tokens for s in scheduled]
+        logits, features = self._forward(scheduled, drafts)  # logits [rows, V]: 1 + drafts per sampling sequence
         samplers = [s.seq for s in scheduled if s.samples]
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens + len(drafts.get(s.seq, ()))
         if k:
             seq_drafts = [drafts.get(seq, []) for seq in samplers]
-            emitted = verify_drafts(logits, samplers, seq_drafts, k)
+            emitted = verify_drafts(logits, samplers, seq_drafts, [draft_probs.get(seq) for seq in samplers], k)
             for seq, d, (_, _, accepted) in zip(samplers, seq_drafts, emitted, strict=True):
                 # Roll back the K/V of rejected drafts: only [last, d_1..d_accepted] stay valid.
                 seq.num_computed_tokens -= len(d) - accepted
                 self.block_manager.truncate(seq, seq.num_computed_tokens)
-                self.num_drafted += len(d)
-                self.num_accepted += accepted
-                self.num_draft_steps += bool(d)
+                stats.num_drafted += len(d)
+                stats.num_accepted += accepted
+                stats.num_draft_steps += bool(d)
         else:
             tokens, logprobs = sample(logits, [s.sampling for s in samplers], [s.generator for s in samplers])
             emitted = [([t], [lp], 0) for t, lp in zip(tokens.tolist(), logprobs.tolist(), strict=True)]
+        stats.verify_time_s = time.perf_counter() - start_time - stats.draft_time_s
         for s in scheduled:
             self.block_manager.cache_full_pages(s.seq, self.weight_version)
-        return [self._emit(seq, tokens, lps) for seq, (tokens, lps, _) in zip(samplers, emitted, strict=True)]
+        outputs = [self._emit(seq, tokens, lps) for seq, (tokens, lps, _) in zip(samplers, emitted, strict=True)]
+        if features is not None:
+            self._observe(scheduled, drafts, starts, features)
+        stats.num_emitted = sum(len(out.new_token_ids) for out in outputs)
+        self._record_step(scheduled, stats, time.perf_counter() - start_time)
+        return outputs
+
+    def _choose_draft_length(self) -> int:
+        """This step's k: fixed, or the bandit's pick for the live decode batch size."""
+        if self.proposer is None:
+            return 0
+        if self._bandit is None or not self.scheduler.running:
+            return self.config.num_draft_tokens
+        return self._bandit.choose(len(self.scheduler.running))
+
+    def _record_step(self, scheduled: list[ScheduledSequence], stats: SpeculativeStats, seconds: float) -> None:
+        self.last_step_stats = stats
+        self.spec_stats.add(stats)
+        # Only pure decode steps measure a draft length: a prefill chunk's cost says nothing about k.
+        if self._bandit is not None and all(s.num_new_tokens == 1 for s in scheduled):
+            self._bandit.record(stats.k, stats.num_emitted, seconds)
 
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> StepOutput:
         """Append tokens in order until one finishes the request; report the delta."""
@@ -279,24 +315,35 @@ class Engine:
         return StepOutput(seq.request_id, seq.group_id, tokens[:kept], logprobs[:kept],
                           [self.weight_version] * kept, finish is not None, finish, seq.num_output_tokens)
 
-    def _propose(self, scheduled: list[ScheduledSequence], k: int) -> dict[Sequence, list[int]]:
-        """Drafts for the sequences that decode this step, capped so a request never passes its
-        length limit (each step emits accepted drafts + 1)."""
+    def _propose(
+        self, scheduled: list[ScheduledSequence], k: int
+    ) -> tuple[dict[Sequence, list[int]], dict[Sequence, torch.Tensor]]:
+        """Drafts (and their q, when sampled) for the sequences that decode this step, capped so a
+        request never passes its length limit: each step emits accepted drafts + 1, so a sequence
+        with n tokens and limit L gets at most L − n − 1 drafts and its positions stay below L."""
         assert self.proposer is not None
         decoding = [s.seq for s in scheduled if s.samples and s.num_new_tokens == 1]
         if not decoding:
-            return {}
+            return {}, {}
         proposal = self.proposer.propose(
-            [DraftInput(seq.request_id, seq.group_id, seq.token_ids) for seq in decoding], k
+            [DraftInput(seq.request_id, seq.group_id, seq.token_ids, seq.sampling) for seq in decoding], k
         )
-        drafts = {}
-        for seq, row, n in zip(decoding, proposal.token_ids.tolist(), proposal.num_drafts.tolist(), strict=True):
-            n = min(n, seq.max_len - seq.num_tokens - 1)
+        drafts, probs = {}, {}
+        for b, (seq, row, n) in enumerate(
+            zip(decoding, proposal.token_ids.tolist(), proposal.num_drafts.tolist(), strict=True)
+        ):
+            n = min(n, k, seq.max_len - seq.num_tokens - 1)
             if n > 0:
                 drafts[seq] = row[:n]
-        return drafts
+                if proposal.probs is not None:
+                    probs[seq] = proposal.probs[b, :n]
+        return drafts, probs
 
-    def _forward(self, scheduled: list[ScheduledSequence], drafts: dict[Sequence, list[int]]) -> torch.Tensor:
+    def _forward(
+        self, scheduled: list[ScheduledSequence], drafts: dict[Sequence, list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``[rows, V]`` (float32, CPU) at each sampling sequence's last token and drafts,
+        and the proposer's target features of every input row (or None)."""
         input_ids: list[int] = []
         logits_rows: list[int] = []
         q_lens: list[int] = []
@@ -316,12 +363,34 @@ class Engine:
             self.config.page_size,
         )
         self.backend.plan(meta)
-        hidden = self.model(
+        hidden, features = self.model(
             torch.tensor(input_ids, device=self.device), meta.positions().to(self.device),
-            self.kv_caches, self.backend,
+            self.kv_caches, self.backend, self._feature_layers,
         )
         rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows]).cpu()
+        return self.model.compute_logits(hidden[rows]).cpu(), features
+
+    def _observe(
+        self,
+        scheduled: list[ScheduledSequence],
+        drafts: dict[Sequence, list[int]],
+        starts: list[int],
+        features: torch.Tensor,
+    ) -> None:
+        """Hand the proposer the features of each live sequence's newly valid positions: its input
+        rows of this step up to the last accepted draft."""
+        assert self.proposer is not None
+        updates = []
+        row = 0
+        for s, start in zip(scheduled, starts, strict=True):
+            seq = s.seq
+            if seq.status is not SequenceStatus.FINISHED:
+                valid = seq.num_computed_tokens - start  # new tokens + accepted drafts
+                updates.append(FeatureUpdate(seq.request_id, seq.group_id, start, features[row : row + valid],
+                                             seq.token_ids, seq.prompt_len))
+            row += s.num_new_tokens + len(drafts.get(seq, ()))
+        if updates:
+            self.proposer.observe(updates)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         if not seq.sampling.ignore_eos and token in self.eos_token_ids:

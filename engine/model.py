@@ -203,7 +203,8 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         backend: AttentionBackend,
-    ) -> torch.Tensor:
+        feature_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the step's new tokens through the decoder, appending their K/V to the caches.
 
         Args:
@@ -211,15 +212,26 @@ class CausalLM(nn.Module):
             positions: int64 ``[T]`` their positions.
             kv_caches: per layer ``[num_pages, 2, page_size, num_kv_heads, head_dim]``.
             backend: attention backend already planned for this batch.
+            feature_layers: hidden states to tap for a drafter (EAGLE): tap ``i < num_layers`` is
+                the residual stream entering layer ``i`` (EAGLE-3's taps, arXiv 2503.01840);
+                tap ``num_layers`` is the final normed hidden state the LM head reads (EAGLE-1's).
 
         Returns:
-            ``[T, hidden_size]`` final hidden states (after the last RMSNorm).
+            ``[T, hidden_size]`` final hidden states (after the last RMSNorm), and the taps
+            concatenated in order, ``[T, len(feature_layers) * hidden_size]`` (None without taps).
         """
+        taps: dict[int, torch.Tensor] = {}
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            if i in feature_layers:
+                taps[i] = x
             x = layer(x, cos, sin, kv_cache, backend)
-        return self.model.norm(x)
+        hidden = self.model.norm(x)
+        if not feature_layers:
+            return hidden, None
+        taps[len(self.model.layers)] = hidden
+        return hidden, torch.cat([taps[i] for i in feature_layers], dim=-1)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -3,15 +3,24 @@
 A proposer drafts up to k tokens per sequence. Model-free proposers (n-gram/suffix matching) give
 no probabilities, which the verifier treats as one-hot q; a learned drafter that samples its drafts
 passes the distributions q it sampled from (see ``engine/rejection_sampler.py``).
+
+A learned drafter reads the target's hidden features (EAGLE): it names the layers to tap in
+``feature_layers`` and the engine hands it, after every step, the features of each position whose
+target K/V became valid (:class:`FeatureUpdate`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+from specroll.protocol.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from specroll.engine.model import CausalLM
 
 
 @dataclass(frozen=True)
@@ -23,6 +32,8 @@ class DraftInput:
     """The group (n samples of one prompt); also identifies the prompt across RL steps."""
     token_ids: Sequence[int]
     """Prompt + response so far."""
+    sampling: SamplingParams
+    """The request's sampling; a sampling drafter draws from q processed the same way."""
 
 
 @dataclass(frozen=True)
@@ -32,14 +43,41 @@ class Proposal:
     num_drafts: torch.Tensor
     """int64 ``[B]`` in ``[0, k]``: a proposer may draft fewer tokens, or none."""
     probs: torch.Tensor | None
-    """float ``[B, k, V]`` draft distributions q, or ``None`` for one-hot q."""
+    """float32 ``[B, k, V]`` draft distributions q over the target vocabulary, or ``None`` for
+    one-hot q. A row drafted deterministically (greedy) may hold the one-hot vector of its draft."""
+
+
+@dataclass(frozen=True)
+class FeatureUpdate:
+    """Target features of positions ``[start, start + n)`` of one request, now in the target's K/V."""
+
+    request_id: str
+    group_id: str | None
+    start: int
+    """First position; below the proposer's own count only after a preemption (recompute)."""
+    features: torch.Tensor
+    """``[n, len(feature_layers) * hidden_size]`` in the engine's dtype, taps concatenated in order."""
+    token_ids: Sequence[int]
+    """The request's tokens so far (prompt + response); covers position ``start + n``."""
+    prompt_len: int
 
 
 class Proposer(Protocol):
     """Drafts tokens for a batch of sequences."""
 
+    feature_layers: tuple[int, ...]
+    """Target layers whose features :meth:`observe` receives (see ``CausalLM.forward``); ``()`` for none."""
+
+    def attach(self, target: CausalLM) -> None:
+        """(Re)bind to the target model: called when the engine starts and after each weight update."""
+        ...
+
     def propose(self, batch: Sequence[DraftInput], k: int) -> Proposal:
         """Draft up to ``k`` tokens for each sequence in ``batch``."""
+        ...
+
+    def observe(self, updates: Sequence[FeatureUpdate]) -> None:
+        """Target features of newly verified positions (called only when ``feature_layers``)."""
         ...
 
     def finish(self, request_id: str) -> None:

@@ -91,5 +91,5 @@ def teacher_forced_logits(engine, prompt: list[int], response: list[int]) -> tor
     ids = torch.tensor(prompt + response)
     meta = build_metadata([len(ids)], [len(ids)], [list(range(8))], engine.config.page_size)
     engine.backend.plan(meta)
-    hidden = engine.model(ids, meta.positions(), engine.kv_caches, engine.backend)
+    hidden, _ = engine.model(ids, meta.positions(), engine.kv_caches, engine.backend)
     return engine.model.compute_logits(hidden)[len(prompt) - 1 : -1]

@@ -85,6 +85,10 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "existing").mkdir()
     (d / "existing" / "rollouts.jsonl").write_bytes(b'{"old": "rollouts"}\n')
     (d / "out_is_dir").mkdir()
+    from specroll.drafter.eagle_head import EagleConfig, EagleHead
+
+    other = EagleConfig(400, 64, 128, 4, 2, 16, 1e-5, 10000.0, (2,), 100)  # made for a 400-token vocabulary
+    EagleHead.init(other, torch.arange(100)).save(d / "drafter_other")
     return d
 
 
@@ -105,6 +109,14 @@ BAD: dict[str, tuple[list[str], str, bool]] = {
     "kv_cache_too_small": (["--kv-cache-gb", "1e-9"], r"kv_cache_memory_gb=1e-09 holds 0 pages", False),
     "unknown_device": (["--device", "gpu0"], r"gpu0", False),
     "out_is_a_directory": (["--out", "{w}/out_is_dir"], r"out_is_dir", False),
+    "eagle_without_drafter": (["--speculative", "eagle"], r"--speculative eagle needs --drafter", False),
+    "drafter_with_suffix": (["--speculative", "suffix", "--drafter", "{w}/drafter_other"],
+                            r"--drafter .* is used only with --speculative eagle or auto", False),
+    "drafter_for_another_vocabulary": (["--speculative", "eagle", "--drafter", "{w}/drafter_other"],
+                                       r"drafter_other was made for a target with vocabulary 400 .*vocabulary 320",
+                                       False),
+    "drafter_missing": (["--speculative", "auto", "--drafter", "{w}/no_drafter"], r"config\.json not found", False),
+    "num_draft_tokens_zero": (["--num-draft-tokens", "0"], r"--num-draft-tokens: 0 is not a positive", True),
 }
 if not torch.cuda.is_available():
     BAD["cuda_device_without_cuda"] = (["--device", "cuda"], r"(?i)cuda", False)
@@ -132,7 +144,14 @@ def runs(work: Path) -> dict[str, Run]:
     greedy = ["generate", "--dtype", "float32", "--model", str(w / "tiny"),
               "--limit", "2", "--num-builtin", "3", "--n", "2",
               "--max-tokens", "12", "--temperature", "0", "--reward", "none", "--no-progress"]
-    for name, extra in (("greedy", []), ("greedy_chunked", ["--max-num-batched-tokens", "8"])):
+    drafter = w / "drafter_tiny"
+    made = _run([str(SPECROLL), "init-drafter", "--model", str(w / "tiny"), "--out", str(drafter),
+                 "--draft-vocab-size", "300", "--num-builtin", "8"], drafter)
+    assert made.rc == 0, made.stderr
+    speculative = (("greedy_suffix", ["--speculative", "suffix"]),
+                   ("greedy_eagle", ["--speculative", "eagle", "--drafter", str(drafter)]),
+                   ("greedy_auto", ["--speculative", "auto", "--drafter", str(drafter), "--num-draft-tokens", "3"]))
+    for name, extra in (("greedy", []), ("greedy_chunked", ["--max-num-batched-tokens", "8"]), *speculative):
         out = w / "out" / name / "rollouts.jsonl"
         jobs[name] = ([sys.executable, "-m", "specroll.actors.cli", *greedy, *extra, "--out", str(out)], out)
     # A run that fails after the engine is built, over an existing output file.
@@ -285,3 +304,14 @@ def test_prompts_longer_than_the_step_budget_are_prefilled_in_chunks(runs: dict[
     assert run.rc == 0, run.stderr[-2000:]
     chunked = [(r["prompt_id"], r["token_ids"]) for r in read_records(run.out)]
     assert chunked == [(r["prompt_id"], r["token_ids"]) for r in read_records(runs["greedy"].out)]
+
+
+@pytest.mark.parametrize("name", ["greedy_suffix", "greedy_eagle", "greedy_auto"])
+def test_speculative_runs_emit_what_plain_greedy_emits(runs: dict[str, Run], name: str) -> None:
+    run = runs[name]
+    assert run.rc == 0, run.stderr[-2000:]
+    records = read_records(run.out)
+    assert [(r["token_ids"], r["logprobs"] and len(r["logprobs"])) for r in records] == [
+        (r["token_ids"], r["logprobs"] and len(r["logprobs"])) for r in read_records(runs["greedy"].out)]
+    assert re.search(r"\d+/\d+ drafts accepted, acceptance length \d\.\d\d", run.stdout), run.stdout
+    assert re.search(r"\d+/[1-9]\d* drafts accepted", run.stdout), "nothing was drafted"

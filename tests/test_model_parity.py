@@ -38,10 +38,10 @@ def test_prefill_and_decode_logits_match_transformers(tiny_checkpoint, arch, tie
     prefill = 29
     meta = build_metadata([prefill], [prefill], [table], page_size)
     backend.plan(meta)
-    got.append(model.compute_logits(model(ids[:prefill], meta.positions(), caches, backend)))
+    got.append(model.compute_logits(model(ids[:prefill], meta.positions(), caches, backend)[0]))
     for t in range(prefill, len(ids)):  # step-by-step decode, crossing page boundaries
         meta = build_metadata([1], [t + 1], [table], page_size)
         backend.plan(meta)
-        got.append(model.compute_logits(model(ids[t : t + 1], meta.positions(), caches, backend)))
+        got.append(model.compute_logits(model(ids[t : t + 1], meta.positions(), caches, backend)[0]))
     diff = (torch.cat(got) - expected).abs().max().item()
     assert diff <= 1e-4, f"{arch}: max |logits - transformers| = {diff}"

@@ -66,13 +66,13 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint: Checkpoint, re
 
     meta = build_metadata([len(prompt)], [len(prompt)], [table], page_size)
     backend.plan(meta)
-    prefill = model.compute_logits(model(torch.tensor(prompt), meta.positions(), caches, backend))  # [P, V]
+    prefill = model.compute_logits(model(torch.tensor(prompt), meta.positions(), caches, backend)[0])  # [P, V]
     ids, got = list(prompt), [prefill]
     for _ in range(decode_steps):  # greedy continuation, one token a step
         ids.append(int(got[-1][-1].argmax()))
         meta = build_metadata([1], [len(ids)], [table], page_size)
         backend.plan(meta)
-        got.append(model.compute_logits(model(torch.tensor(ids[-1:]), meta.positions(), caches, backend)))
+        got.append(model.compute_logits(model(torch.tensor(ids[-1:]), meta.positions(), caches, backend)[0]))
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0, :-1].float()  # [P + steps - 1, V]
     got_all = torch.cat(got)[: expected.shape[0]]
@@ -98,3 +98,38 @@ def test_greedy_generation_equals_transformers(checkpoint: Checkpoint, reference
     # A coherent start of an answer about the question, in English.
     assert text.isascii() and len(text.split()) >= 10, text
     assert any(word in text for word in ("Natalia", "clips", "48", "April", "May")), text
+
+
+@pytest.mark.parametrize("drafter", ["suffix", "eagle"])
+def test_greedy_speculative_equals_greedy_plain_across_page_boundaries(checkpoint: Checkpoint, drafter: str) -> None:
+    from specroll.drafter.eagle import EagleProposer
+    from specroll.drafter.eagle_head import EagleConfig, EagleHead, build_draft_vocab, eagle3_feature_layers
+    from specroll.drafter.suffix import SuffixProposer
+
+    page, k = 16, 4
+    questions = [QUESTION, "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts "
+                 "in total does it take? Show your work step by step and repeat the numbers you use."]
+    encoded = [checkpoint.tokenizer.encode_chat(format_question(q)) for q in questions]
+    lengths = [page * m - j for m in (4, 5) for j in range(k + 1)]  # page_size·m − j, j = 0..k
+    prompts = [encoded[i % 2][:n] for i, n in enumerate(lengths)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+
+    def generate(proposer) -> dict[str, list[int]]:
+        config = EngineConfig(model="smollm2-135m", kv_cache_memory_gb=0.05, max_model_len=1024, dtype="float32",
+                              page_size=page, num_draft_tokens=k)
+        engine = Engine(config, checkpoint, proposer=proposer)
+        for i, p in enumerate(prompts):
+            engine.add_request(p, greedy, f"r{i}", group_id=f"g{i % 2}")
+        done = run_to_completion(engine)
+        if proposer is not None:
+            assert engine.spec_stats.num_drafted > 0
+        return {r: c.token_ids for r, c in done.items()}
+
+    if drafter == "suffix":
+        proposer = SuffixProposer()
+    else:
+        config = checkpoint.config
+        head_config = EagleConfig.for_target(config, eagle3_feature_layers(config.num_layers), 8192)
+        counts = torch.arange(config.vocab_size, 0, -1).double()
+        proposer = EagleProposer(EagleHead.init(head_config, build_draft_vocab(counts, 8192)), page_size=page)
+    assert generate(proposer) == generate(None)

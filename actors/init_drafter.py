@@ -1,0 +1,54 @@
+"""``specroll init-drafter``: a fresh (untrained) EAGLE drafter for a model, ready for online training.
+
+The draft vocabulary is the N target tokens seen most often in a corpus — the prompts (and answers)
+of a task, encoded as the generator would — with the end-of-sequence tokens always included; ties,
+and tokens the corpus never shows, are ranked by id (byte-level BPE gives frequent merges low ids).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from specroll.actors.generate import GenerateError, _encode_prompt, _load_task
+
+
+def run_init_drafter(args: argparse.Namespace) -> None:
+    """Write an initialised drafter for ``args.model`` into directory ``args.out``.
+
+    Raises:
+        GenerateError: bad model, prompts, feature choice or vocabulary size; nothing is written then.
+    """
+    import torch
+
+    from specroll.drafter.eagle_head import EagleConfig, EagleHead, build_draft_vocab, eagle3_feature_layers
+    from specroll.engine.checkpoint import CheckpointError, load_checkpoint
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise GenerateError(f"--out {out} exists and is not a directory")
+    prompts = _load_task(args)
+    try:
+        checkpoint = load_checkpoint(args.model)
+    except CheckpointError as exc:
+        raise GenerateError(str(exc)) from None
+    config = checkpoint.config
+    vocab = config.vocab_size
+    size = min(args.draft_vocab_size, vocab)
+    counts = torch.zeros(vocab, dtype=torch.float64)  # [V] occurrences in the corpus
+    for p in prompts:
+        ids = _encode_prompt(checkpoint.tokenizer, p.question)
+        if p.answer:
+            ids += checkpoint.tokenizer.encode(p.answer)
+        counts += torch.bincount(torch.tensor(ids, dtype=torch.long).clamp(0, vocab - 1), minlength=vocab)
+    eos = [t for t in set(checkpoint.tokenizer.eos_token_ids) | set(config.eos_token_ids) if 0 <= t < vocab]
+    counts[eos] = float("inf")
+    layers = (config.num_layers,) if args.features == "last" else eagle3_feature_layers(config.num_layers)
+    try:
+        head_config = EagleConfig.for_target(config, layers, size)
+    except ValueError as exc:
+        raise GenerateError(str(exc)) from None
+    head = EagleHead.init(head_config, build_draft_vocab(counts, size), seed=args.seed)
+    head.save(out)
+    print(f"drafter for {args.model}: taps {list(layers)}, draft vocabulary {size} of {vocab}, "
+          f"{sum(p.numel() for p in head.parameters()) / 1e6:.1f}M trainable parameters -> {out}")

@@ -1,0 +1,284 @@
+"""EAGLE drafting inside the engine: the head's own paged K/V, fed with the target's features.
+
+After every engine step the target's features of newly verified positions arrive through
+:meth:`EagleProposer.observe`; they wait until the request next decodes. :meth:`propose` then runs
+one ragged "catch-up" pass of the head over each request's waiting (feature ``f_t``, token
+``x_{t+1}``) pairs — the whole prompt on a request's first draft — which ends at the last verified
+position and yields the first draft; each further draft is one more head step fed with the head's
+own output (EAGLE's autoregressive drafting, arXiv 2401.15077 §4.2). The K/V of those further
+steps is dropped afterwards: the next step replaces it with K/V computed from real target features.
+
+Drafts are sampled from the head's distribution q processed like the request's (temperature →
+top-k → top-p), and q goes to the verifier, or taken greedily (one-hot q); greedy requests are always
+drafted greedily.
+
+When the target takes a request's first pages from its prefix cache (a group's shared prompt, a
+common system prompt) it computes no features for them; the proposer therefore keeps the features
+of full prompt pages it has seen, keyed by the chain of their tokens as the target's prefix cache
+is, and hands them to the requests that skipped those positions.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specroll.drafter.eagle_head import EagleHead
+from specroll.engine.attention import allocate_kv_cache, kv_bytes_per_page
+from specroll.engine.batch import build_metadata
+from specroll.engine.block_manager import BlockManager
+from specroll.engine.model import CausalLM
+from specroll.engine.proposal import DraftInput, FeatureUpdate, Proposal
+from specroll.engine.sampler import draw_inverse_cdf, processed_logprobs
+from specroll.engine.torch_attention import TorchAttention
+
+
+@dataclass(eq=False)
+class _DraftState:
+    """One request's place in the head's K/V (pages managed by a ``BlockManager``)."""
+
+    request_id: str
+    generator: torch.Generator
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    """Positions whose head K/V was computed from target features."""
+    num_features: int = 0
+    """Positions whose target features are known: the computed ones and ``pending``."""
+    pending: list[torch.Tensor] = field(default_factory=list)
+    usable: bool = True
+    """False when features of some position never arrived: the request is not drafted."""
+    # Fields BlockManager.free resets; the head's pages are never prefix-cached.
+    num_keyed_pages: int = 0
+    last_page_hash: int = 0
+    prefix_cacheable: bool = False
+
+
+class EagleProposer:
+    """Drafts with an :class:`EagleHead` on the engine's target model.
+
+    Args:
+        head: the head, or the directory it was saved in.
+        sample_drafts: draw drafts from q and verify against it; False drafts greedily (one-hot q).
+        kv_cache_memory_gb: memory for the head's paged K/V, in GiB.
+        page_size: tokens per page of that cache.
+        seed: seeds each request's draft sampling (with its id).
+        max_cached_pages: prompt pages of features kept for requests that hit the target's prefix
+            cache (least recently used evicted first). ``page_size`` should divide the engine's.
+
+    Raises:
+        DrafterError: ``head`` is a path that holds no valid drafter.
+    """
+
+    def __init__(self, head: EagleHead | str | Path, *, sample_drafts: bool = True, kv_cache_memory_gb: float = 0.25,
+                 page_size: int = 16, seed: int = 0, max_cached_pages: int = 1024) -> None:
+        self.source = str(head) if not isinstance(head, EagleHead) else "the drafter"
+        self.head = head if isinstance(head, EagleHead) else EagleHead.load(head)
+        self.feature_layers = tuple(self.head.config.feature_layers)
+        self.sample_drafts = sample_drafts
+        self.kv_cache_memory_gb = kv_cache_memory_gb
+        self.page_size = page_size
+        self.seed = seed
+        self.max_cached_pages = max_cached_pages
+        self._states: dict[str, _DraftState] = {}
+        self._prompt_pages: OrderedDict[int, torch.Tensor] = OrderedDict()  # chain key → [page_size, F]
+        self._target: CausalLM | None = None
+
+    # ---- binding --------------------------------------------------------------------------
+
+    def attach(self, target: CausalLM) -> None:
+        """Bind to ``target``: check the head fits it, move the head to its device and dtype and
+        take the LM-head rows of the draft vocabulary (again after every weight update).
+
+        Raises:
+            DrafterError: the head was made for another vocabulary, hidden size or depth.
+        """
+        self.head.check_target(target.config, self.source)
+        weight = target.lm_head_weight
+        if self._target is None:
+            self.head.to(device=weight.device, dtype=weight.dtype).eval()
+            config = self.head.config.as_model_config()
+            num_pages = max(1, int(self.kv_cache_memory_gb * 2**30) // kv_bytes_per_page(
+                config, self.page_size, weight.dtype))
+            self.kv_cache = allocate_kv_cache(config, num_pages, self.page_size, weight.dtype, weight.device)[0]
+            self.block_manager = BlockManager(num_pages, self.page_size, enable_prefix_caching=False)
+            self.backend = TorchAttention(config.num_heads, config.num_kv_heads, config.head_dim)
+        self._target = target
+        d2t = self.head.draft_to_target.to(weight.device)
+        self._head_weight = weight.detach().index_select(0, d2t)  # [draft_vocab, H]
+        self._d2t = d2t
+
+    # ---- features -------------------------------------------------------------------------
+
+    def observe(self, updates: Sequence[FeatureUpdate]) -> None:
+        """Queue target features of newly verified positions (see :class:`FeatureUpdate`)."""
+        for u in updates:
+            state = self._state(u.request_id)
+            if u.start == 0:
+                state.usable = True  # a full recompute (or the first prefill) starts afresh
+            if u.start < state.num_features:
+                self._rewind(state, u.start)
+            if u.start > state.num_features:
+                prefix = self._cached_prefix(u.token_ids, u.start) if state.num_features == 0 else None
+                if prefix is None:
+                    state.usable = False
+                    continue
+                state.pending.append(prefix)
+                state.num_features = u.start
+            state.pending.append(u.features)
+            state.num_features += u.features.shape[0]
+            self._remember_prompt_pages(state, u)
+
+    def _state(self, request_id: str) -> _DraftState:
+        state = self._states.get(request_id)
+        if state is None:
+            g = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{request_id}".encode()))
+            state = self._states[request_id] = _DraftState(request_id, g)
+        return state
+
+    def _rewind(self, state: _DraftState, position: int) -> None:
+        """Forget features (and head K/V) from ``position`` on."""
+        if position < state.num_computed_tokens:
+            self.block_manager.truncate(state, position)  # type: ignore[arg-type]
+            state.num_computed_tokens = position
+            state.pending = []
+        else:
+            keep = position - state.num_computed_tokens
+            state.pending = [torch.cat(state.pending)[:keep]] if keep else []
+        state.num_features = position
+
+    def _page_keys(self, token_ids: Sequence[int], num_pages: int) -> list[int]:
+        keys, parent, ps = [], 0, self.page_size
+        for i in range(num_pages):
+            parent = hash((parent, tuple(token_ids[i * ps : (i + 1) * ps])))
+            keys.append(parent)
+        return keys
+
+    def _remember_prompt_pages(self, state: _DraftState, u: FeatureUpdate) -> None:
+        """Keep the features of full prompt pages this update completed (all still pending: a
+        request's prompt features arrive before its first draft)."""
+        ps = self.page_size
+        first, last = u.start // ps, min(state.num_features, u.prompt_len - 1) // ps
+        if first >= last or state.num_computed_tokens > first * ps:
+            return
+        pending = torch.cat(state.pending)  # positions [num_computed_tokens, num_features)
+        for i, key in enumerate(self._page_keys(u.token_ids, last)[first:], start=first):
+            rows = slice(i * ps - state.num_computed_tokens, (i + 1) * ps - state.num_computed_tokens)
+            self._prompt_pages[key] = pending[rows].clone()
+            self._prompt_pages.move_to_end(key)
+        while len(self._prompt_pages) > self.max_cached_pages:
+            self._prompt_pages.popitem(last=False)
+
+    def _cached_prefix(self, token_ids: Sequence[int], num_positions: int) -> torch.Tensor | None:
+        """Features of positions ``[0, num_positions)`` from cached prompt pages, if all are there."""
+        pages = []
+        for key in self._page_keys(token_ids, -(-num_positions // self.page_size)):
+            page = self._prompt_pages.get(key)
+            if page is None:
+                return None
+            self._prompt_pages.move_to_end(key)
+            pages.append(page)
+        return torch.cat(pages)[:num_positions]
+
+    def finish(self, request_id: str) -> None:
+        """Free the request's head K/V and queued features."""
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            self.block_manager.free(state)  # type: ignore[arg-type]
+
+    # ---- drafting -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(self, batch: Sequence[DraftInput], k: int) -> Proposal:
+        """Draft up to ``k`` tokens per sequence (none for a sequence whose features are incomplete
+        or when the head's K/V is full).
+
+        Returns:
+            A :class:`Proposal`; ``probs`` (float32 ``[B, k, V]``) when some draft was sampled.
+        """
+        assert self._target is not None, "attach() the proposer to the target first"
+        b_size = len(batch)
+        drafts = torch.zeros(b_size, k, dtype=torch.long)
+        num_drafts = torch.zeros(b_size, dtype=torch.long)
+        rows = [b for b, seq in enumerate(batch) if k > 0 and self._ready(seq, k)]
+        if not rows:
+            return Proposal(drafts, num_drafts, None)
+        states = [self._states[batch[b].request_id] for b in rows]
+        params = [batch[b].sampling for b in rows]
+        sampled = [self.sample_drafts and not p.greedy for p in params]
+        last = self._catch_up([batch[b] for b in rows], states)  # [R, H] output at each last verified position
+        probs = torch.zeros(b_size, k, self._target.config.vocab_size) if any(sampled) else None
+        for i in range(k):
+            tokens = self._draw(last, params, sampled, states, probs, rows, i)  # [R]
+            drafts[rows, i] = tokens.cpu()
+            if i + 1 < k:
+                last = self._step([s.num_computed_tokens + i for s in states], states, tokens, last)
+        for state in states:  # drop the K/V of draft positions: real features replace it next step
+            self.block_manager.truncate(state, state.num_computed_tokens)  # type: ignore[arg-type]
+        num_drafts[rows] = k
+        return Proposal(drafts, num_drafts, probs)
+
+    def _ready(self, seq: DraftInput, k: int) -> bool:
+        """Features known up to the last verified position, something to catch up on, and pages for it."""
+        state = self._states.get(seq.request_id)
+        if state is None or not state.usable or state.num_features != len(seq.token_ids) - 1:
+            return False
+        if state.num_features == state.num_computed_tokens:
+            return False
+        return self.block_manager.grow(state, state.num_features + k - 1)  # type: ignore[arg-type]
+
+    def _catch_up(self, batch: list[DraftInput], states: list[_DraftState]) -> torch.Tensor:
+        assert self._target is not None
+        features, tokens, positions, q_lens = [], [], [], []
+        for seq, state in zip(batch, states, strict=True):
+            start, end = state.num_computed_tokens, state.num_features
+            features.extend(state.pending)
+            tokens.extend(seq.token_ids[start + 1 : end + 1])  # pair f_t with x_{t+1}
+            positions.extend(range(start, end))
+            q_lens.append(end - start)
+            state.pending, state.num_computed_tokens = [], end
+        device = self._head_weight.device
+        meta = build_metadata(q_lens, [s.num_computed_tokens for s in states], [s.block_table for s in states],
+                              self.page_size)
+        self.backend.plan(meta)
+        embeds = F.embedding(torch.tensor(tokens, device=device), self._target.model.embed_tokens.weight)
+        hidden = self.head(embeds, torch.cat(features), torch.tensor(positions, device=device), self.kv_cache,
+                           self.backend, from_target=True)  # [T, H]
+        ends = torch.tensor(q_lens, device=device).cumsum(0) - 1
+        return hidden[ends]
+
+    def _step(self, positions: list[int], states: list[_DraftState], tokens: torch.Tensor,
+              last: torch.Tensor) -> torch.Tensor:
+        """One more draft position per row, fed with the head's previous output."""
+        assert self._target is not None
+        meta = build_metadata([1] * len(states), [p + 1 for p in positions], [s.block_table for s in states],
+                              self.page_size)
+        self.backend.plan(meta)
+        embeds = F.embedding(tokens, self._target.model.embed_tokens.weight)
+        pos = torch.tensor(positions, device=tokens.device)
+        return self.head(embeds, last, pos, self.kv_cache, self.backend, from_target=False)
+
+    def _draw(self, last: torch.Tensor, params: list, sampled: list[bool], states: list[_DraftState],
+              probs: torch.Tensor | None, rows: list[int], i: int) -> torch.Tensor:
+        """Draft token i of each row: sampled from processed q (recorded in ``probs``) or argmax."""
+        assert self._target is not None
+        draft_logits = self.head.draft_logits(last, self._head_weight)  # [R, draft_vocab]
+        logits = torch.full((last.shape[0], self._target.config.vocab_size), float("-inf"))  # [R, V]
+        logits[:, self._d2t.cpu()] = draft_logits.cpu()
+        tokens = logits.argmax(-1)
+        if any(sampled):
+            logprobs = processed_logprobs(logits, params)
+            for r, (is_sampled, state) in enumerate(zip(sampled, states, strict=True)):
+                if is_sampled:
+                    q = logprobs[r].double().exp()
+                    u = torch.rand(1, dtype=torch.float64, generator=state.generator)
+                    tokens[r] = draw_inverse_cdf(q[None], u)[0]
+                    probs[rows[r], i] = q.float()  # type: ignore[index]
+                else:
+                    probs[rows[r], i, tokens[r]] = 1.0  # type: ignore[index]
+        return tokens.to(last.device)

@@ -1,0 +1,284 @@
+"""The EAGLE draft head: architecture, initialisation, and its file format (safetensors + JSON).
+
+For target features ``f_t`` (the taps of :meth:`CausalLM.forward`) and the next token ``x_{t+1}``:
+
+    g_t = fuse([f_t^low ; f_t^mid ; f_t^high])      # EAGLE-3's fc, only with several taps
+    h_t = layer(fc([embed(x_{t+1}) ; g_t]))          # EAGLE-1 / TLT: 2H → H, one decoder layer
+    q(x_{t+2}) = softmax(head_D(norm(h_t)))          # the target's LM head, rows of the draft vocab
+
+(Li et al. 2024, "EAGLE", arXiv 2401.15077, §4.1; Li et al. 2025, "EAGLE-3", arXiv 2503.01840, §3;
+TLT's ``qwen2_eagle.py`` in mit-han-lab/fastrl.) When drafting further than one token the head's
+own pre-norm output ``h_t`` stands in for the unknown target feature: ``g_{t+1} = h_t``.
+
+The embedding and the LM head are the target's, frozen and shared (not in the file); the head is
+restricted to a draft vocabulary of the N most frequent target tokens, ``draft_to_target[i]``
+being the target id of draft token i (EAGLE-3's ``d2t``, stored as absolute ids).
+
+A drafter is a directory holding ``config.json`` (:class:`EagleConfig`) and ``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import safetensors
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from specroll.engine.attention import AttentionBackend
+from specroll.engine.model import DecoderLayer, RMSNorm, RotaryEmbedding
+from specroll.engine.model_config import ModelConfig
+
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+
+
+class DrafterError(ValueError):
+    """A drafter file is missing, malformed, or made for another target."""
+
+
+class EagleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Shape of an EAGLE head and of the target it was made for."""
+
+    target_vocab_size: int
+    """Vocabulary of the target model (its embedding rows)."""
+    hidden_size: int
+    """The target's hidden size, and the head's."""
+    intermediate_size: int
+    """SwiGLU width of the head's decoder layer."""
+    num_heads: int
+    """Query heads of the head's decoder layer."""
+    num_kv_heads: int
+    """Key/value heads of the head's decoder layer."""
+    head_dim: int
+    """Width of one attention head."""
+    rms_norm_eps: float
+    """Epsilon of the head's RMSNorms."""
+    rope_theta: float
+    """RoPE base of the head's attention (the target's)."""
+    feature_layers: tuple[int, ...]
+    """Target taps (``CausalLM.forward``): ``(num_layers,)`` for EAGLE-1's final hidden state, or
+    three layers (low, mid, high) for EAGLE-3's fusion."""
+    draft_vocab_size: int
+    """Tokens the head can propose (N)."""
+    format: int = 1
+    """File-format version."""
+
+    def __post_init__(self) -> None:
+        for name in ("target_vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+                     "head_dim", "draft_vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"drafter config: {name}={getattr(self, name)}, expected a positive integer")
+        if self.draft_vocab_size > self.target_vocab_size:
+            raise ValueError(f"drafter config: draft_vocab_size={self.draft_vocab_size} exceeds "
+                             f"target_vocab_size={self.target_vocab_size}")
+        if not self.feature_layers or min(self.feature_layers) < 0:
+            raise ValueError(f"drafter config: feature_layers={self.feature_layers}, expected non-negative taps")
+        if self.format != 1:
+            raise ValueError(f"drafter config: format={self.format}, this specroll reads format 1")
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, feature_layers: tuple[int, ...], draft_vocab_size: int) -> EagleConfig:
+        """A head shaped like one layer of ``target``.
+
+        Raises:
+            ValueError: a tap outside ``[0, target.num_layers]`` or a bad draft vocabulary size.
+        """
+        bad = [i for i in feature_layers if not 0 <= i <= target.num_layers]
+        if bad:
+            raise ValueError(f"feature layers {bad}: expected taps in [0, {target.num_layers}]")
+        return cls(target.vocab_size, target.hidden_size, target.intermediate_size, target.num_heads,
+                   target.num_kv_heads, target.head_dim, target.rms_norm_eps, target.rope_theta,
+                   tuple(feature_layers), draft_vocab_size)
+
+    def as_model_config(self) -> ModelConfig:
+        """The one-layer decoder the head runs, as a :class:`ModelConfig`."""
+        return ModelConfig("llama", self.draft_vocab_size, self.hidden_size, self.intermediate_size, 1,
+                           self.num_heads, self.num_kv_heads, self.head_dim, self.rms_norm_eps,
+                           self.rope_theta, 1 << 30, False)
+
+
+def eagle3_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low/mid/high taps ``(2, N//2, N−3)`` (vLLM ``get_eagle3_aux_hidden_state_layers``),
+    clamped into ``[0, N−1]`` for very shallow models."""
+    return tuple(min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3))  # type: ignore[return-value]
+
+
+def build_draft_vocab(token_counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The ``size`` most frequent target tokens, as ``draft_to_target`` (EAGLE-3's ``scandata``).
+
+    Args:
+        token_counts: ``[V]`` occurrences of each target token in some corpus (e.g. rollouts).
+        size: draft vocabulary size N, ``1 ≤ N ≤ V``.
+
+    Returns:
+        int64 ``[N]`` target ids, ascending (ties broken by the lower id).
+
+    Raises:
+        ValueError: ``size`` out of range.
+    """
+    if not 1 <= size <= token_counts.numel():
+        raise ValueError(f"draft vocabulary size {size}: expected 1..{token_counts.numel()}")
+    order = sorted(range(token_counts.numel()), key=lambda t: (-float(token_counts[t]), t))
+    return torch.tensor(sorted(order[:size]), dtype=torch.long)
+
+
+class EagleHead(nn.Module):
+    """The trainable part of an EAGLE drafter (see the module docstring).
+
+    Args:
+        config: its shape.
+        draft_to_target: int64 ``[draft_vocab_size]`` distinct target ids.
+
+    Raises:
+        ValueError: ``draft_to_target`` has the wrong length, repeats an id or leaves the vocabulary.
+    """
+
+    def __init__(self, config: EagleConfig, draft_to_target: torch.Tensor) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        n_taps = len(config.feature_layers)
+        self.fuse = nn.Linear(n_taps * h, h, bias=False) if n_taps > 1 else None
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layer = DecoderLayer(config.as_model_config())
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        d2t = draft_to_target.long().cpu()
+        if d2t.shape != (config.draft_vocab_size,) or d2t.unique().numel() != d2t.numel():
+            raise ValueError(f"draft_to_target: shape {tuple(d2t.shape)}, expected "
+                             f"({config.draft_vocab_size},) distinct ids")
+        if d2t.numel() and not (0 <= int(d2t.min()) and int(d2t.max()) < config.target_vocab_size):
+            raise ValueError(f"draft_to_target: ids outside the target vocabulary [0, {config.target_vocab_size})")
+        self.register_buffer("draft_to_target", d2t)
+
+    @classmethod
+    def init(cls, config: EagleConfig, draft_to_target: torch.Tensor, seed: int = 0) -> EagleHead:
+        """A freshly initialised head (normal(0, 0.02) matrices, unit norms), to be trained."""
+        head = cls(config, draft_to_target)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in head.named_parameters():
+                if name.endswith("norm.weight") or "layernorm" in name:
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        return head
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        backend: AttentionBackend,
+        from_target: bool,
+    ) -> torch.Tensor:
+        """One ragged batch of (feature, next token) pairs through the head, appending its K/V.
+
+        Args:
+            embeds: ``[T, H]`` target embeddings of the next tokens ``x_{t+1}``.
+            features: ``[T, n_taps·H]`` target taps (``from_target``) or ``[T, H]`` the head's own
+                earlier outputs.
+            positions: int64 ``[T]`` positions t.
+            kv_cache: the head's cache ``[num_pages, 2, page_size, num_kv_heads, head_dim]``.
+            backend: an attention backend planned for this batch.
+            from_target: whether ``features`` are target taps (fused first when several).
+
+        Returns:
+            ``[T, H]`` pre-norm outputs ``h_t``; logits come from :meth:`draft_logits`.
+        """
+        if from_target and self.fuse is not None:
+            features = self.fuse(features)
+        x = self.fc(torch.cat([embeds, features], dim=-1))  # [T, H]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        return self.layer(x, cos, sin, kv_cache, backend)
+
+    def draft_logits(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+        """float32 ``[T, draft_vocab_size]`` logits from pre-norm outputs ``[T, H]`` and the target's
+        LM-head rows of the draft vocabulary ``[draft_vocab_size, H]``."""
+        return torch.nn.functional.linear(self.norm(hidden), head_weight).float()
+
+    def check_target(self, target: ModelConfig, source: str = "the drafter") -> None:
+        """Raise :class:`DrafterError` unless this head fits ``target``'s vocabulary, width and depth."""
+        c = self.config
+        if (c.target_vocab_size, c.hidden_size) != (target.vocab_size, target.hidden_size):
+            raise DrafterError(
+                f"{source} was made for a target with vocabulary {c.target_vocab_size} and hidden size "
+                f"{c.hidden_size}; this model has vocabulary {target.vocab_size} and hidden size "
+                f"{target.hidden_size}"
+            )
+        if max(c.feature_layers) > target.num_layers:
+            raise DrafterError(f"{source} taps layers {c.feature_layers}; this model has {target.num_layers} layers")
+
+    def save(self, path: str | Path) -> None:
+        """Write ``config.json`` and ``model.safetensors`` into directory ``path`` (made if missing).
+
+        Each file is written to a temporary name and renamed, so a reader never sees half a file.
+        """
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
+        _write_atomic(path / WEIGHTS_FILE, lambda tmp: save_file(tensors, tmp, metadata={"format": "specroll-eagle"}))
+        _write_atomic(path / CONFIG_FILE, lambda tmp: Path(tmp).write_bytes(msgspec.json.format(
+            msgspec.json.encode(self.config), indent=2)))
+
+    @classmethod
+    def load(cls, path: str | Path) -> EagleHead:
+        """Read a head saved by :meth:`save` (float32 or any float dtype; cast by the caller).
+
+        Raises:
+            DrafterError: a missing file, a malformed config, or tensors whose names or shapes do
+                not match the config; the message names the file and the value.
+        """
+        path = Path(path)
+        config_path, weights_path = path / CONFIG_FILE, path / WEIGHTS_FILE
+        for p in (config_path, weights_path):
+            if not p.is_file():
+                raise DrafterError(
+                    f"drafter {path}: {p.name} not found; expected a directory written by EagleHead.save"
+                )
+        try:
+            config = msgspec.json.decode(config_path.read_bytes(), type=EagleConfig)
+        except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
+            raise DrafterError(f"drafter {config_path}: {exc}") from None
+        try:
+            with safetensors.safe_open(str(weights_path), framework="pt") as f:
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
+        except (OSError, safetensors.SafetensorError) as exc:
+            raise DrafterError(f"drafter {weights_path}: not a readable safetensors file ({exc})") from None
+        d2t = tensors.get("draft_to_target")
+        if d2t is None:
+            raise DrafterError(f"drafter {weights_path}: no 'draft_to_target' tensor")
+        try:
+            head = cls(config, d2t)
+        except ValueError as exc:
+            raise DrafterError(f"drafter {weights_path}: {exc}") from None
+        expected = {name: tuple(t.shape) for name, t in head.state_dict().items()}
+        got = {name: tuple(t.shape) for name, t in tensors.items()}
+        if expected != got:
+            diff = sorted(set(expected.items()) ^ set(got.items()))[:4]
+            raise DrafterError(f"drafter {weights_path}: tensors do not match {config_path.name}: {diff}")
+        bad = [name for name, t in tensors.items() if name != "draft_to_target" and not t.is_floating_point()]
+        if bad:
+            raise DrafterError(f"drafter {weights_path}: tensors {bad} are not floating point")
+        head.load_state_dict(tensors)
+        return head
+
+
+def _write_atomic(target: Path, write: Callable[[str], object]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    os.close(fd)
+    try:
+        write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,142 @@
+"""Adaptive draft length: a bucketed epsilon-greedy bandit over k in {0, 1, ..., K}.
+
+Each engine step drafts k tokens per sequence (k = 0 is plain decoding). The best k depends on how
+well the drafter is doing and on how busy the GPU is: at batch size 1 verification is nearly free and
+long drafts pay, at large batch sizes the step is compute-bound and drafting can cost more than it
+wins. So the controller learns online, separately per live-batch-size bucket, which k gives the most
+emitted tokens per second of wall time.
+
+Algorithm (TLT, "Taming the Long-Tail", arXiv 2511.16665; reference: mit-han-lab/fastrl, SGLang
+``eagle_mab.py``, "Bucketed Epsilon-Greedy"):
+
+- Buckets are powers of two: (1, 1), (2, 2), (3, 4), (5, 8), (9, 16), ... With hysteresis h the
+  controller stays in its bucket (lo, hi) while lo / (1 + h) <= batch_size <= hi * (1 + h), so a batch
+  size wobbling across a boundary (8, 9, 8, 9) does not flap between buckets.
+- Per bucket and arm k, the last ``window`` rewards (tokens/s) are kept; the estimate is their median,
+  which ignores the odd slow step (a prefill, a GC pause) and forgets old regimes.
+- An arm with fewer than ``min_trials`` rewards in the bucket is tried first, in the order
+  k = K, K-1, ..., 0 (deterministic). After that: with probability epsilon a uniformly random arm,
+  else the arm with the best median (ties go to the smaller k: less drafting work for the same rate).
+
+Errors: ``ValueError`` naming the bad value for invalid arguments; ``RuntimeError`` for ``record``
+before any ``choose``.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+Bucket = tuple[int, int]
+
+
+def bucket_of(batch_size: int) -> Bucket:
+    """The power-of-two bucket (lo, hi) containing ``batch_size``: (2^(j-1) + 1, 2^j) for batch_size > 1."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if batch_size == 1:
+        return (1, 1)
+    j = (batch_size - 1).bit_length()  # smallest j with 2^j >= batch_size
+    return (2 ** (j - 1) + 1, 2**j)
+
+
+@dataclass
+class _BucketStats:
+    rewards: list[deque[float]]
+    """Per arm k: the last ``window`` rewards, tokens/s."""
+    trials: list[int]
+    """Per arm k: rewards recorded so far (not capped by the window)."""
+
+
+class DraftLengthBandit:
+    """Chooses the draft length k per engine step; see the module docstring for the algorithm."""
+
+    def __init__(
+        self,
+        max_k: int,
+        *,
+        epsilon: float = 0.05,
+        window: int = 64,
+        min_trials: int = 3,
+        hysteresis: float = 0.25,
+        seed: int = 0,
+    ) -> None:
+        if max_k < 1:
+            raise ValueError(f"max_k must be >= 1, got {max_k}")
+        if not 0.0 <= epsilon <= 1.0:
+            raise ValueError(f"epsilon must be in [0, 1], got {epsilon}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        if min_trials < 1:
+            raise ValueError(f"min_trials must be >= 1, got {min_trials}")
+        if not hysteresis >= 0.0:
+            raise ValueError(f"hysteresis must be >= 0, got {hysteresis}")
+        self.max_k = max_k
+        self.epsilon = epsilon
+        self.window = window
+        self.min_trials = min_trials
+        self.hysteresis = hysteresis
+        self._rng = random.Random(seed)
+        self._stats: dict[Bucket, _BucketStats] = {}
+        self._bucket: Bucket | None = None
+
+    @property
+    def bucket(self) -> Bucket | None:
+        """The current bucket (lo, hi), inclusive batch sizes; ``None`` before the first ``choose``."""
+        return self._bucket
+
+    def choose(self, batch_size: int) -> int:
+        """The draft length k in [0, max_k] for a step whose live decoding batch has ``batch_size`` sequences.
+
+        Raises ``ValueError`` if ``batch_size < 1``.
+        """
+        # batch_size < 1 is never within a bucket's range, so bucket_of() validates it.
+        if self._bucket is None or not self._within(self._bucket, batch_size):
+            self._bucket = bucket_of(batch_size)
+        stats = self._stats_for(self._bucket)
+        # Warm-up: the least-tried arm below min_trials, larger k first -> round-robin K, K-1, ..., 0.
+        untried = [k for k in range(self.max_k, -1, -1) if stats.trials[k] < self.min_trials]
+        if untried:
+            return min(untried, key=lambda k: stats.trials[k])
+        if self._rng.random() < self.epsilon:
+            return self._rng.randrange(self.max_k + 1)
+        medians = [statistics.median(r) for r in stats.rewards]
+        return max(range(self.max_k + 1), key=lambda k: medians[k])  # max keeps the first: ties -> smaller k
+
+    def record(self, k: int, num_tokens: int, seconds: float) -> None:
+        """Credit the step that ran with draft length ``k``: ``num_tokens`` emitted in ``seconds`` of wall time.
+
+        The reward num_tokens / seconds (tokens/s) goes to the bucket the last ``choose`` used; ``k`` may differ
+        from the k chosen (the engine may have drafted fewer). Raises ``ValueError`` for k outside [0, max_k],
+        num_tokens < 0 or seconds <= 0, and ``RuntimeError`` if ``choose`` was never called.
+        """
+        if self._bucket is None:
+            raise RuntimeError("record() called before any choose(): no bucket to credit")
+        if not 0 <= k <= self.max_k:
+            raise ValueError(f"k must be in [0, {self.max_k}], got {k}")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        if not seconds > 0.0:
+            raise ValueError(f"seconds must be > 0, got {seconds}")
+        stats = self._stats_for(self._bucket)
+        stats.rewards[k].append(num_tokens / seconds)
+        stats.trials[k] += 1
+
+    def estimates(self, bucket: Bucket) -> dict[int, float | None]:
+        """Median reward (tokens/s) per arm k in ``bucket``; ``None`` for an arm with no reward there yet."""
+        stats = self._stats.get(bucket)
+        if stats is None:
+            return dict.fromkeys(range(self.max_k + 1))
+        return {k: statistics.median(r) if r else None for k, r in enumerate(stats.rewards)}
+
+    def _within(self, bucket: Bucket, batch_size: int) -> bool:
+        lo, hi = bucket
+        return lo / (1.0 + self.hysteresis) <= batch_size <= hi * (1.0 + self.hysteresis)
+
+    def _stats_for(self, bucket: Bucket) -> _BucketStats:
+        if bucket not in self._stats:
+            arms = range(self.max_k + 1)
+            self._stats[bucket] = _BucketStats([deque(maxlen=self.window) for _ in arms], [0 for _ in arms])
+        return self._stats[bucket]

@@ -1,0 +1,237 @@
+"""The EAGLE proposer in the engine: lossless output, exact logprobs, features, file format, refusal."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import teacher_forced_logits
+
+from specroll.drafter.eagle import EagleProposer
+from specroll.drafter.eagle_head import (
+    DrafterError,
+    EagleConfig,
+    EagleHead,
+    build_draft_vocab,
+    eagle3_feature_layers,
+)
+from specroll.engine.checkpoint import load_checkpoint
+from specroll.engine.config import EngineConfig
+from specroll.engine.driver import run_to_completion
+from specroll.engine.engine import Engine
+from specroll.engine.model_config import ModelConfig
+from specroll.engine.sampler import processed_logprobs
+from specroll.protocol.sampling import SamplingParams
+
+PAGE, K = 8, 4
+
+
+def make_head(config: ModelConfig, taps: str = "last", draft_vocab: int = 200, seed: int = 0) -> EagleHead:
+    layers = (config.num_layers,) if taps == "last" else eagle3_feature_layers(config.num_layers)
+    counts = torch.arange(config.vocab_size, 0, -1).float()  # low ids most frequent
+    return EagleHead.init(EagleConfig.for_target(config, layers, draft_vocab), build_draft_vocab(counts, draft_vocab),
+                          seed=seed)
+
+
+def make_engine(path, head: EagleHead | None, **kw) -> Engine:
+    settings: dict = dict(model=str(path), page_size=PAGE, kv_cache_memory_gb=0.01, max_model_len=256,
+                          dtype="float32", num_draft_tokens=K)
+    proposer = EagleProposer(head, page_size=PAGE, kv_cache_memory_gb=0.01) if head is not None else None
+    return Engine(EngineConfig(**{**settings, **kw}), proposer=proposer)
+
+
+def prompts_at_page_boundaries() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    lengths = [PAGE * m - j for m in (2, 3) for j in range(K + 1)]  # page_size·m − j, j = 0..k
+    shared = torch.randint(3, 300, (PAGE,), generator=g).tolist()  # a common first page, as a system prompt
+    return [shared + torch.randint(3, 300, (n - PAGE,), generator=g).tolist() for n in lengths]
+
+
+def run(engine: Engine, prompts: list[list[int]], sampling: SamplingParams, n: int = 1):
+    for i, p in enumerate(prompts):
+        for j in range(n):
+            engine.add_request(p, sampling, f"r{i}.{j}", group_id=f"g{i}")
+    return run_to_completion(engine)
+
+
+@pytest.mark.parametrize("taps", ["last", "eagle3"])
+def test_greedy_eagle_equals_greedy_plain_and_frees_everything(tiny_checkpoint, taps):
+    path = tiny_checkpoint("llama")
+    config = load_checkpoint(str(path)).config
+    prompts = prompts_at_page_boundaries()
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    plain = run(make_engine(path, None), prompts, greedy, n=2)
+    engine = make_engine(path, make_head(config, taps))
+    spec = run(engine, prompts, greedy, n=2)
+    assert {r: c.token_ids for r, c in spec.items()} == {r: c.token_ids for r, c in plain.items()}
+    for r, c in spec.items():
+        assert c.logprobs == pytest.approx(plain[r].logprobs, abs=1e-4)
+    stats = engine.spec_stats
+    # Every decode step but the last of each request drafted: group siblings and requests sharing
+    # the first page (taken from the target's prefix cache) got their prompt features from the cache.
+    assert stats.num_draft_steps == sum(len(c.token_ids) - 2 for c in spec.values())
+    assert stats.num_drafted > stats.num_accepted
+    proposer = engine.proposer
+    assert isinstance(proposer, EagleProposer)
+    assert not proposer._states and proposer.block_manager.num_free_pages == proposer.block_manager.num_pages
+    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+
+
+def test_sampled_eagle_drafts_keep_exact_logprobs_and_get_accepted(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3")
+    config = load_checkpoint(str(path)).config
+    sampling = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=24, seed=5, ignore_eos=True)
+    prompts = prompts_at_page_boundaries()[:4]
+    engine = make_engine(path, make_head(config, "eagle3", draft_vocab=config.vocab_size))
+    done = run(engine, prompts, sampling)
+    assert engine.spec_stats.num_accepted > 0  # sampled q close to a flat p: many drafts pass
+    reference = make_engine(path, None)
+    for i, p in enumerate(prompts):
+        c = done[f"r{i}.0"]
+        logits = teacher_forced_logits(reference, p, c.token_ids)
+        expected = processed_logprobs(logits, [sampling] * len(c.token_ids))
+        expected = expected.gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
+        assert torch.isfinite(expected).all()
+        assert (torch.tensor(c.logprobs) - expected).abs().max().item() <= 1e-4
+
+
+class RecordingProposer:
+    """Drafts a fixed guess and records every feature update (a test implementation of the protocol)."""
+
+    def __init__(self, feature_layers: tuple[int, ...]) -> None:
+        self.feature_layers = feature_layers
+        self.features: dict[str, dict[int, torch.Tensor]] = {}
+
+    def attach(self, target) -> None:
+        pass
+
+    def propose(self, batch, k):
+        from specroll.engine.proposal import Proposal
+
+        # Repeat the last token: sometimes right, so acceptances and rejections both happen.
+        drafts = torch.tensor([[seq.token_ids[-1]] * k for seq in batch], dtype=torch.long)
+        return Proposal(drafts, torch.full((len(batch),), k, dtype=torch.long), None)
+
+    def observe(self, updates) -> None:
+        for u in updates:
+            rows = self.features.setdefault(u.request_id, {})
+            for i in range(u.features.shape[0]):
+                rows[u.start + i] = u.features[i].clone()
+
+    def finish(self, request_id: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("layers", [(2,), (0, 1, 2)])
+def test_observed_features_are_the_target_taps_of_every_verified_position(tiny_checkpoint, layers):
+    path = tiny_checkpoint("llama")
+    proposer = RecordingProposer(layers)
+    engine = Engine(EngineConfig(model=str(path), page_size=PAGE, kv_cache_memory_gb=0.01, max_model_len=256,
+                                 dtype="float32", num_draft_tokens=K, max_num_batched_tokens=16,
+                                 enable_prefix_caching=False), proposer=proposer)
+    prompts = prompts_at_page_boundaries()[::3]  # chunked prefill: 16-token budget
+    done = run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    assert engine.spec_stats.num_accepted > 0 and engine.spec_stats.num_drafted > engine.spec_stats.num_accepted
+    from specroll.engine.batch import build_metadata
+
+    for i, p in enumerate(prompts):
+        tokens = p + done[f"r{i}.0"].token_ids
+        ids = torch.tensor(tokens[:-1])  # positions whose K/V the target verified before the end
+        meta = build_metadata([len(ids)], [len(ids)], [list(range(8))], PAGE)
+        engine.backend.plan(meta)
+        _, taps = engine.model(ids, meta.positions(), engine.kv_caches, engine.backend, layers)
+        seen = proposer.features[f"r{i}.0"]
+        # Every position from 0 on, up to the last step's (a finished request gets no update).
+        assert sorted(seen) == list(range(len(seen))) and len(seen) >= len(tokens) - K - 2
+        got = torch.stack([seen[t] for t in sorted(seen)])
+        torch.testing.assert_close(got, taps[: len(seen)], atol=1e-4, rtol=1e-4)
+
+
+def test_eagle_survives_preemption_with_identical_greedy_output(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    config = load_checkpoint(str(path)).config
+    prompts = prompts_at_page_boundaries()
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = run(make_engine(path, None), prompts, greedy)
+    small = dict(kv_cache_memory_gb=30 * PAGE * config.kv_bytes_per_token * 4 / 2**30, max_model_len=96)
+    engine = make_engine(path, make_head(config), **small)
+    proposer = engine.proposer
+    assert isinstance(proposer, EagleProposer)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, greedy, f"r{i}.0", group_id=f"g{i}")
+    spec = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            spec.setdefault(out.request_id, []).extend(out.new_token_ids)
+        for seq in engine.scheduler.running:  # the drafter's features follow the target's K/V
+            state = proposer._states.get(seq.request_id)
+            if state is not None and state.usable:
+                assert state.num_features == seq.num_computed_tokens
+                assert len(state.block_table) == proposer.block_manager.pages_needed(state.num_computed_tokens)
+    assert engine.scheduler.num_preemptions > 0
+    assert spec == {r: c.token_ids for r, c in plain.items()}
+    assert engine.spec_stats.num_draft_steps > 0
+    assert not proposer._states and proposer.block_manager.num_free_pages == proposer.block_manager.num_pages
+
+
+def test_save_load_round_trip_gives_the_same_drafts(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("llama")
+    config = load_checkpoint(str(path)).config
+    head = make_head(config, "eagle3", seed=3)
+    head.save(tmp_path / "drafter")
+    loaded = EagleHead.load(tmp_path / "drafter")
+    assert loaded.config == head.config
+    for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    sampling = SamplingParams(temperature=0.9, max_tokens=12, seed=1, ignore_eos=True)
+    prompts = prompts_at_page_boundaries()[:3]
+    first = run(make_engine(path, head), prompts, sampling)
+    again = Engine(EngineConfig(model=str(path), page_size=PAGE, kv_cache_memory_gb=0.01, max_model_len=256,
+                                dtype="float32", num_draft_tokens=K),
+                   proposer=EagleProposer(tmp_path / "drafter", page_size=PAGE, kv_cache_memory_gb=0.01))
+    second = run(again, prompts, sampling)
+    assert {r: c.token_ids for r, c in first.items()} == {r: c.token_ids for r, c in second.items()}
+
+
+def test_a_drafter_for_another_vocabulary_or_hidden_size_is_refused(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("llama")
+    other_vocab = tiny_checkpoint("qwen2", vocab_size=400)
+    other_width = tiny_checkpoint("qwen3", hidden_size=96)
+    for other, words in [(other_vocab, "vocabulary 400"), (other_width, "hidden size 96")]:
+        head = make_head(load_checkpoint(str(other)).config)
+        head.save(tmp_path / other.name)
+        with pytest.raises(DrafterError, match=words) as info:
+            Engine(EngineConfig(model=str(path), page_size=PAGE, kv_cache_memory_gb=0.01, dtype="float32"),
+                   proposer=EagleProposer(tmp_path / other.name, page_size=PAGE))
+        assert str(tmp_path / other.name) in str(info.value) and "320" in str(info.value)
+
+
+def test_malformed_drafter_files_are_refused_naming_the_file(tiny_checkpoint, tmp_path):
+    config = load_checkpoint(str(tiny_checkpoint("llama"))).config
+    good = tmp_path / "good"
+    make_head(config).save(good)
+    cases = {}
+    (missing := tmp_path / "missing").mkdir()
+    cases[missing] = "config.json not found"
+    bad_json = tmp_path / "bad_json"
+    make_head(config).save(bad_json)
+    (bad_json / "config.json").write_text("{not json")
+    cases[bad_json] = "config.json"
+    bad_field = tmp_path / "bad_field"
+    make_head(config).save(bad_field)
+    raw = json.loads((bad_field / "config.json").read_text())
+    (bad_field / "config.json").write_text(json.dumps({**raw, "draft_vocab_size": 0}))
+    cases[bad_field] = "draft_vocab_size=0"
+    wrong_shape = tmp_path / "wrong_shape"
+    make_head(config).save(wrong_shape)
+    (wrong_shape / "config.json").write_text(json.dumps({**raw, "intermediate_size": 64}))
+    cases[wrong_shape] = "do not match"
+    not_tensors = tmp_path / "not_tensors"
+    make_head(config).save(not_tensors)
+    (not_tensors / "model.safetensors").write_bytes(b"\x00" * 100)
+    cases[not_tensors] = "safetensors"
+    for where, words in cases.items():
+        with pytest.raises(DrafterError, match=words):
+            EagleHead.load(where)
+    EagleHead.load(good)
