@@ -100,29 +100,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``specroll`` console script; returns the process exit code."""
     args = build_parser().parse_args(argv)
+    from specroll.actors.generate import GenerateError
+
     if args.command == "generate":
-        from specroll.actors.generate import GenerateError, run_generate
-
-        try:
-            run_generate(args)
-        except GenerateError as exc:
-            print(f"specroll generate: error: {exc}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:
-            print("specroll generate: interrupted; no output written", file=sys.stderr)
-            return 130
-        return 0
-    if args.command == "init-drafter":
-        from specroll.actors.generate import GenerateError
-        from specroll.actors.init_drafter import run_init_drafter
-
-        try:
-            run_init_drafter(args)
-        except GenerateError as exc:
-            print(f"specroll init-drafter: error: {exc}", file=sys.stderr)
-            return 2
-        return 0
-    raise AssertionError(f"unhandled command {args.command!r}")
+        from specroll.actors.generate import run_generate as run
+    elif args.command == "init-drafter":
+        from specroll.actors.init_drafter import run_init_drafter as run
+    else:
+        raise AssertionError(f"unhandled command {args.command!r}")
+    try:
+        run(args)
+    except GenerateError as exc:
+        print(f"specroll {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"specroll {args.command}: interrupted; nothing written", file=sys.stderr)
+        return 130
+    return 0
 
 
 if __name__ == "__main__":

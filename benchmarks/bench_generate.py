@@ -286,19 +286,14 @@ def run_hf(model: PreTrainedModel, prompts: list[list[int]], batch_size: int, ma
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
-    import torch
+    from common import setup_torch
 
     from specroll.engine.checkpoint import load_checkpoint
     from specroll.engine.config import EngineConfig
-    from specroll.engine.engine import Engine, resolve_dtype
+    from specroll.engine.engine import Engine
     from specroll.engine.registry import resolve_model
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
-    args.dtype = str(dtype).removeprefix("torch.")
-    threads = torch.get_num_threads()
-    load_before = os.getloadavg()[0]
+    dtype, args.dtype, threads, load_before = setup_torch(args.threads, args.dtype)
     print(f"model {args.model}, dtype {args.dtype}, {threads} torch threads, "
           f"max_new_tokens {args.max_new_tokens}", flush=True)
 

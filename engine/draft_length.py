@@ -12,11 +12,15 @@ Algorithm (TLT, "Taming the Long-Tail", arXiv 2511.16665; reference: mit-han-lab
 - Buckets are powers of two: (1, 1), (2, 2), (3, 4), (5, 8), (9, 16), ... With hysteresis h the
   controller stays in its bucket (lo, hi) while lo / (1 + h) <= batch_size <= hi * (1 + h), so a batch
   size wobbling across a boundary (8, 9, 8, 9) does not flap between buckets.
-- Per bucket and arm k, the last ``window`` rewards (tokens/s) are kept; the estimate is their median,
-  which ignores the odd slow step (a prefill, a GC pause) and forgets old regimes.
-- An arm with fewer than ``min_trials`` rewards in the bucket is tried first, in the order
-  k = K, K-1, ..., 0 (deterministic). After that: with probability epsilon a uniformly random arm,
-  else the arm with the best median (ties go to the smaller k: less drafting work for the same rate).
+- Per bucket and arm k, the last ``window`` steps (tokens emitted, seconds) are kept; the estimate is
+  their throughput, total tokens / total seconds, which forgets old regimes. (TLT takes the median
+  of per-step rates; per-step tokens are skewed — a drafting step emits 1 token or k + 1 — and the
+  median then under-rates drafting, so we estimate the rate the arm actually delivers.)
+- An arm with fewer than ``min_trials`` steps in the bucket is tried first. In a fresh bucket the
+  order follows the estimates of the bucket the controller just left (best first; a batch that
+  drains from 16 to 1 moves through several buckets and should not start each from scratch);
+  without one, k = K, K-1, ..., 0. After that: with probability epsilon a uniformly random arm, else
+  the arm with the best estimate (ties go to the smaller k: less drafting work for the same rate).
 
 Errors: ``ValueError`` naming the bad value for invalid arguments; ``RuntimeError`` for ``record``
 before any ``choose``.
@@ -25,7 +29,6 @@ before any ``choose``.
 from __future__ import annotations
 
 import random
-import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -44,10 +47,17 @@ def bucket_of(batch_size: int) -> Bucket:
 
 @dataclass
 class _BucketStats:
-    rewards: list[deque[float]]
-    """Per arm k: the last ``window`` rewards, tokens/s."""
+    steps: list[deque[tuple[int, float]]]
+    """Per arm k: the last ``window`` steps as (tokens emitted, seconds)."""
     trials: list[int]
-    """Per arm k: rewards recorded so far (not capped by the window)."""
+    """Per arm k: steps recorded so far (not capped by the window)."""
+    warmup_order: list[int]
+    """Arms in the order the warm-up tries them."""
+
+    def estimate(self, k: int) -> float | None:
+        """Throughput of arm k over its window, tokens/s; None before any step."""
+        steps = self.steps[k]
+        return sum(t for t, _ in steps) / sum(s for _, s in steps) if steps else None
 
 
 class DraftLengthBandit:
@@ -59,7 +69,7 @@ class DraftLengthBandit:
         *,
         epsilon: float = 0.05,
         window: int = 64,
-        min_trials: int = 3,
+        min_trials: int = 2,
         hysteresis: float = 0.25,
         seed: int = 0,
     ) -> None:
@@ -94,16 +104,17 @@ class DraftLengthBandit:
         """
         # batch_size < 1 is never within a bucket's range, so bucket_of() validates it.
         if self._bucket is None or not self._within(self._bucket, batch_size):
+            left = self._bucket
             self._bucket = bucket_of(batch_size)
-        stats = self._stats_for(self._bucket)
-        # Warm-up: the least-tried arm below min_trials, larger k first -> round-robin K, K-1, ..., 0.
-        untried = [k for k in range(self.max_k, -1, -1) if stats.trials[k] < self.min_trials]
+            self._stats_for(self._bucket, previous=left)
+        stats = self._stats[self._bucket]
+        untried = [k for k in stats.warmup_order if stats.trials[k] < self.min_trials]
         if untried:
-            return min(untried, key=lambda k: stats.trials[k])
+            return min(untried, key=lambda k: stats.trials[k])  # round-robin in warm-up order
         if self._rng.random() < self.epsilon:
             return self._rng.randrange(self.max_k + 1)
-        medians = [statistics.median(r) for r in stats.rewards]
-        return max(range(self.max_k + 1), key=lambda k: medians[k])  # max keeps the first: ties -> smaller k
+        rates = [stats.estimate(k) or 0.0 for k in range(self.max_k + 1)]
+        return max(range(self.max_k + 1), key=lambda k: rates[k])  # max keeps the first: ties -> smaller k
 
     def record(self, k: int, num_tokens: int, seconds: float) -> None:
         """Credit the step that ran with draft length ``k``: ``num_tokens`` emitted in ``seconds`` of wall time.
@@ -120,23 +131,27 @@ class DraftLengthBandit:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         if not seconds > 0.0:
             raise ValueError(f"seconds must be > 0, got {seconds}")
-        stats = self._stats_for(self._bucket)
-        stats.rewards[k].append(num_tokens / seconds)
+        stats = self._stats[self._bucket]
+        stats.steps[k].append((num_tokens, seconds))
         stats.trials[k] += 1
 
     def estimates(self, bucket: Bucket) -> dict[int, float | None]:
-        """Median reward (tokens/s) per arm k in ``bucket``; ``None`` for an arm with no reward there yet."""
+        """Throughput (tokens/s) per arm k in ``bucket`` over its window; ``None`` for an arm not run there yet."""
         stats = self._stats.get(bucket)
         if stats is None:
             return dict.fromkeys(range(self.max_k + 1))
-        return {k: statistics.median(r) if r else None for k, r in enumerate(stats.rewards)}
+        return {k: stats.estimate(k) for k in range(self.max_k + 1)}
 
     def _within(self, bucket: Bucket, batch_size: int) -> bool:
         lo, hi = bucket
         return lo / (1.0 + self.hysteresis) <= batch_size <= hi * (1.0 + self.hysteresis)
 
-    def _stats_for(self, bucket: Bucket) -> _BucketStats:
+    def _stats_for(self, bucket: Bucket, previous: Bucket | None) -> _BucketStats:
         if bucket not in self._stats:
             arms = range(self.max_k + 1)
-            self._stats[bucket] = _BucketStats([deque(maxlen=self.window) for _ in arms], [0 for _ in arms])
+            order = list(reversed(arms))
+            if previous is not None:
+                rates = self.estimates(previous)
+                order.sort(key=lambda k: -(rates[k] or 0.0))  # stable: unknown arms keep K, ..., 0
+            self._stats[bucket] = _BucketStats([deque(maxlen=self.window) for _ in arms], [0 for _ in arms], order)
         return self._stats[bucket]

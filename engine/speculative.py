@@ -92,8 +92,10 @@ def verify_drafts(
         target[i, : len(d) + 1] = logprobs[row : row + len(d) + 1].double().exp()
         draft_ids[i, : len(d)] = torch.tensor(d, dtype=torch.long)
         if not seq.sampling.greedy:
-            u = torch.rand(k + 1, dtype=torch.float64, generator=seq.generator)
-            accept_u[i], sample_u[i] = u[:k], u[k]
+            # One uniform per draft and one for the emitted token: a sequence without drafts draws
+            # exactly what plain sampling draws, so it emits the same token.
+            u = torch.rand(len(d) + 1, dtype=torch.float64, generator=seq.generator)
+            accept_u[i, : len(d)], sample_u[i] = u[: len(d)], u[len(d)]
         row += len(d) + 1
     num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.long)
     greedy = torch.tensor([s.sampling.greedy for s in seqs], dtype=torch.bool)

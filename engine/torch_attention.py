@@ -2,9 +2,9 @@
 
 ``plan`` turns FlashInfer's batch description into gather indices once per step; ``forward``
 then, for each layer, scatters the new K/V into the pages and runs
-``scaled_dot_product_attention`` on K/V gathered from them. Sequences with few new tokens
-(decodes, speculative verifies) are padded into one batched call; long prefills run one by one so
-that a long prompt never pads the whole batch.
+``scaled_dot_product_attention`` on K/V gathered from them. Decodes share one batched call and
+sequences with a few new tokens (speculative verifies) another, padded to their longest query;
+long prefills run one by one so that a long prompt never pads the whole batch.
 """
 
 from __future__ import annotations
@@ -58,12 +58,13 @@ class TorchAttention:
         seq_of_row = torch.repeat_interleave(torch.arange(meta.num_seqs), q_lens)
         self.k_slots = _k_slot(meta, seq_of_row, positions)  # [T]
         self.num_tokens = meta.num_tokens
-        short = (q_lens <= SHORT_QUERY).nonzero().flatten()
-        self.short: _PaddedGroup | None = None
-        self.short_rows: torch.Tensor | None = None
-        if short.numel():
-            self.short = self._plan_padded(meta, short, q_lens[short], kv_lens[short])
-            self.short_rows = self.short.rows[self.short.valid]
+        # Decodes and verifies are padded separately: one sequence verifying k + 1 tokens must not
+        # pad every decode in the batch to k + 1 queries.
+        self.short: list[tuple[_PaddedGroup, torch.Tensor]] = []  # (group, its token rows [n])
+        for short in ((q_lens == 1).nonzero().flatten(), ((q_lens > 1) & (q_lens <= SHORT_QUERY)).nonzero().flatten()):
+            if short.numel():
+                group = self._plan_padded(meta, short, q_lens[short], kv_lens[short])
+                self.short.append((group, group.rows[group.valid]))
         self.prefills: list[_Prefill] = []
         starts = meta.qo_indptr.tolist()
         for b in (q_lens > SHORT_QUERY).nonzero().flatten().tolist():
@@ -108,15 +109,14 @@ class TorchAttention:
         # several times slower, and the gathered copies are made anyway.
         qf = q.float()
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # [T, H, D]
-        if self.short is not None:
-            g = self.short
+        for g, rows in self.short:
             qg = qf[g.rows].transpose(1, 2)  # [S, H, q_max, D]
             pages = kv_cache[g.page_table]  # [S, max_pages, 2, ps, H_kv, D]
             s_, n = pages.shape[:2]
             kg = pages[:, :, 0].float().reshape(s_, n * ps, self.num_kv_heads, self.head_dim).transpose(1, 2)
             vg = pages[:, :, 1].float().reshape(s_, n * ps, self.num_kv_heads, self.head_dim).transpose(1, 2)
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True)
-            out[self.short_rows] = o.transpose(1, 2)[g.valid]
+            out[rows] = o.transpose(1, 2)[g.valid]
         for p in self.prefills:
             qp = qf[p.rows].transpose(0, 1)  # [H, q_len, D]
             kp = flat[p.k_slots].float().transpose(0, 1)  # [H_kv, kv_len, D]

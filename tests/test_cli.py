@@ -315,3 +315,17 @@ def test_speculative_runs_emit_what_plain_greedy_emits(runs: dict[str, Run], nam
         (r["token_ids"], r["logprobs"] and len(r["logprobs"])) for r in read_records(runs["greedy"].out)]
     assert re.search(r"\d+/\d+ drafts accepted, acceptance length \d\.\d\d", run.stdout), run.stdout
     assert re.search(r"\d+/[1-9]\d* drafts accepted", run.stdout), "nothing was drafted"
+
+
+def test_init_drafter_writes_a_loadable_drafter_and_refuses_bad_input(work: Path, tmp_path: Path) -> None:
+    from specroll.drafter.eagle_head import EagleHead
+
+    head = EagleHead.load(work / "drafter_tiny")  # made by the `runs` fixture with --draft-vocab-size 300
+    assert head.config.draft_vocab_size == 300 and head.config.target_vocab_size == 320
+    assert head.config.feature_layers == (1, 1, 0)  # EAGLE-3's (2, N/2, N-3) clamped into a 2-layer model
+    assert 2 in head.draft_to_target.tolist()  # the end-of-sequence token is always draftable
+    out = tmp_path / "drafter"
+    bad = _run([str(SPECROLL), "init-drafter", "--model", str(work / "no-such-model"), "--out", str(out)], out)
+    assert bad.rc == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.startswith("specroll init-drafter: error: ") and "no-such-model" in bad.stderr
+    assert not out.exists()

@@ -226,3 +226,17 @@ def test_adaptive_draft_length_tries_every_k_and_keeps_greedy_output(tiny_checkp
     assert {r: c.token_ids for r, c in done.items()} == {r: c.token_ids for r, c in plain.items()}
     assert set(chosen) == set(range(K + 1))  # each arm is tried (0 = plain decoding)
     assert engine.spec_stats.num_steps == len(chosen)
+
+
+def test_sequences_without_drafts_sample_exactly_as_plain_decoding(tiny_checkpoint):
+    from specroll.drafter.replay import ReplayProposer
+
+    path = tiny_checkpoint("llama")
+    prompts = repetitive_prompts([13, 21, 30])
+    sampling = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=16, seed=11, ignore_eos=True)
+    plain = run(make_engine(path, False), prompts, sampling)
+    settings = dict(model=str(path), page_size=PAGE, kv_cache_memory_gb=0.01, max_model_len=256, dtype="float32")
+    never = Engine(EngineConfig(**settings), proposer=ReplayProposer({}))  # knows no rollout: never drafts
+    done = run(never, prompts, sampling)
+    assert never.spec_stats.num_steps > 0 and never.spec_stats.num_drafted == 0
+    assert {r: c.token_ids for r, c in done.items()} == {r: c.token_ids for r, c in plain.items()}
