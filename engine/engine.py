@@ -435,6 +435,8 @@ class Engine:
                 raise ValueError(f"weight update: {name} has dtype {tensor.dtype}, expected a floating dtype")
         self.model.load_weights(named_tensors)
         self.weight_version = version
+        if self.proposer is not None:
+            self.proposer.attach(self.model)  # a drafter sharing the LM head re-reads it
         for seq in self._requests.values():
             if seq.num_computed_tokens:
                 seq.prefix_cacheable = False

@@ -235,3 +235,17 @@ def test_malformed_drafter_files_are_refused_naming_the_file(tiny_checkpoint, tm
         with pytest.raises(DrafterError, match=words):
             EagleHead.load(where)
     EagleHead.load(good)
+
+
+def test_a_weight_update_reaches_the_drafters_lm_head(tiny_checkpoint):
+    path = tiny_checkpoint("llama")  # tied: the LM head is the embedding
+    config = load_checkpoint(str(path)).config
+    engine = make_engine(path, make_head(config))
+    proposer = engine.proposer
+    assert isinstance(proposer, EagleProposer)
+    new = torch.randn(config.vocab_size, config.hidden_size, generator=torch.Generator().manual_seed(5))
+    engine.update_weights({"model.embed_tokens.weight": new}, version=1)
+    torch.testing.assert_close(proposer._head_weight, new[proposer.head.draft_to_target])
+    engine.add_request(prompts_at_page_boundaries()[0], SamplingParams(temperature=0.0, max_tokens=6), "r")
+    done = run_to_completion(engine)["r"]
+    assert done.versions == [1] * 6 and engine.spec_stats.num_drafted > 0
