@@ -79,8 +79,9 @@ def _add_init_drafter(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--features", choices=["last", "eagle3"], default="eagle3",
                    help="target features: the last hidden state (EAGLE-1) or three layers low/mid/high "
                         "(EAGLE-3) (default: %(default)s)")
-    p.add_argument("--draft-vocab-size", type=positive_int, default=8192,
-                   help="tokens the drafter can propose (default: %(default)s)")
+    p.add_argument("--draft-vocab-size", type=positive_int, default=None,
+                   help="tokens the drafter can propose, at most the model's vocabulary "
+                        "(default: 8192, or the whole vocabulary when it is smaller)")
     p.add_argument("--prompts", default=None,
                    help="JSONL prompts whose tokens rank the draft vocabulary (default: the built-in task)")
     p.add_argument("--limit", type=positive_int, default=None, help="use only the first N prompts")

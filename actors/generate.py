@@ -94,7 +94,8 @@ def _generate(args: argparse.Namespace, prompts: list[Prompt], base: SamplingPar
         if len(ids) >= engine.max_model_len:
             raise GenerateError(
                 f"prompt {p.prompt_id!r} has {len(ids)} tokens with the chat template; the model's "
-                f"context holds {engine.max_model_len}"
+                f"context holds {engine.max_model_len}, leaving no room for a response "
+                f"(raise --max-model-len to at least {len(ids) + 1} if the model allows)"
             )
         prompt_ids[p.prompt_id] = ids
     for j, p in enumerate(prompts):
@@ -131,8 +132,11 @@ def _generate(args: argparse.Namespace, prompts: list[Prompt], base: SamplingPar
 def _speculation_summary(engine: Engine) -> str:
     if engine.proposer is None:
         return ""
-    return (f", {engine.spec_stats.num_accepted}/{engine.spec_stats.num_drafted} drafts accepted, "
-            f"acceptance length {engine.spec_stats.acceptance_length:.2f}")
+    stats = engine.spec_stats
+    if not stats.num_drafted:
+        return ", nothing drafted"
+    return (f", {stats.num_accepted}/{stats.num_drafted} drafts accepted, "
+            f"acceptance length {stats.acceptance_length:.2f}")
 
 
 def _build_engine(args: argparse.Namespace):  # -> Engine, imported lazily (torch)

@@ -24,6 +24,8 @@ def run_init_drafter(args: argparse.Namespace) -> None:
     from specroll.drafter.eagle_head import EagleConfig, EagleHead, build_draft_vocab, eagle3_feature_layers
     from specroll.engine.checkpoint import CheckpointError, load_checkpoint
 
+    if not args.out.strip():
+        raise GenerateError("--out is empty; expected the directory to write the drafter into")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise GenerateError(f"--out {out} exists and is not a directory")
@@ -34,7 +36,9 @@ def run_init_drafter(args: argparse.Namespace) -> None:
         raise GenerateError(str(exc)) from None
     config = checkpoint.config
     vocab = config.vocab_size
-    size = min(args.draft_vocab_size, vocab)
+    size = args.draft_vocab_size if args.draft_vocab_size is not None else min(8192, vocab)
+    if size > vocab:
+        raise GenerateError(f"--draft-vocab-size {size} exceeds the vocabulary of {args.model} ({vocab} tokens)")
     counts = torch.zeros(vocab, dtype=torch.float64)  # [V] occurrences in the corpus
     for p in prompts:
         ids = _encode_prompt(checkpoint.tokenizer, p.question)
@@ -49,6 +53,9 @@ def run_init_drafter(args: argparse.Namespace) -> None:
     except ValueError as exc:
         raise GenerateError(str(exc)) from None
     head = EagleHead.init(head_config, build_draft_vocab(counts, size), seed=args.seed)
-    head.save(out)
+    try:
+        head.save(out)
+    except OSError as exc:
+        raise GenerateError(f"cannot write the drafter to {out}: {exc.strerror or exc}") from None
     print(f"drafter for {args.model}: taps {list(layers)}, draft vocabulary {size} of {vocab}, "
           f"{sum(p.numel() for p in head.parameters()) / 1e6:.1f}M trainable parameters -> {out}")

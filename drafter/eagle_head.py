@@ -65,19 +65,22 @@ class EagleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     three layers (low, mid, high) for EAGLE-3's fusion."""
     draft_vocab_size: int
     """Tokens the head can propose (N)."""
+    target_num_layers: int
+    """Depth of the target model: with its vocabulary and width, identifies what the head fits."""
     format: int = 1
     """File-format version."""
 
     def __post_init__(self) -> None:
         for name in ("target_vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
-                     "head_dim", "draft_vocab_size"):
+                     "head_dim", "draft_vocab_size", "target_num_layers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"drafter config: {name}={getattr(self, name)}, expected a positive integer")
         if self.draft_vocab_size > self.target_vocab_size:
             raise ValueError(f"drafter config: draft_vocab_size={self.draft_vocab_size} exceeds "
                              f"target_vocab_size={self.target_vocab_size}")
-        if not self.feature_layers or min(self.feature_layers) < 0:
-            raise ValueError(f"drafter config: feature_layers={self.feature_layers}, expected non-negative taps")
+        if not self.feature_layers or not all(0 <= i <= self.target_num_layers for i in self.feature_layers):
+            raise ValueError(f"drafter config: feature_layers={list(self.feature_layers)}, expected taps in "
+                             f"[0, target_num_layers={self.target_num_layers}]")
         if self.format != 1:
             raise ValueError(f"drafter config: format={self.format}, this specroll reads format 1")
 
@@ -93,7 +96,7 @@ class EagleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"feature layers {bad}: expected taps in [0, {target.num_layers}]")
         return cls(target.vocab_size, target.hidden_size, target.intermediate_size, target.num_heads,
                    target.num_kv_heads, target.head_dim, target.rms_norm_eps, target.rope_theta,
-                   tuple(feature_layers), draft_vocab_size)
+                   tuple(feature_layers), draft_vocab_size, target.num_layers)
 
     def as_model_config(self) -> ModelConfig:
         """The one-layer decoder the head runs, as a :class:`ModelConfig`."""
@@ -102,10 +105,11 @@ class EagleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                            self.rope_theta, 1 << 30, False)
 
 
-def eagle3_feature_layers(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's low/mid/high taps ``(2, N//2, N−3)`` (vLLM ``get_eagle3_aux_hidden_state_layers``),
-    clamped into ``[0, N−1]`` for very shallow models."""
-    return tuple(min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3))  # type: ignore[return-value]
+def eagle3_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low/mid/high taps ``(2, N//2, N−3)`` (vLLM ``get_eagle3_aux_hidden_state_layers``);
+    below 6 layers ``(0, N//2, N−1)``, ascending and without repeats (one or two taps for N ≤ 2)."""
+    taps = (2, num_layers // 2, num_layers - 3) if num_layers >= 6 else (0, num_layers // 2, num_layers - 1)
+    return tuple(sorted(set(taps)))
 
 
 def build_draft_vocab(token_counts: torch.Tensor, size: int) -> torch.Tensor:
@@ -149,9 +153,10 @@ class EagleHead(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         d2t = draft_to_target.long().cpu()
-        if d2t.shape != (config.draft_vocab_size,) or d2t.unique().numel() != d2t.numel():
-            raise ValueError(f"draft_to_target: shape {tuple(d2t.shape)}, expected "
-                             f"({config.draft_vocab_size},) distinct ids")
+        if d2t.shape != (config.draft_vocab_size,):
+            raise ValueError(f"draft_to_target: shape {tuple(d2t.shape)}, expected ({config.draft_vocab_size},)")
+        if d2t.unique().numel() != d2t.numel():
+            raise ValueError("draft_to_target: repeats a target id; expected distinct ids")
         if d2t.numel() and not (0 <= int(d2t.min()) and int(d2t.max()) < config.target_vocab_size):
             raise ValueError(f"draft_to_target: ids outside the target vocabulary [0, {config.target_vocab_size})")
         self.register_buffer("draft_to_target", d2t)
@@ -204,16 +209,15 @@ class EagleHead(nn.Module):
         return torch.nn.functional.linear(self.norm(hidden), head_weight).float()
 
     def check_target(self, target: ModelConfig, source: str = "the drafter") -> None:
-        """Raise :class:`DrafterError` unless this head fits ``target``'s vocabulary, width and depth."""
+        """Raise :class:`DrafterError` unless this head was made for ``target``'s vocabulary, width and depth."""
         c = self.config
-        if (c.target_vocab_size, c.hidden_size) != (target.vocab_size, target.hidden_size):
+        made = (c.target_vocab_size, c.hidden_size, c.target_num_layers)
+        if made != (target.vocab_size, target.hidden_size, target.num_layers):
             raise DrafterError(
-                f"{source} was made for a target with vocabulary {c.target_vocab_size} and hidden size "
-                f"{c.hidden_size}; this model has vocabulary {target.vocab_size} and hidden size "
-                f"{target.hidden_size}"
+                f"{source} was made for a target with vocabulary {c.target_vocab_size}, hidden size "
+                f"{c.hidden_size} and {c.target_num_layers} layers; this model has vocabulary {target.vocab_size}, "
+                f"hidden size {target.hidden_size} and {target.num_layers} layers"
             )
-        if max(c.feature_layers) > target.num_layers:
-            raise DrafterError(f"{source} taps layers {c.feature_layers}; this model has {target.num_layers} layers")
 
     def save(self, path: str | Path) -> None:
         """Write ``config.json`` and ``model.safetensors`` into directory ``path`` (made if missing).
@@ -237,13 +241,15 @@ class EagleHead(nn.Module):
         """
         path = Path(path)
         config_path, weights_path = path / CONFIG_FILE, path / WEIGHTS_FILE
+        made_by = "expected a directory written by 'specroll init-drafter' (EagleHead.save)"
+        if not path.is_dir():
+            raise DrafterError(f"drafter {path}: {'not a directory' if path.exists() else 'does not exist'}; {made_by}")
         for p in (config_path, weights_path):
             if not p.is_file():
-                raise DrafterError(
-                    f"drafter {path}: {p.name} not found; expected a directory written by EagleHead.save"
-                )
+                raise DrafterError(f"drafter {path}: {p.name} not found; {made_by}")
         try:
             config = msgspec.json.decode(config_path.read_bytes(), type=EagleConfig)
+            config.as_model_config()  # the head's layer shape is valid
         except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
             raise DrafterError(f"drafter {config_path}: {exc}") from None
         try:
@@ -251,23 +257,33 @@ class EagleHead(nn.Module):
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
         except (OSError, safetensors.SafetensorError) as exc:
             raise DrafterError(f"drafter {weights_path}: not a readable safetensors file ({exc})") from None
-        d2t = tensors.get("draft_to_target")
-        if d2t is None:
-            raise DrafterError(f"drafter {weights_path}: no 'draft_to_target' tensor")
+        expected = {name: tuple(t.shape) for name, t in cls._shapes(config).items()}
+        missing = sorted(set(expected) - set(tensors))
+        unexpected = sorted(set(tensors) - set(expected))
+        if missing or unexpected:
+            raise DrafterError(f"drafter {weights_path}: missing tensors {missing[:4]}, unexpected tensors "
+                               f"{unexpected[:4]} for the head {config_path.name} describes")
+        for name, shape in expected.items():
+            if tuple(tensors[name].shape) != shape:
+                raise DrafterError(f"drafter {weights_path}: {name} has shape {tuple(tensors[name].shape)}, "
+                                   f"{config_path.name} makes it {shape}")
+            wanted = "integer" if name == "draft_to_target" else "floating-point"
+            if tensors[name].is_floating_point() != (wanted == "floating-point"):
+                raise DrafterError(f"drafter {weights_path}: {name} has dtype {tensors[name].dtype}, expected {wanted}")
+            if wanted == "floating-point" and not torch.isfinite(tensors[name]).all():
+                raise DrafterError(f"drafter {weights_path}: {name} holds NaN or infinite values")
         try:
-            head = cls(config, d2t)
+            head = cls(config, tensors["draft_to_target"])
         except ValueError as exc:
             raise DrafterError(f"drafter {weights_path}: {exc}") from None
-        expected = {name: tuple(t.shape) for name, t in head.state_dict().items()}
-        got = {name: tuple(t.shape) for name, t in tensors.items()}
-        if expected != got:
-            diff = sorted(set(expected.items()) ^ set(got.items()))[:4]
-            raise DrafterError(f"drafter {weights_path}: tensors do not match {config_path.name}: {diff}")
-        bad = [name for name, t in tensors.items() if name != "draft_to_target" and not t.is_floating_point()]
-        if bad:
-            raise DrafterError(f"drafter {weights_path}: tensors {bad} are not floating point")
         head.load_state_dict(tensors)
         return head
+
+
+    @staticmethod
+    def _shapes(config: EagleConfig) -> dict[str, torch.Tensor]:
+        """The state dict a head with ``config`` has (built once on the CPU: a few million numbers)."""
+        return dict(EagleHead(config, torch.arange(config.draft_vocab_size)).state_dict())
 
 
 def _write_atomic(target: Path, write: Callable[[str], object]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from typing import Literal
 
 import msgspec
@@ -54,6 +55,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     as k then depends on timing, is not reproducible run to run."""
 
     def __post_init__(self) -> None:
+        for name, kind in (("backend", BackendName), ("dtype", DTypeName), ("draft_length", DraftLength)):
+            allowed = typing.get_args(kind)
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}, expected one of {', '.join(map(repr, allowed))}")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size}, expected a positive power of two")
         if not self.kv_cache_memory_gb > 0:

@@ -20,7 +20,7 @@ from specroll.engine.checkpoint import Checkpoint, expected_weight_shapes, load_
 from specroll.engine.config import EngineConfig
 from specroll.engine.draft_length import DraftLengthBandit
 from specroll.engine.model import CausalLM
-from specroll.engine.proposal import DraftInput, FeatureUpdate, Proposer
+from specroll.engine.proposal import DraftInput, FeatureUpdate, Proposal, Proposer
 from specroll.engine.sampler import sample
 from specroll.engine.scheduler import ScheduledSequence, Scheduler
 from specroll.engine.sequence import Completion, FinishReason, Sequence, SequenceStatus, StepOutput
@@ -120,6 +120,7 @@ class Engine:
         self._feature_layers: tuple[int, ...] = ()
         self._bandit: DraftLengthBandit | None = None
         if proposer is not None:
+            proposer.attach(self.model)  # a drafter checks it fits this model first, naming its file
             bad = [i for i in proposer.feature_layers if not 0 <= i <= ckpt.config.num_layers]
             if bad:
                 raise ValueError(
@@ -127,7 +128,6 @@ class Engine:
                     f"expected taps in [0, {ckpt.config.num_layers}]"
                 )
             self._feature_layers = tuple(proposer.feature_layers)
-            proposer.attach(self.model)
             if config.draft_length == "adaptive":
                 self._bandit = DraftLengthBandit(config.num_draft_tokens, seed=config.seed)
         self._arrivals = itertools.count()
@@ -328,16 +328,41 @@ class Engine:
         proposal = self.proposer.propose(
             [DraftInput(seq.request_id, seq.group_id, seq.token_ids, seq.sampling) for seq in decoding], k
         )
+        valid = self._valid_drafts(proposal, len(decoding), k)  # [B] usable drafts per row
         drafts, probs = {}, {}
         for b, (seq, row, n) in enumerate(
-            zip(decoding, proposal.token_ids.tolist(), proposal.num_drafts.tolist(), strict=True)
+            zip(decoding, proposal.token_ids.tolist(), valid.tolist(), strict=True)
         ):
-            n = min(n, k, seq.max_len - seq.num_tokens - 1)
+            n = min(n, seq.max_len - seq.num_tokens - 1)
             if n > 0:
                 drafts[seq] = row[:n]
                 if proposal.probs is not None:
                     probs[seq] = proposal.probs[b, :n]
         return drafts, probs
+
+    def _valid_drafts(self, proposal: Proposal, batch: int, k: int) -> torch.Tensor:
+        """int64 ``[B]``: how many leading drafts of each row verification can trust. A proposer is
+        pluggable code: drafts after an out-of-vocabulary id, or after a q row that is not a
+        distribution (NaN or infinite, negative, not summing to 1, or 0 at its own draft), are
+        dropped — verifying against a broken q would no longer be lossless.
+
+        Raises:
+            ValueError: the proposal's tensors have the wrong shapes.
+        """
+        vocab = self.model_config.vocab_size
+        ids, num = proposal.token_ids, proposal.num_drafts
+        if tuple(ids.shape) != (batch, k) or tuple(num.shape) != (batch,):
+            raise ValueError(f"proposal token_ids {tuple(ids.shape)}, num_drafts {tuple(num.shape)}: "
+                             f"expected ({batch}, {k}) and ({batch},)")
+        ok = (ids >= 0) & (ids < vocab)  # [B, k]
+        if proposal.probs is not None:
+            q = proposal.probs.double()
+            if tuple(q.shape) != (batch, k, vocab):
+                raise ValueError(f"proposal probs {tuple(q.shape)}: expected ({batch}, {k}, {vocab})")
+            q_draft = q.gather(-1, ids.clamp(0, vocab - 1)[..., None]).squeeze(-1)
+            ok &= torch.isfinite(q).all(-1) & (q >= 0).all(-1) & ((q.sum(-1) - 1).abs() < 1e-3) & (q_draft > 0)
+        leading = ok.long().cumprod(-1).sum(-1)  # drafts before the first bad one
+        return torch.minimum(num.clamp(0, k), leading)
 
     def _forward(
         self, scheduled: list[ScheduledSequence], drafts: dict[Sequence, list[int]]

@@ -87,7 +87,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "out_is_dir").mkdir()
     from specroll.drafter.eagle_head import EagleConfig, EagleHead
 
-    other = EagleConfig(400, 64, 128, 4, 2, 16, 1e-5, 10000.0, (2,), 100)  # made for a 400-token vocabulary
+    other = EagleConfig(400, 64, 128, 4, 2, 16, 1e-5, 10000.0, (2,), 100, 2)  # made for a 400-token vocabulary
     EagleHead.init(other, torch.arange(100)).save(d / "drafter_other")
     return d
 
@@ -113,9 +113,9 @@ BAD: dict[str, tuple[list[str], str, bool]] = {
     "drafter_with_suffix": (["--speculative", "suffix", "--drafter", "{w}/drafter_other"],
                             r"--drafter .* is used only with --speculative eagle or auto", False),
     "drafter_for_another_vocabulary": (["--speculative", "eagle", "--drafter", "{w}/drafter_other"],
-                                       r"drafter_other was made for a target with vocabulary 400 .*vocabulary 320",
+                                       r"drafter_other was made for a target with vocabulary 400, .*vocabulary 320",
                                        False),
-    "drafter_missing": (["--speculative", "auto", "--drafter", "{w}/no_drafter"], r"config\.json not found", False),
+    "drafter_missing": (["--speculative", "auto", "--drafter", "{w}/no_drafter"], r"no_drafter: does not exist", False),
     "num_draft_tokens_zero": (["--num-draft-tokens", "0"], r"--num-draft-tokens: 0 is not a positive", True),
 }
 if not torch.cuda.is_available():
@@ -317,15 +317,22 @@ def test_speculative_runs_emit_what_plain_greedy_emits(runs: dict[str, Run], nam
     assert re.search(r"\d+/[1-9]\d* drafts accepted", run.stdout), "nothing was drafted"
 
 
-def test_init_drafter_writes_a_loadable_drafter_and_refuses_bad_input(work: Path, tmp_path: Path) -> None:
+def test_init_drafter_writes_a_loadable_drafter_and_refuses_bad_input(runs: dict[str, Run], work: Path,
+                                                                     tmp_path: Path) -> None:
     from specroll.drafter.eagle_head import EagleHead
 
     head = EagleHead.load(work / "drafter_tiny")  # made by the `runs` fixture with --draft-vocab-size 300
     assert head.config.draft_vocab_size == 300 and head.config.target_vocab_size == 320
-    assert head.config.feature_layers == (1, 1, 0)  # EAGLE-3's (2, N/2, N-3) clamped into a 2-layer model
+    assert head.config.feature_layers == (0, 1)  # a 2-layer model: (0, N/2, N-1) without repeats
     assert 2 in head.draft_to_target.tolist()  # the end-of-sequence token is always draftable
     out = tmp_path / "drafter"
     bad = _run([str(SPECROLL), "init-drafter", "--model", str(work / "no-such-model"), "--out", str(out)], out)
     assert bad.rc == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.startswith("specroll init-drafter: error: ") and "no-such-model" in bad.stderr
     assert not out.exists()
+    for argv, words in ([["--out", ""], "--out is empty"],
+                        [["--out", str(work / "gsm8k.jsonl" / "sub")], "cannot write the drafter"],
+                        [["--out", str(out), "--draft-vocab-size", "321"], "exceeds the vocabulary"]):
+        bad = _run([str(SPECROLL), "init-drafter", "--model", str(work / "tiny"), *argv], out)
+        assert bad.rc == 2 and "Traceback" not in bad.stderr and words in bad.stderr, bad.stderr
+        assert not out.exists()

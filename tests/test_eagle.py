@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import teacher_forced_logits
+from conftest import teacher_forced_logits, write_tiny_checkpoint
 
 from specroll.drafter.eagle import EagleProposer
 from specroll.drafter.eagle_head import (
@@ -198,7 +198,10 @@ def test_a_drafter_for_another_vocabulary_or_hidden_size_is_refused(tiny_checkpo
     path = tiny_checkpoint("llama")
     other_vocab = tiny_checkpoint("qwen2", vocab_size=400)
     other_width = tiny_checkpoint("qwen3", hidden_size=96)
-    for other, words in [(other_vocab, "vocabulary 400"), (other_width, "hidden size 96")]:
+    other_depth = tmp_path / "deeper"
+    other_depth.mkdir()
+    write_tiny_checkpoint(other_depth, "llama", num_hidden_layers=3)
+    for other, words in [(other_vocab, "vocabulary 400"), (other_width, "hidden size 96"), (other_depth, "3 layers")]:
         head = make_head(load_checkpoint(str(other)).config)
         head.save(tmp_path / other.name)
         with pytest.raises(DrafterError, match=words) as info:
@@ -226,7 +229,21 @@ def test_malformed_drafter_files_are_refused_naming_the_file(tiny_checkpoint, tm
     wrong_shape = tmp_path / "wrong_shape"
     make_head(config).save(wrong_shape)
     (wrong_shape / "config.json").write_text(json.dumps({**raw, "intermediate_size": 64}))
-    cases[wrong_shape] = "do not match"
+    cases[wrong_shape] = r"layer.mlp.gate_up_proj.weight has shape \(256, 64\), config.json makes it \(128, 64\)"
+    non_finite = tmp_path / "non_finite"
+    head = make_head(config)
+    with torch.no_grad():
+        head.fc.weight[0, 0] = float("inf")
+    head.save(non_finite)
+    cases[non_finite] = "fc.weight holds NaN or infinite values"
+    float_ids = tmp_path / "float_ids"
+    make_head(config).save(float_ids)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(float_ids / "model.safetensors")
+    save_file({**tensors, "draft_to_target": tensors["draft_to_target"].float()}, float_ids / "model.safetensors")
+    cases[float_ids] = "draft_to_target has dtype torch.float32, expected integer"
+    cases[tmp_path / "nowhere"] = "does not exist"
     not_tensors = tmp_path / "not_tensors"
     make_head(config).save(not_tensors)
     (not_tensors / "model.safetensors").write_bytes(b"\x00" * 100)

@@ -240,3 +240,37 @@ def test_sequences_without_drafts_sample_exactly_as_plain_decoding(tiny_checkpoi
     done = run(never, prompts, sampling)
     assert never.spec_stats.num_steps > 0 and never.spec_stats.num_drafted == 0
     assert {r: c.token_ids for r, c in done.items()} == {r: c.token_ids for r, c in plain.items()}
+
+
+class BrokenProposer(SkewedProposer):
+    """Drafts whose q is not a distribution (NaN, or zero at the draft), or ids outside the vocabulary."""
+
+    def __init__(self, fault: str) -> None:
+        self.fault = fault
+
+    def propose(self, batch, k):
+        from specroll.engine.proposal import Proposal
+
+        probs = torch.full((len(batch), k, 320), 1 / 320)
+        drafts = torch.full((len(batch), k), 7)
+        if self.fault == "nan":
+            probs[:, 0, 3] = float("nan")
+        elif self.fault == "zero_at_draft":
+            probs[:, 0, 7] = 0.0
+        else:
+            drafts[:, 0] = 320  # one past the vocabulary
+        return Proposal(drafts, torch.full((len(batch),), k), None if self.fault == "out_of_vocab" else probs)
+
+
+@pytest.mark.parametrize("fault", ["nan", "zero_at_draft", "out_of_vocab"])
+def test_drafts_after_a_broken_q_or_id_are_dropped_so_output_stays_exact(tiny_checkpoint, fault):
+    path = tiny_checkpoint("llama")
+    prompts = repetitive_prompts([13, 21])
+    sampling = SamplingParams(temperature=1.0, max_tokens=12, seed=4, ignore_eos=True)
+    plain = run(make_engine(path, False), prompts, sampling)
+    settings = dict(model=str(path), page_size=PAGE, kv_cache_memory_gb=0.01, max_model_len=256, dtype="float32",
+                    num_draft_tokens=K)
+    broken = Engine(EngineConfig(**settings), proposer=BrokenProposer(fault))
+    done = run(broken, prompts, sampling)
+    assert broken.spec_stats.num_drafted == 0  # the first draft of every row is bad: nothing verified
+    assert {r: c.token_ids for r, c in done.items()} == {r: c.token_ids for r, c in plain.items()}
