@@ -150,6 +150,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="groups (prompts) per batch size: one number for all, or one per --batch-sizes entry "
                         "(default: ceil(max(n, 4B) / n), i.e. at least 4B requests for B slots)")
     p.add_argument("--seed", type=int, default=0, help="engine and sampling seed (default: %(default)s)")
+    p.add_argument("--repeats", type=_positive_int, default=1,
+                   help="runs of each rollout mode, in rotating order, pooled (default: %(default)s)")
     args = p.parse_args(argv)
     if args.groups is None:
         args.groups = [math.ceil(max(args.n, 4 * b) / args.n) for b in args.batch_sizes]
@@ -207,6 +209,10 @@ class RunStats:
     sampled responses end at different times."""
     steady_steps: int = 0
     """Steps counted in ``steady_tok_s``."""
+    steady_tokens: int = 0
+    steady_seconds: float = 0.0
+    repeats: int = 1
+    """Runs pooled into these figures (tokens and seconds summed; the other fields are the last run's)."""
     k_steps: dict[int, int] = field(default_factory=dict)
     """Draft length k → engine steps that emitted tokens with it (off: all at k = 0)."""
 
@@ -255,6 +261,7 @@ def timed_run(engine: Engine, requests: list[Request], batch_size: int) -> tuple
         num_draft_steps=s.num_draft_steps, num_steps=s.num_steps, draft_time_s=s.draft_time_s,
         verify_time_s=s.verify_time_s, load_average=os.getloadavg()[0],
         steady_tok_s=steady[0] / steady[1] if steady[1] else 0.0, steady_steps=live.count(batch_size),
+        steady_tokens=int(steady[0]), steady_seconds=steady[1],
         k_steps=dict(k_steps),
     )
     return done, stats
@@ -408,23 +415,38 @@ class RolloutRow:
                 "suffix_wall_ratio": self.wall_ratio("suffix"), "auto_wall_ratio": self.wall_ratio("auto")}
 
 
-def measure_rollouts(make_engine: EngineFactory, requests: list[Request], batch_size: int) -> dict[Mode, RunStats]:
-    """The same requests with speculation off, suffix drafting at fixed k and adaptive k."""
+def _pool(runs: list[RunStats]) -> RunStats:
+    """Several runs of one mode as one: tokens and seconds summed, counters of the last run."""
+    last = runs[-1]
+    tokens, seconds = sum(r.tokens for r in runs), sum(r.seconds for r in runs)
+    steady_tokens, steady_seconds = sum(r.steady_tokens for r in runs), sum(r.steady_seconds for r in runs)
+    return RunStats(**{**asdict(last), "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+                       "steady_tokens": steady_tokens, "steady_seconds": steady_seconds,
+                       "steady_tok_s": steady_tokens / steady_seconds if steady_seconds else 0.0,
+                       "steady_steps": sum(r.steady_steps for r in runs), "repeats": len(runs)})
+
+
+def measure_rollouts(make_engine: EngineFactory, requests: list[Request], batch_size: int,
+                     repeats: int = 1) -> dict[Mode, RunStats]:
+    """The same requests with speculation off, suffix drafting at fixed k and adaptive k, ``repeats``
+    times in rotating order (off, suffix, auto; suffix, auto, off; ...), so a slow spell of the
+    machine does not land on one mode only; each mode's runs are pooled."""
     from specroll.drafter.suffix import SuffixProposer
 
-    results: dict[Mode, RunStats] = {}
-    for mode in MODES:
-        proposer: Proposer | None = None if mode == "off" else SuffixProposer()
-        engine = make_engine(batch_size, proposer=proposer, draft_length="adaptive" if mode == "auto" else "fixed")
-        _, results[mode] = timed_run(engine, requests, batch_size)
-        del engine
-        gc.collect()
-        r = results[mode]
-        print(f"  {mode:>6}: {r.tokens} tokens in {r.seconds:.1f} s = {r.tok_s:.1f} tok/s "
-              f"({r.steady_tok_s:.1f} over {r.steady_steps} steps at live batch {batch_size}), "
-              f"acceptance length {r.acceptance_length:.2f}, mean live batch {r.mean_live_batch:.1f}, "
-              f"load {r.load_average:.1f}", flush=True)
-    return results
+    runs: dict[Mode, list[RunStats]] = {mode: [] for mode in MODES}
+    for rep in range(repeats):
+        for mode in MODES[rep % len(MODES):] + MODES[: rep % len(MODES)]:
+            proposer: Proposer | None = None if mode == "off" else SuffixProposer()
+            engine = make_engine(batch_size, proposer=proposer, draft_length="adaptive" if mode == "auto" else "fixed")
+            _, r = timed_run(engine, requests, batch_size)
+            runs[mode].append(r)
+            del engine
+            gc.collect()
+            print(f"  {mode:>6}: {r.tokens} tokens in {r.seconds:.1f} s = {r.tok_s:.1f} tok/s "
+                  f"({r.steady_tok_s:.1f} over {r.steady_steps} steps at live batch {batch_size}), "
+                  f"acceptance length {r.acceptance_length:.2f}, mean live batch {r.mean_live_batch:.1f}, "
+                  f"load {r.load_average:.1f}", flush=True)
+    return {mode: _pool(mode_runs) for mode, mode_runs in runs.items()}
 
 
 # ---- main ------------------------------------------------------------------------------------
@@ -471,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch_size, num_groups in zip(args.batch_sizes, args.groups, strict=True):
             requests = group_requests(prompts[:num_groups], args.n, temperature, args.max_tokens, args.seed)
             print(f"rollouts T={temperature} B={batch_size}: {num_groups} groups x n={args.n}", flush=True)
-            runs = measure_rollouts(make_engine, requests, batch_size)
+            runs = measure_rollouts(make_engine, requests, batch_size, args.repeats)
             rows.append(RolloutRow(temperature, batch_size, num_groups, len(requests), runs))
 
     print()
