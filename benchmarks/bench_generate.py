@@ -48,6 +48,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common import int_list
+
 from specroll.actors.cli import positive_int as _positive_int
 from specroll.actors.tasks import PromptFileError, format_question, load_prompts
 
@@ -64,16 +66,6 @@ DECODE_WARMUP_STEPS = 3
 """Decode steps run, and not timed, before the timed ones of the decode-step probe."""
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers such as 1,16") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers")
-    return values
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Useful tokens/s of specroll's engine and of transformers' generate() on the same "
@@ -83,10 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", required=True, type=Path, help="where to write the results as JSON")
     p.add_argument("--model", default="smollm2-135m",
                    help="registered name, Hugging Face checkpoint directory or .gguf file (default: %(default)s)")
-    p.add_argument("--batch-sizes", type=_int_list, default=[1, 16],
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 16],
                    help="comma-separated batch sizes: specroll's max_num_seqs and generate()'s chunk "
                         "(default: 1,16)")
-    p.add_argument("--num-prompts", type=_int_list, default=[8, 64],
+    p.add_argument("--num-prompts", type=int_list, default=[8, 64],
                    help="prompts per batch size: one number for all, or one per --batch-sizes entry "
                         "(default: 8,64)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128,

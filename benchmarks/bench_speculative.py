@@ -58,17 +58,18 @@ and a smoke run::
 from __future__ import annotations
 
 import argparse
-import collections
 import gc
 import json
 import math
 import os
 import sys
-import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
+
+from common import int_list
+from spec_timing import Request, RunStats, pool_runs, timed_run
 
 from specroll.actors.cli import positive_int as _positive_int
 from specroll.actors.tasks import PromptFileError, format_question, load_prompts
@@ -76,8 +77,7 @@ from specroll.actors.tasks import PromptFileError, format_question, load_prompts
 if TYPE_CHECKING:
     from specroll.engine.engine import Engine
     from specroll.engine.proposal import Proposer
-    from specroll.engine.sequence import Completion, StepOutput
-    from specroll.protocol.sampling import SamplingParams
+    from specroll.engine.sequence import Completion
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 """GSM8K test split in the ``shared/`` folder next to the repository."""
@@ -96,16 +96,6 @@ anything wider is a wrong distribution: an error."""
 
 Mode = Literal["off", "suffix", "auto"]
 MODES: tuple[Mode, ...] = ("off", "suffix", "auto")
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers such as 1,4,16") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers")
-    return values
 
 
 def _float_list(text: str) -> list[float]:
@@ -141,12 +131,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: %(default)s)")
     p.add_argument("--mechanism-prompts", type=_positive_int, default=4,
                    help="prompts of the replay (mechanism) measurement (default: %(default)s)")
-    p.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16],
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 4, 16],
                    help="comma-separated live batch sizes (max_num_seqs) of the rollout runs (default: 1,4,16)")
     p.add_argument("--temperatures", type=_float_list, default=[1.0, 0.7],
                    help="comma-separated sampling temperatures of the rollout runs (default: 1.0,0.7)")
     p.add_argument("--n", type=_positive_int, default=8, help="samples per prompt (group size) (default: %(default)s)")
-    p.add_argument("--groups", type=_int_list, default=None,
+    p.add_argument("--groups", type=int_list, default=None,
                    help="groups (prompts) per batch size: one number for all, or one per --batch-sizes entry "
                         "(default: ceil(max(n, 4B) / n), i.e. at least 4B requests for B slots)")
     p.add_argument("--seed", type=int, default=0, help="engine and sampling seed (default: %(default)s)")
@@ -168,103 +158,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if len(args.questions) < needed:
         p.error(f"{args.prompts} holds {len(args.questions)} prompts, the settings need {needed}")
     return args
-
-
-# ---- one timed run ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Request:
-    request_id: str
-    group_id: str
-    prompt: list[int]
-    sampling: SamplingParams
-
-
-@dataclass
-class RunStats:
-    """One timed ``run_to_completion``."""
-
-    tokens: int
-    """Response tokens emitted, EOS included."""
-    seconds: float
-    """Wall time from the first engine step to the last."""
-    tok_s: float
-    """``tokens / seconds``."""
-    mean_live_batch: float
-    """Sequences emitting tokens per step, averaged over the steps that emitted any."""
-    acceptance_length: float
-    """Tokens emitted per (sequence, step) that verified a draft; 1.0 without any."""
-    num_drafted: int
-    num_accepted: int
-    num_draft_steps: int
-    num_steps: int
-    draft_time_s: float
-    verify_time_s: float
-    load_average: float
-    """1-minute load average when the run ended: another busy process shows here."""
-    steady_tok_s: float = 0.0
-    """Tokens/s over the steps at a full live batch (every slot of ``max_num_seqs`` emitting): the
-    rate at live batch B, free of the drain at the end, whose length differs between runs whose
-    sampled responses end at different times."""
-    steady_steps: int = 0
-    """Steps counted in ``steady_tok_s``."""
-    steady_tokens: int = 0
-    steady_seconds: float = 0.0
-    repeats: int = 1
-    """Runs pooled into these figures (tokens and seconds summed; the other fields are the last run's)."""
-    k_steps: dict[int, int] = field(default_factory=dict)
-    """Draft length k → engine steps that emitted tokens with it (off: all at k = 0)."""
-
-    @property
-    def k0_fraction(self) -> float:
-        """Fraction of emitting steps that drafted nothing (k = 0)."""
-        total = sum(self.k_steps.values())
-        return self.k_steps.get(0, 0) / total if total else 0.0
-
-    def as_json(self) -> dict[str, object]:
-        return {**asdict(self), "k_steps": {str(k): v for k, v in sorted(self.k_steps.items())},
-                "k0_fraction": self.k0_fraction}
-
-
-def timed_run(engine: Engine, requests: list[Request], batch_size: int) -> tuple[dict[str, Completion], RunStats]:
-    """Queue ``requests`` on a fresh ``engine`` (``max_num_seqs = batch_size``) and time
-    ``run_to_completion`` over them, and each step."""
-    from specroll.engine.driver import run_to_completion
-
-    for r in requests:
-        engine.add_request(r.prompt, r.sampling, r.request_id, group_id=r.group_id)
-    k_steps: collections.Counter[int] = collections.Counter()
-    live: list[int] = []
-    steady = [0, 0.0]  # tokens, seconds over steps with a full live batch
-    last = [0.0]
-
-    def on_step(outputs: list[StepOutput]) -> None:
-        now = time.perf_counter()
-        if outputs:
-            k_steps[engine.last_step_stats.k] += 1
-            live.append(len(outputs))
-            if len(outputs) == batch_size:
-                steady[0] += sum(len(out.new_token_ids) for out in outputs)
-                steady[1] += now - last[0]
-        last[0] = now
-
-    start = last[0] = time.perf_counter()
-    done = run_to_completion(engine, on_step)
-    seconds = time.perf_counter() - start
-    assert len(done) == len(requests), "every queued request finishes"
-    tokens = sum(len(c.token_ids) for c in done.values())
-    s = engine.spec_stats
-    stats = RunStats(
-        tokens=tokens, seconds=seconds, tok_s=tokens / seconds, mean_live_batch=sum(live) / max(len(live), 1),
-        acceptance_length=s.acceptance_length, num_drafted=s.num_drafted, num_accepted=s.num_accepted,
-        num_draft_steps=s.num_draft_steps, num_steps=s.num_steps, draft_time_s=s.draft_time_s,
-        verify_time_s=s.verify_time_s, load_average=os.getloadavg()[0],
-        steady_tok_s=steady[0] / steady[1] if steady[1] else 0.0, steady_steps=live.count(batch_size),
-        steady_tokens=int(steady[0]), steady_seconds=steady[1],
-        k_steps=dict(k_steps),
-    )
-    return done, stats
 
 
 # ---- the two measurements --------------------------------------------------------------------
@@ -415,17 +308,6 @@ class RolloutRow:
                 "suffix_wall_ratio": self.wall_ratio("suffix"), "auto_wall_ratio": self.wall_ratio("auto")}
 
 
-def _pool(runs: list[RunStats]) -> RunStats:
-    """Several runs of one mode as one: tokens and seconds summed, counters of the last run."""
-    last = runs[-1]
-    tokens, seconds = sum(r.tokens for r in runs), sum(r.seconds for r in runs)
-    steady_tokens, steady_seconds = sum(r.steady_tokens for r in runs), sum(r.steady_seconds for r in runs)
-    return RunStats(**{**asdict(last), "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
-                       "steady_tokens": steady_tokens, "steady_seconds": steady_seconds,
-                       "steady_tok_s": steady_tokens / steady_seconds if steady_seconds else 0.0,
-                       "steady_steps": sum(r.steady_steps for r in runs), "repeats": len(runs)})
-
-
 def measure_rollouts(make_engine: EngineFactory, requests: list[Request], batch_size: int,
                      repeats: int = 1) -> dict[Mode, RunStats]:
     """The same requests with speculation off, suffix drafting at fixed k and adaptive k, ``repeats``
@@ -446,7 +328,7 @@ def measure_rollouts(make_engine: EngineFactory, requests: list[Request], batch_
                   f"({r.steady_tok_s:.1f} over {r.steady_steps} steps at live batch {batch_size}), "
                   f"acceptance length {r.acceptance_length:.2f}, mean live batch {r.mean_live_batch:.1f}, "
                   f"load {r.load_average:.1f}", flush=True)
-    return {mode: _pool(mode_runs) for mode, mode_runs in runs.items()}
+    return {mode: pool_runs(mode_runs) for mode, mode_runs in runs.items()}
 
 
 # ---- main ------------------------------------------------------------------------------------
