@@ -274,8 +274,10 @@ class Engine:
             tokens, logprobs = sample(logits, [s.sampling for s in samplers], [s.generator for s in samplers])
             emitted = [([t], [lp], 0) for t, lp in zip(tokens.tolist(), logprobs.tolist(), strict=True)]
         stats.verify_time_s = time.perf_counter() - start_time - stats.draft_time_s
+        sampling = set(samplers)
         for s in scheduled:
-            self.block_manager.cache_full_pages(s.seq, self.weight_version)
+            if s.seq not in sampling:  # a prefill chunk; sampling sequences are keyed in _emit, tokens appended
+                self.block_manager.cache_full_pages(s.seq, self.weight_version)
         outputs = [self._emit(seq, tokens, lps) for seq, (tokens, lps, _) in zip(samplers, emitted, strict=True)]
         if features is not None:
             self._observe(scheduled, drafts, starts, features)
@@ -310,6 +312,8 @@ class Engine:
             finish = self._finish_reason(seq, token)
             if finish is not None:
                 break
+        # Key the pages whose K/V is now complete: accepted drafts are in token_ids only from here.
+        self.block_manager.cache_full_pages(seq, self.weight_version)
         if finish is not None:
             self._retire(seq, finish)
         return StepOutput(seq.request_id, seq.group_id, tokens[:kept], logprobs[:kept],

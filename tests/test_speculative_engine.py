@@ -274,3 +274,24 @@ def test_drafts_after_a_broken_q_or_id_are_dropped_so_output_stays_exact(tiny_ch
     done = run(broken, prompts, sampling)
     assert broken.spec_stats.num_drafted == 0  # the first draft of every row is bad: nothing verified
     assert {r: c.token_ids for r, c in done.items()} == {r: c.token_ids for r, c in plain.items()}
+
+
+def test_pages_filled_by_accepted_drafts_are_shared_through_the_prefix_cache(tiny_checkpoint):
+    from specroll.drafter.replay import ReplayProposer
+
+    path = tiny_checkpoint("llama")
+    prompt = repetitive_prompts([13])[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    rollout = run(make_engine(path, False), [prompt], greedy)["r0"].token_ids
+    settings = dict(model=str(path), page_size=PAGE, kv_cache_memory_gb=0.01, max_model_len=256, dtype="float32",
+                    num_draft_tokens=K)
+    engine = Engine(EngineConfig(**settings), proposer=ReplayProposer({"g": prompt + rollout}))
+    engine.add_request(prompt, greedy, "a", group_id="g")
+    assert run_to_completion(engine)["a"].token_ids == rollout
+    assert engine.spec_stats.num_accepted > 30  # pages were filled by accepted drafts
+    # The finished request's pages stay cached: a prompt that continues it reuses every full page.
+    follow = prompt + rollout
+    engine.add_request(follow, SamplingParams(temperature=0.0, max_tokens=1), "b")
+    seq = engine._requests["b"]
+    engine.scheduler.schedule(engine.weight_version)
+    assert seq.num_computed_tokens == (len(follow) - 1) // PAGE * PAGE
