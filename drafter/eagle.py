@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from specroll.drafter.eagle_head import EagleHead
 from specroll.engine.attention import allocate_kv_cache, kv_bytes_per_page
 from specroll.engine.batch import build_metadata
-from specroll.engine.block_manager import BlockManager
+from specroll.engine.block_manager import BlockManager, PageKey, page_keys
 from specroll.engine.model import CausalLM
 from specroll.engine.proposal import DraftInput, FeatureUpdate, Proposal
 from specroll.engine.sampler import draw_inverse_cdf, processed_logprobs
@@ -86,7 +86,7 @@ class EagleProposer:
         self.seed = seed
         self.max_cached_pages = max_cached_pages
         self._states: dict[str, _DraftState] = {}
-        self._prompt_pages: OrderedDict[int, torch.Tensor] = OrderedDict()  # chain key → [page_size, F]
+        self._prompt_pages: OrderedDict[PageKey, torch.Tensor] = OrderedDict()  # chained page key → [page_size, F]
         self._target: CausalLM | None = None
 
     # ---- binding --------------------------------------------------------------------------
@@ -152,13 +152,6 @@ class EagleProposer:
             state.pending = [torch.cat(state.pending)[:keep]] if keep else []
         state.num_features = position
 
-    def _page_keys(self, token_ids: Sequence[int], num_pages: int) -> list[int]:
-        keys, parent, ps = [], 0, self.page_size
-        for i in range(num_pages):
-            parent = hash((parent, tuple(token_ids[i * ps : (i + 1) * ps])))
-            keys.append(parent)
-        return keys
-
     def _remember_prompt_pages(self, state: _DraftState, u: FeatureUpdate) -> None:
         """Keep the features of full prompt pages this update completed (all still pending: a
         request's prompt features arrive before its first draft)."""
@@ -167,7 +160,7 @@ class EagleProposer:
         if first >= last or state.num_computed_tokens > first * ps:
             return
         pending = torch.cat(state.pending)  # positions [num_computed_tokens, num_features)
-        for i, key in enumerate(self._page_keys(u.token_ids, last)[first:], start=first):
+        for i, key in enumerate(page_keys(u.token_ids, last, self.page_size, 0)[first:], start=first):
             rows = slice(i * ps - state.num_computed_tokens, (i + 1) * ps - state.num_computed_tokens)
             self._prompt_pages[key] = pending[rows].clone()
             self._prompt_pages.move_to_end(key)
@@ -177,7 +170,7 @@ class EagleProposer:
     def _cached_prefix(self, token_ids: Sequence[int], num_positions: int) -> torch.Tensor | None:
         """Features of positions ``[0, num_positions)`` from cached prompt pages, if all are there."""
         pages = []
-        for key in self._page_keys(token_ids, -(-num_positions // self.page_size)):
+        for key in page_keys(token_ids, -(-num_positions // self.page_size), self.page_size, 0):
             page = self._prompt_pages.get(key)
             if page is None:
                 return None

@@ -11,6 +11,7 @@ first, to make room (the scheme of vLLM's prefix caching and nano-vllm's block m
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence as SequenceOf
 
 from specroll.engine.sequence import Sequence
 
@@ -18,7 +19,8 @@ PageKey = tuple[int, int, tuple[int, ...]]
 """(weight version, hash of the previous page's key or 0, this page's token ids)."""
 
 
-def _page_keys(token_ids: list[int], num_pages: int, page_size: int, version: int) -> list[PageKey]:
+def page_keys(token_ids: SequenceOf[int], num_pages: int, page_size: int, version: int) -> list[PageKey]:
+    """Keys of the first ``num_pages`` full pages of ``token_ids``, each chained to the one before."""
     keys: list[PageKey] = []
     parent = 0
     for i in range(num_pages):
@@ -81,7 +83,7 @@ class BlockManager:
         keys: list[PageKey] = []
         if self.enable_prefix_caching and seq.prefix_cacheable:
             max_hit = (seq.num_tokens - 1) // self.page_size
-            keys = _page_keys(seq.token_ids, max_hit, self.page_size, version)
+            keys = page_keys(seq.token_ids, max_hit, self.page_size, version)
             for key in keys:
                 page = self._page_of_key.get(key)
                 if page is None:

@@ -274,9 +274,8 @@ class Engine:
             tokens, logprobs = sample(logits, [s.sampling for s in samplers], [s.generator for s in samplers])
             emitted = [([t], [lp], 0) for t, lp in zip(tokens.tolist(), logprobs.tolist(), strict=True)]
         stats.verify_time_s = time.perf_counter() - start_time - stats.draft_time_s
-        sampling = set(samplers)
         for s in scheduled:
-            if s.seq not in sampling:  # a prefill chunk; sampling sequences are keyed in _emit, tokens appended
+            if not s.samples:  # a prefill chunk; sampling sequences are keyed in _emit, tokens appended
                 self.block_manager.cache_full_pages(s.seq, self.weight_version)
         outputs = [self._emit(seq, tokens, lps) for seq, (tokens, lps, _) in zip(samplers, emitted, strict=True)]
         if features is not None:

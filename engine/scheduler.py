@@ -22,11 +22,13 @@ class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int
     """Tokens whose K/V this step computes: ``token_ids[num_computed : num_computed + n]``."""
+    samples: bool
+    """The step reaches the sequence's last token, so a new token is sampled. Fixed when scheduled:
+    the step later advances ``num_computed_tokens``, after which it could not be derived."""
 
-    @property
-    def samples(self) -> bool:
-        """True when the step reaches the sequence's last token, so a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    @classmethod
+    def of(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
+        return cls(seq, num_new_tokens, seq.num_computed_tokens + num_new_tokens == seq.num_tokens)
 
 
 class Scheduler:
@@ -101,7 +103,7 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
-                scheduled.append(ScheduledSequence(seq, num_new))
+                scheduled.append(ScheduledSequence.of(seq, num_new))
                 budget -= num_new
         # A request whose group has a member computing shareable prompt pages waits one step and
         # then takes those pages from the prefix cache: the group's prompt is prefilled once.
@@ -118,7 +120,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append(ScheduledSequence(seq, num_new))
+            scheduled.append(ScheduledSequence.of(seq, num_new))
             budget -= num_new
             if self._computes_shared_pages(seq):
                 prefilling.add(seq.group_id)
