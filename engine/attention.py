@@ -56,28 +56,44 @@ def allocate_kv_cache(
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
 
 
-def select_backend(name: str, config: ModelConfig, device: torch.device) -> AttentionBackend:
+def select_backend(
+    name: str, config: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32
+) -> AttentionBackend:
     """Build the backend named by ``name`` (``auto``, ``torch`` or ``flashinfer``).
 
-    ``auto`` picks FlashInfer when the device is CUDA and the package imports, else torch.
+    ``auto`` picks FlashInfer when the device is CUDA, the package imports and ``dtype`` is 16-bit
+    (FlashInfer has no float32 attention); otherwise torch.
 
     Raises:
-        ValueError: ``name`` is unknown, or ``flashinfer`` is forced without CUDA or the package.
+        ValueError: ``name`` is unknown, or ``flashinfer`` is forced without CUDA, without the
+            package, or with float32.
     """
     from specroll.engine.torch_attention import TorchAttention
 
     if name not in ("auto", "torch", "flashinfer"):
         raise ValueError(f"attention backend {name!r}: expected 'auto', 'torch' or 'flashinfer'")
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return TorchAttention(config.num_heads, config.num_kv_heads, config.head_dim)
+    reference = TorchAttention(config.num_heads, config.num_kv_heads, config.head_dim, device)
+    if name == "torch":
+        return reference
     if device.type != "cuda":
-        raise ValueError(f"attention backend 'flashinfer' needs a CUDA device, but the engine runs on {device}")
-    try:
-        import flashinfer  # noqa: F401
-    except ImportError as exc:
         if name == "auto":
-            return TorchAttention(config.num_heads, config.num_kv_heads, config.head_dim)
-        raise ValueError(
-            "attention backend 'flashinfer' needs the flashinfer package: pip install 'specroll[cuda]'"
-        ) from exc
-    raise ValueError("the flashinfer attention backend is not built yet; use backend 'torch'")
+            return reference
+        raise ValueError(f"attention backend 'flashinfer' needs a CUDA device, but the engine runs on {device}")
+    if not flashinfer_available():
+        if name == "auto":
+            return reference
+        raise ValueError("attention backend 'flashinfer' needs the flashinfer package: pip install 'specroll[cuda]'")
+    if dtype == torch.float32:
+        if name == "auto":
+            return reference
+        raise ValueError("attention backend 'flashinfer' runs bfloat16 or float16; got dtype float32")
+    from specroll.engine.flashinfer_attention import FlashInferAttention
+
+    return FlashInferAttention(config.num_heads, config.num_kv_heads, config.head_dim, device, dtype)
+
+
+def flashinfer_available() -> bool:
+    """Whether the ``flashinfer`` package is installed (found without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("flashinfer") is not None

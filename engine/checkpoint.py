@@ -103,6 +103,24 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def random_checkpoint(config: ModelConfig, seed: int = 0, std: float = 0.02) -> Checkpoint:
+    """A random-weight checkpoint of any shape, with :meth:`Tokenizer.byte_level`: for tests and
+    benchmarks at real model shapes without the files (e.g. SmolLM2-135M's on a GPU machine).
+
+    Matrices are drawn from N(0, ``std``) (float32, seeded); norm weights are 1 and biases 0.
+    """
+    from specroll.engine.tokenizer import Tokenizer
+
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in expected_weight_shapes(config).items():
+        if len(shape) == 1:
+            weights[name] = torch.ones(shape) if name.endswith("norm.weight") else torch.zeros(shape)
+        else:
+            weights[name] = torch.randn(shape, generator=generator) * std
+    return Checkpoint(config, weights, Tokenizer.byte_level(), f"random(seed={seed})")
+
+
 def check_weights(
     config: ModelConfig, weights: dict[str, torch.Tensor], source: str
 ) -> dict[str, torch.Tensor]:

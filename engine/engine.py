@@ -19,6 +19,8 @@ from specroll.engine.block_manager import BlockManager
 from specroll.engine.checkpoint import Checkpoint, expected_weight_shapes, load_checkpoint
 from specroll.engine.config import EngineConfig
 from specroll.engine.draft_length import DraftLengthBandit
+from specroll.engine.flashinfer_attention import FlashInferAttention
+from specroll.engine.flashinfer_sampling import FlashInferSampler
 from specroll.engine.model import CausalLM
 from specroll.engine.proposal import DraftInput, FeatureUpdate, Proposal, Proposer
 from specroll.engine.sampler import sample
@@ -107,7 +109,11 @@ class Engine:
         self.kv_caches = allocate_kv_cache(ckpt.config, num_pages, config.page_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.backend = select_backend(config.backend, ckpt.config, self.device)
+        self.backend = select_backend(config.backend, ckpt.config, self.device, self.dtype)
+        # With FlashInfer attention, sampling and verification run on the GPU through FlashInfer too.
+        self._gpu_sampler = (
+            FlashInferSampler(self.device, config.seed) if isinstance(self.backend, FlashInferAttention) else None
+        )
         self.eos_token_ids = frozenset(ckpt.tokenizer.eos_token_ids) | frozenset(ckpt.config.eos_token_ids)
         self.weight_version = 0
         self._weight_shapes = expected_weight_shapes(ckpt.config)
@@ -262,7 +268,9 @@ class Engine:
             s.seq.num_computed_tokens += s.num_new_tokens + len(drafts.get(s.seq, ()))
         if k:
             seq_drafts = [drafts.get(seq, []) for seq in samplers]
-            emitted = verify_drafts(logits, samplers, seq_drafts, [draft_probs.get(seq) for seq in samplers], k)
+            seq_probs = [draft_probs.get(seq) for seq in samplers]
+            verify = verify_drafts if self._gpu_sampler is None else self._gpu_sampler.verify
+            emitted = verify(logits, samplers, seq_drafts, seq_probs, k)
             for seq, d, (_, _, accepted) in zip(samplers, seq_drafts, emitted, strict=True):
                 # Roll back the K/V of rejected drafts: only [last, d_1..d_accepted] stay valid.
                 seq.num_computed_tokens -= len(d) - accepted
@@ -271,7 +279,11 @@ class Engine:
                 stats.num_accepted += accepted
                 stats.num_draft_steps += bool(d)
         else:
-            tokens, logprobs = sample(logits, [s.sampling for s in samplers], [s.generator for s in samplers])
+            params = [s.sampling for s in samplers]
+            if self._gpu_sampler is None:
+                tokens, logprobs = sample(logits, params, [s.generator for s in samplers])
+            else:
+                tokens, logprobs = self._gpu_sampler.sample(logits, params)
             emitted = [([t], [lp], 0) for t, lp in zip(tokens.tolist(), logprobs.tolist(), strict=True)]
         stats.verify_time_s = time.perf_counter() - start_time - stats.draft_time_s
         for s in scheduled:
@@ -370,8 +382,9 @@ class Engine:
     def _forward(
         self, scheduled: list[ScheduledSequence], drafts: dict[Sequence, list[int]]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits ``[rows, V]`` (float32, CPU) at each sampling sequence's last token and drafts,
-        and the proposer's target features of every input row (or None)."""
+        """Logits ``[rows, V]`` (float32; on the CPU, or on the GPU when it samples there) at each
+        sampling sequence's last token and drafts, and the proposer's target features of every input
+        row (or None)."""
         input_ids: list[int] = []
         logits_rows: list[int] = []
         q_lens: list[int] = []
@@ -396,7 +409,8 @@ class Engine:
             self.kv_caches, self.backend, self._feature_layers,
         )
         rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows]).cpu(), features
+        logits = self.model.compute_logits(hidden[rows])
+        return (logits if self._gpu_sampler is not None else logits.cpu()), features
 
     def _observe(
         self,

@@ -77,3 +77,12 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V one token occupies across all layers, per byte of element size."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim
+
+
+SMOLLM2_135M = ModelConfig(
+    architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+    num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
+    tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
+)
+"""The default model's shapes, as its GGUF states them: random-weight stand-ins at real size
+(``checkpoint.random_checkpoint``) where the file is not at hand, e.g. on a GPU machine."""

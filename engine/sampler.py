@@ -25,14 +25,15 @@ def processed_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -
     """Log-probabilities of each row's processed distribution.
 
     Args:
-        logits: float32 ``[B, V]`` raw logits.
+        logits: float32 ``[B, V]`` raw logits (any device).
         params: one :class:`SamplingParams` per row. Greedy rows (temperature 0) use T = 1 and no
             filters: their logprob is the model's own ``log_softmax`` at the argmax.
 
     Returns:
         float32 ``[B, V]``; ``-inf`` for tokens the filters removed.
     """
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=logits.dtype)
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=logits.dtype,
+                         device=logits.device)
     scaled = logits / temps[:, None]  # [B, V]
     top_ks = [p.top_k if p.temperature > 0 else 0 for p in params]
     top_ps = [p.top_p if p.temperature > 0 else 1.0 for p in params]
@@ -44,12 +45,13 @@ def processed_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -
 def _filter_top_k_top_p(scaled: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
     vocab = scaled.shape[-1]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, V]
-    rank = torch.arange(vocab)[None, :]
-    k = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks])[:, None]
+    device = scaled.device
+    rank = torch.arange(vocab, device=device)[None, :]
+    k = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=device)[:, None]
     sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))  # top-k: keep ranks < k
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
-    p = torch.tensor(top_ps, dtype=scaled.dtype)[:, None]
+    p = torch.tensor(top_ps, dtype=scaled.dtype, device=device)[:, None]
     # top-p: keep token i while the mass before it is < p (so the kept mass first reaches p at i);
     # the most likely token is always kept, and rows with p = 1 are left alone (float rounding
     # can make the running sum reach 1 before the tail ends).

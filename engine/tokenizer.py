@@ -123,6 +123,16 @@ class Tokenizer:
         )
 
     @classmethod
+    def byte_level(cls) -> Tokenizer:
+        """A byte-level tokenizer with no merges: ids 0–255 are the bytes (GPT-2's byte alphabet)
+        and id 256 is ``<|im_end|>``, the end token. For random-weight checkpoints in tests and
+        benchmarks, where only token ids matter."""
+        tokens = [*_bytes_to_unicode().values(), "<|im_end|>"]
+        backend = _byte_level_backend(tokens, [], [1] * 256 + [_CONTROL], None)
+        return cls(backend, bos_token=None, eos_token="<|im_end|>", eos_token_ids=(256,), add_bos_token=False,
+                   chat_template=None)
+
+    @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
         """Build a byte-level BPE tokenizer from a GGUF file's ``tokenizer.*`` metadata.
 

@@ -45,7 +45,8 @@ def _k_slot(meta: AttentionMetadata, seq: torch.Tensor, pos: torch.Tensor) -> to
 class TorchAttention:
     """Paged attention with torch ops; see :class:`~specroll.engine.attention.AttentionBackend`."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -56,7 +57,7 @@ class TorchAttention:
         q_lens, kv_lens = meta.q_lens(), meta.kv_lens()
         positions = meta.positions()  # [T]
         seq_of_row = torch.repeat_interleave(torch.arange(meta.num_seqs), q_lens)
-        self.k_slots = _k_slot(meta, seq_of_row, positions)  # [T]
+        self.k_slots = _k_slot(meta, seq_of_row, positions).to(self.device)  # [T]
         self.num_tokens = meta.num_tokens
         # Decodes and verifies are padded separately: one sequence verifying k + 1 tokens must not
         # pad every decode in the batch to k + 1 queries.
@@ -73,7 +74,8 @@ class TorchAttention:
             mask = None
             if q_len != kv_len:  # bottom-right causal: row i sees positions <= kv_len - q_len + i
                 mask = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
-            self.prefills.append(_Prefill(slice(starts[b], starts[b] + q_len), k_slots, mask))
+            on_device = None if mask is None else mask.to(self.device)
+            self.prefills.append(_Prefill(slice(starts[b], starts[b] + q_len), k_slots.to(self.device), on_device))
 
     def _plan_padded(
         self, meta: AttentionMetadata, seqs: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor
@@ -96,7 +98,8 @@ class TorchAttention:
         if q_max > 1 or bool((kv_lens != kv_cols).any()):
             last_visible = (kv_lens - q_lens)[:, None, None] + j[:, :, None]  # [S, q_max, 1]
             mask = ((p < kv_lens[:, None])[:, None, :] & (p[:, None, :] <= last_visible))[:, None]
-        return _PaddedGroup(rows, valid, page_table, mask)
+        to = lambda t: None if t is None else t.to(self.device)  # noqa: E731
+        return _PaddedGroup(to(rows), to(valid), to(page_table), to(mask))
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor

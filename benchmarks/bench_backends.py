@@ -1,0 +1,153 @@
+"""Attention backends on a GPU: decode tokens/s of the torch reference against FlashInfer, and
+speculative against plain decoding at batch 1, in one run.
+
+The model is a random-weight stand-in with SmolLM2-135M's exact shapes (30 layers, 9/3 heads of
+64, vocabulary 49152; ``model_config.SMOLLM2_135M``), in bfloat16: the GGUF does not travel to GPU
+machines, and speed depends only on the shapes. Each figure runs B requests together (128 random
+prompt tokens, 128 sampled response tokens at temperature 1, EOS ignored) and counts the response
+tokens of pure decode steps over those steps' wall-clock time, after a warm-up run per backend
+(whose time, FlashInfer's JIT compilation included, is reported as ``warmup_s``).
+
+Speculative decoding at batch 1 replays the greedy rollout of each prompt as drafts (k = 4,
+``ReplayProposer``): every draft is right, so the ratio is what verification allows when the
+drafter is perfect and free — the mechanism's ceiling on this GPU, not a drafter's speedup.
+
+Usage::
+
+    python benchmarks/bench_backends.py --json gpu_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from common import int_list
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--batch-sizes", type=int_list, default=[1, 16, 64], help="batch sizes (default 1,16,64)")
+    parser.add_argument("--backends", default="torch,flashinfer", help="backends to compare (default torch,flashinfer)")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure; the median is kept")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from specroll.engine.checkpoint import random_checkpoint
+    from specroll.engine.model_config import SMOLLM2_135M
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"--device {args.device}: this machine has no CUDA GPU", file=sys.stderr)
+        return 2
+    checkpoint = random_checkpoint(SMOLLM2_135M, seed=0, std=0.05)
+    backends = args.backends.split(",")
+    results: dict = {
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
+        "torch": torch.__version__,
+        "model": "random weights, SmolLM2-135M shapes, bfloat16",
+        "prompt_tokens": args.prompt_tokens,
+        "max_tokens": args.max_tokens,
+        "warmup_s": {},
+        "decode_tokens_per_s": {},
+    }
+    try:
+        import flashinfer
+
+        results["flashinfer"] = flashinfer.__version__
+    except ImportError:
+        results["flashinfer"] = None
+    for backend in backends:
+        engine = _engine(checkpoint, backend, args.device, max(args.batch_sizes))
+        start = time.perf_counter()
+        _run(engine, _prompts(2, args.prompt_tokens, seed=99), 8, temperature=1.0)
+        results["warmup_s"][backend] = round(time.perf_counter() - start, 2)
+        results["decode_tokens_per_s"][backend] = {}
+        for b in args.batch_sizes:
+            rates = [_run(engine, _prompts(b, args.prompt_tokens, seed=r), args.max_tokens, 1.0)[0]
+                     for r in range(args.repeats)]
+            results["decode_tokens_per_s"][backend][b] = round(statistics.median(rates), 1)
+            print(f"{backend:>10}  B={b:<3} {results['decode_tokens_per_s'][backend][b]:>9.1f} tok/s", flush=True)
+        del engine
+    if set(backends) >= {"torch", "flashinfer"}:
+        tps = results["decode_tokens_per_s"]
+        results["flashinfer_over_torch"] = {b: round(tps["flashinfer"][b] / tps["torch"][b], 2)
+                                            for b in args.batch_sizes}
+    fast = "flashinfer" if "flashinfer" in backends else backends[0]
+    results["speculative_batch1"] = _speculative(checkpoint, fast, args)
+    print(json.dumps(results, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+def _engine(checkpoint, backend: str, device: str, max_num_seqs: int, proposer=None):
+    from specroll.engine.config import EngineConfig
+    from specroll.engine.engine import Engine
+
+    config = EngineConfig(model="random", backend=backend, device=device, dtype="bfloat16", kv_cache_memory_gb=4.0,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=16384)
+    return Engine(config, checkpoint=checkpoint, proposer=proposer)
+
+
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [rng.choices(range(256), k=length) for _ in range(n)]
+
+
+def _run(engine, prompts: list[list[int]], max_tokens: int, temperature: float) -> tuple[float, dict]:
+    """Run ``prompts`` together; return (response tokens/s over pure decode steps, completions)."""
+    from specroll.protocol.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, sampling, f"r{i}", group_id=f"g{i}")
+    tokens, seconds, done = 0, 0.0, {}
+    while engine.has_unfinished():
+        decoding = not engine.scheduler.waiting and all(s.num_computed_tokens for s in engine.scheduler.running)
+        start = time.perf_counter()
+        outputs = engine.step()
+        if decoding:
+            seconds += time.perf_counter() - start
+            tokens += sum(len(o.new_token_ids) for o in outputs)
+        for o in outputs:
+            done.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return tokens / seconds if seconds else 0.0, done
+
+
+def _speculative(checkpoint, backend: str, args: argparse.Namespace) -> dict:
+    from specroll.drafter.replay import ReplayProposer
+
+    prompts = _prompts(1, args.prompt_tokens, seed=7)
+    plain = _engine(checkpoint, backend, args.device, 1)
+    _, done = _run(plain, prompts, args.max_tokens, temperature=0.0)
+    rollouts = {"g0": prompts[0] + done["r0"]}
+    spec = _engine(checkpoint, backend, args.device, 1, ReplayProposer(rollouts))
+    _run(spec, prompts, 8, temperature=0.0)  # warm the verify kernels
+    plain_rates, spec_rates = [], []
+    for _ in range(args.repeats):  # interleaved, so drift hits both sides alike
+        plain_rates.append(_run(plain, prompts, args.max_tokens, 0.0)[0])
+        spec_rates.append(_run(spec, prompts, args.max_tokens, 0.0)[0])
+    figures = {
+        "backend": backend,
+        "k": spec.config.num_draft_tokens,
+        "plain_tokens_per_s": round(statistics.median(plain_rates), 1),
+        "speculative_tokens_per_s": round(statistics.median(spec_rates), 1),
+        "acceptance_length": round(spec.spec_stats.acceptance_length, 2),
+    }
+    figures["ratio"] = round(figures["speculative_tokens_per_s"] / figures["plain_tokens_per_s"], 2)
+    print(f"speculative B=1 ({backend}): {figures}", flush=True)
+    return figures
+
+
+if __name__ == "__main__":
+    sys.exit(main())
