@@ -175,6 +175,16 @@ def test_speculative_engine_on_flashinfer_accepts_replayed_drafts() -> None:
     for i, prompt in enumerate(prompts):
         spec.add_request(prompt, greedy, f"r{i}", group_id=f"g{i}")
     spec_done = run_to_completion(spec)
-    same = sum(spec_done[f"r{i}"].token_ids == done[f"r{i}"].token_ids for i in range(len(prompts)))
     assert spec.spec_stats.acceptance_length > 3.0, spec.spec_stats
-    assert same >= len(prompts) - 1  # bf16 verify vs decode kernels may split a near-tie once
+    # In bf16 the verify (prefill) and decode kernels round differently, so greedy outputs may part
+    # at a near-tie (on the CPU, in float32, they are identical: test_speculative_engine). Where
+    # they part, both tokens must be the plain model's top two, within bf16 noise of each other.
+    for i, prompt in enumerate(prompts):
+        a, b = done[f"r{i}"].token_ids, spec_done[f"r{i}"].token_ids
+        assert len(a) == len(b) == 48
+        j = next((t for t, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        if j is not None:
+            logits = _logits(plain, prompt + a[:j], len(prompt) + j)[0]  # predicts response token j
+            top2 = logits.topk(2)
+            assert {a[j], b[j]} == set(top2.indices.tolist()), f"r{i} parts at {j} outside the top two"
+            assert float(top2.values[0] - top2.values[1]) < 0.1, f"r{i} parts at {j} with a clear margin"
