@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure; the median is kept")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--profile", type=Path, help="write torch.profiler tables of one plain and one speculative "
+                        "batch-1 run here (where a speculative step's time goes)")
     args = parser.parse_args(argv)
 
     import torch
@@ -158,7 +160,25 @@ def _speculative(checkpoint, backend: str, args: argparse.Namespace) -> dict:
     }
     figures["ratio"] = round(figures["speculative_tokens_per_s"] / figures["plain_tokens_per_s"], 2)
     print(f"speculative B=1 ({backend}): {figures}", flush=True)
+    if args.profile:
+        _profile(args.profile, {"plain": plain, "speculative": spec}, prompts, args.max_tokens)
     return figures
+
+
+def _profile(path: Path, engines: dict, prompts: list[list[int]], max_tokens: int) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    tables = []
+    for name, engine in engines.items():
+        with profile(activities=activities) as prof:
+            rate, _ = _run(engine, prompts, max_tokens, 0.0)
+        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        tables.append(f"== {name}: {rate:.1f} tok/s ==\n"
+                      f"{prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=25)}\n"
+                      f"{prof.key_averages().table(sort_by=sort, row_limit=15)}")
+    path.write_text("\n".join(tables))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@
 # kernels are JIT-compiled here with the machine's nvcc, so no prebuilt kernel package is needed.)
 #
 # Usage: scripts/gpu_check.sh [OUT_DIR]    (default $OUT, else ./gpu_check)
-# Writes OUT_DIR/gpu.txt (machine), jit.log, gpu_tests.log + gpu_tests.xml, gpu_bench.log and
-# gpu_bench.json (the figures). Exits non-zero when a test or the benchmark failed.
+# Writes OUT_DIR/gpu.txt (machine), jit.log, gpu_tests.log + gpu_tests.xml, gpu_bench.log,
+# gpu_bench.json (the figures) and gpu_profile.txt (where a batch-1 speculative step's time goes).
+# Exits non-zero when a test or the benchmark failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu_check}}"
@@ -73,7 +74,8 @@ timeout 170 python3 -m pytest -q -m gpu tests/test_flashinfer_gpu.py -p no:cache
 tests_rc=${PIPESTATUS[0]}
 
 stamp "benchmark"
-(cd benchmarks && timeout 150 python3 bench_backends.py --json "$out/gpu_bench.json") 2>&1 | tee "$out/gpu_bench.log"
+(cd benchmarks && timeout 150 python3 bench_backends.py --json "$out/gpu_bench.json" \
+    --profile "$out/gpu_profile.txt") 2>&1 | tee "$out/gpu_bench.log"
 bench_rc=${PIPESTATUS[0]}
 
 stamp "done: jit rc=$jit_rc, tests rc=$tests_rc, benchmark rc=$bench_rc" | tee -a "$out/gpu.txt"

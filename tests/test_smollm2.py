@@ -133,3 +133,10 @@ def test_greedy_speculative_equals_greedy_plain_across_page_boundaries(checkpoin
         counts = torch.arange(config.vocab_size, 0, -1).double()
         proposer = EagleProposer(EagleHead.init(head_config, build_draft_vocab(counts, 8192)), page_size=page)
     assert generate(proposer) == generate(None)
+
+
+def test_the_stand_in_shapes_are_the_default_models(checkpoint: Checkpoint) -> None:
+    """GPU checks run random weights at ``SMOLLM2_135M``'s shapes: they must be the real model's."""
+    from specroll.engine.model_config import SMOLLM2_135M
+
+    assert checkpoint.config == SMOLLM2_135M
