@@ -1,0 +1,322 @@
+"""Wire messages between the trainer (which hosts the rollout coordinator) and the generators.
+
+Every message is a frozen msgspec ``Struct`` tagged by its ``type`` field; the messages that may
+cross one direction of a channel form one tagged union, and a peer decodes with its inbound union
+only, so a message sent the wrong way is refused at decode.
+
+Channel trainer ↔ generator (the trainer's ROUTER binds, each generator's DEALER connects):
+
+============================  ===================  =============================================
+message                       direction            purpose
+============================  ===================  =============================================
+:class:`Hello`                generator → trainer  handshake: protocol version, role, capabilities
+:class:`Welcome`              trainer → generator  handshake accepted
+:class:`Refuse`               trainer → generator  handshake refused, with the reason
+:class:`SubmitGroup`          trainer → generator  generate n samples of one prompt (or resume them)
+:class:`Abort`                trainer → generator  stop a group; its samples finish with "abort"
+:class:`RolloutChunk`         generator → trainer  new tokens of one sample (a delta)
+:class:`WeightsAvailable`     trainer → generator  a new policy version can be fetched
+:class:`FetchWeights`         generator → trainer  send me that version
+:class:`WeightsChunk`         trainer → generator  some of its tensors, as frames after the header
+:class:`AckWeights`           generator → trainer  the version is now served
+:class:`Heartbeat`            generator → trainer  liveness, live batch size, free capacity
+:class:`Stats`                generator → trainer  counters for the progress display and metrics
+:class:`Credit`               both                 flow control (see ``protocol/channel.py``)
+:class:`Error`                both                 a message was refused, and why
+:class:`Dead`                 both                 the sender is exiting (sent with a short linger)
+============================  ===================  =============================================
+
+Compatibility: fields are added only at the end, with defaults, and every change bumps
+:data:`PROTOCOL_VERSION`. Peers exchange it in :class:`Hello` and refuse a mismatch, so the other
+messages forbid unknown fields; the handshake messages accept them (and keep ``role`` a plain
+string) so that a peer of another version still decodes them and gets a clear :class:`Refuse`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from specroll.protocol.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+"""Bumped on every change to a message; peers of different versions refuse each other."""
+
+WireDtype = Literal["float32", "bfloat16", "float16", "int64", "int32", "uint8", "bool"]
+"""Tensor element types that may travel (torch names)."""
+FinishReason = Literal["stop", "length", "abort"]
+ErrorCode = Literal["malformed", "sequence", "unknown_peer", "unknown_group", "bad_request", "internal"]
+"""``malformed``: undecodable frames; ``sequence``: a gap or duplicate; ``unknown_peer``: no
+handshake yet; ``unknown_group``: abort/chunk for a group not known; ``bad_request``: decodable but
+not acceptable now (e.g. a weight version never published); ``internal``: the peer's own failure."""
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Struct(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True, gc=False):
+    """Plain nested struct. ``gc=False``: messages hold only scalars, lists and structs, never cycles."""
+
+
+class _Message(_Struct, tag_field="type"):
+    """Base of every top-level message; the tag is the ``type`` field."""
+
+
+# ---- handshake --------------------------------------------------------------------------------
+
+
+class Hello(_Message, tag="hello", forbid_unknown_fields=False):
+    """First message of a connecting actor. The receiver answers :class:`Welcome` or :class:`Refuse`."""
+
+    protocol_version: int
+    """The sender's :data:`PROTOCOL_VERSION`."""
+    role: str
+    """``"generator"``, ``"drafter"`` or ``"client"`` (a string so any version decodes it)."""
+    actor_id: str
+    """Unique per process incarnation (e.g. ``"generator-0-<uuid4 hex>"``); also its ZeroMQ identity."""
+    capabilities: tuple[str, ...] = ()
+    """Optional features, e.g. ``"speculative"``, ``"resume"``, ``"bf16-weights"``."""
+
+
+class Welcome(_Message, tag="welcome", forbid_unknown_fields=False):
+    """The handshake succeeded."""
+
+    protocol_version: int
+    actor_id: str
+    """The accepting actor's id."""
+    capabilities: tuple[str, ...] = ()
+
+
+class Refuse(_Message, tag="refuse", forbid_unknown_fields=False):
+    """The handshake failed; the refused actor should exit with ``reason``."""
+
+    reason: str
+    """Human-readable, naming the bad value and what was expected (e.g. both protocol versions)."""
+    protocol_version: int = PROTOCOL_VERSION
+    """The refusing side's version."""
+
+
+# ---- rollouts ---------------------------------------------------------------------------------
+
+
+class SampleResume(_Struct):
+    """The response tokens one sample already has: a group continues on another generator from here."""
+
+    index: NonNegative
+    """Sample index within the group, in ``[0, n)``."""
+    token_ids: list[int]
+    """Response token ids streamed so far (never re-tokenized text)."""
+    logprobs: list[float]
+    """Behavior logprob (natural log) of each token."""
+    versions: list[int]
+    """Policy version that produced each token."""
+
+    def __post_init__(self) -> None:
+        if not len(self.token_ids) == len(self.logprobs) == len(self.versions):
+            raise ValueError(
+                f"sample {self.index}: {len(self.token_ids)} token ids, {len(self.logprobs)} logprobs and "
+                f"{len(self.versions)} versions; expected equal lengths"
+            )
+
+
+class SubmitGroup(_Message, tag="submit_group"):
+    """Generate ``n`` samples of one prompt (a GRPO group), streaming :class:`RolloutChunk` deltas.
+
+    With ``resume`` non-empty the group continues elsewhere after a generator died: exactly the
+    listed samples are generated, each after its tokens (which the trainer already has, so chunks
+    continue at ``offset = len(token_ids)``); the samples not listed had finished. ``max_tokens``
+    bounds the whole response, resumed tokens included.
+    """
+
+    group_id: str
+    prompt_token_ids: list[int]
+    n: Annotated[int, msgspec.Meta(ge=1)]
+    sampling: SamplingParams
+    resume: tuple[SampleResume, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"group {self.group_id!r}: empty prompt_token_ids")
+        if self.n < 1:
+            raise ValueError(f"group {self.group_id!r}: n={self.n}, expected >= 1")
+        indices = [r.index for r in self.resume]
+        if len(set(indices)) != len(indices) or any(not 0 <= i < self.n for i in indices):
+            raise ValueError(
+                f"group {self.group_id!r}: resume indices {indices}, expected distinct values in [0, {self.n})"
+            )
+
+
+class SpecStats(_Struct):
+    """Speculative-decoding counters for the steps a chunk covers (acceptance length =
+    ``1 + num_accepted / num_draft_steps``)."""
+
+    num_drafted: NonNegative = 0
+    """Draft tokens verified."""
+    num_accepted: NonNegative = 0
+    """Draft tokens accepted."""
+    num_draft_steps: NonNegative = 0
+    """Steps that verified at least one draft."""
+
+
+class RolloutChunk(_Message, tag="rollout_chunk"):
+    """New tokens of one sample: a delta, never the whole sequence.
+
+    ``token_ids``, ``logprobs`` and ``versions`` are aligned: token i was sampled with behavior
+    logprob ``logprobs[i]`` (natural log, under the processed distribution) by the weights of policy
+    version ``versions[i]``. A sample's chunks arrive in order; the last has ``finished=True``.
+    """
+
+    group_id: str
+    sample_index: NonNegative
+    offset: NonNegative
+    """Sequence position: response tokens of this sample before this chunk's first token. It is
+    the same on any generator, so the trainer checks it against what it holds (no gap, no
+    duplicate) also after a group resumed elsewhere."""
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    """Set exactly when ``finished``."""
+    spec: SpecStats | None = None
+
+    def __post_init__(self) -> None:
+        if not len(self.token_ids) == len(self.logprobs) == len(self.versions):
+            raise ValueError(
+                f"chunk {self.group_id!r}/{self.sample_index}: {len(self.token_ids)} token ids, "
+                f"{len(self.logprobs)} logprobs and {len(self.versions)} versions; expected equal lengths"
+            )
+        if self.finished != (self.finish_reason is not None):
+            raise ValueError(
+                f"chunk {self.group_id!r}/{self.sample_index}: finished={self.finished} with "
+                f"finish_reason={self.finish_reason!r}; a reason is given exactly when finished"
+            )
+
+
+class Abort(_Message, tag="abort"):
+    """Stop a group now; each unfinished sample sends a last chunk with finish reason ``"abort"``."""
+
+    group_id: str
+
+
+# ---- weights ----------------------------------------------------------------------------------
+
+
+class TensorRef(_Struct):
+    """Where a tensor of a message travels: frame ``frame`` (>= 1) holds its raw bytes, C order."""
+
+    name: str
+    dtype: WireDtype
+    shape: tuple[NonNegative, ...]
+    frame: Annotated[int, msgspec.Meta(ge=1)]
+
+
+class TensorSpec(_Struct):
+    """A tensor's name and shape, announced before it is sent."""
+
+    name: str
+    shape: tuple[NonNegative, ...]
+
+
+class WeightsAvailable(_Message, tag="weights_available"):
+    """Policy version ``version`` is published; a generator fetches it with :class:`FetchWeights`."""
+
+    version: NonNegative
+    dtype: WireDtype
+    """Element type on the wire (``float32`` or ``bfloat16``); the generator casts to its own."""
+    params: list[TensorSpec]
+    """Hugging Face parameter names and shapes, in the order the chunks send them."""
+    num_chunks: Annotated[int, msgspec.Meta(ge=1)]
+
+
+class FetchWeights(_Message, tag="fetch_weights"):
+    """Send me version ``version`` (answered by its :class:`WeightsChunk` messages, in order)."""
+
+    version: NonNegative
+
+
+class WeightsChunk(_Message, tag="weights_chunk"):
+    """Chunk ``index`` of ``num_chunks`` of a policy version; ``tensors`` point at the frames after
+    the header. Apply the version only once every chunk arrived (atomic update)."""
+
+    version: NonNegative
+    index: NonNegative
+    num_chunks: Annotated[int, msgspec.Meta(ge=1)]
+    tensors: tuple[TensorRef, ...]
+
+    def __post_init__(self) -> None:
+        if self.index >= self.num_chunks:
+            raise ValueError(f"weights chunk index {self.index}, expected < num_chunks={self.num_chunks}")
+
+
+class AckWeights(_Message, tag="ack_weights"):
+    """The generator now serves policy version ``version`` (tokens from its next step carry it)."""
+
+    version: NonNegative
+
+
+# ---- liveness, stats, control -----------------------------------------------------------------
+
+
+class Heartbeat(_Message, tag="heartbeat"):
+    """Sent every heartbeat interval; its absence for a timeout marks the generator dead."""
+
+    policy_version: int
+    """Policy version served now."""
+    batch_size: NonNegative
+    """Sequences decoding in the live batch."""
+    free_groups: NonNegative
+    """How many more groups it can take now."""
+    free_seqs: NonNegative
+    """How many more sequences (samples) it can take now."""
+
+
+class Stats(_Message, tag="stats"):
+    """Cumulative generator counters since it started (the trainer takes differences)."""
+
+    policy_version: int
+    num_steps: NonNegative
+    """Engine steps run."""
+    num_tokens: NonNegative
+    """Response tokens emitted."""
+    busy_s: float
+    """Seconds spent in engine steps."""
+    idle_s: float
+    """Seconds with nothing to decode."""
+    spec: SpecStats | None = None
+
+
+class Credit(_Message, tag="credit"):
+    """Flow control: the receiver lets its peer send messages with sequence numbers below ``limit``.
+
+    Cumulative (the largest limit wins), so a lost or late grant is healed by the next one.
+    """
+
+    limit: NonNegative
+
+
+class Error(_Message, tag="error"):
+    """A message was refused; ``seq`` is its sequence number when it could be read."""
+
+    code: ErrorCode
+    message: str
+    """Names the bad value and what was expected."""
+    seq: int | None = None
+
+
+class Dead(_Message, tag="dead"):
+    """The sender is exiting; its peer stops routing work to it at once (no heartbeat timeout)."""
+
+    actor_id: str
+    reason: str = ""
+
+
+ToTrainer = Hello | RolloutChunk | FetchWeights | AckWeights | Heartbeat | Stats | Credit | Error | Dead
+"""What a trainer (coordinator) receives from a generator."""
+ToGenerator = Welcome | Refuse | SubmitGroup | Abort | WeightsAvailable | WeightsChunk | Credit | Error | Dead
+"""What a generator receives from the trainer."""
+
+CONTROL_MESSAGES: tuple[type, ...] = (Credit, Heartbeat, Dead)
+"""Not numbered and sent without waiting for credit (``protocol/channel.py``): flow control itself,
+liveness and the last word must never be stuck behind data. Their rate is bounded by time, not by
+work, so they cannot flood a peer."""

@@ -1,0 +1,126 @@
+"""Every ZeroMQ socket of specroll is made here, with vetted options; none is configured ad hoc.
+
+Data travels ROUTER ↔ DEALER (or PUSH → PULL), never PUB/SUB, which drops messages at its HWM.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import TypeVar
+
+import zmq
+
+S = TypeVar("S", bound=zmq.Socket)  # type: ignore[type-arg]
+
+DEFAULT_HWM = 1000
+"""Messages queued per peer and direction before a send waits (credit windows stay well below)."""
+DEFAULT_HEARTBEAT_IVL_MS = 1000
+DEFAULT_HEARTBEAT_TIMEOUT_MS = 10_000
+IPC_PATH_MAX = 107
+"""Linux limit on a Unix socket path (``sockaddr_un.sun_path`` less the terminator)."""
+KINDS = {zmq.ROUTER: "ROUTER", zmq.DEALER: "DEALER", zmq.PUSH: "PUSH", zmq.PULL: "PULL"}
+
+
+def _is_local(endpoint: str) -> bool:
+    """True for ipc://, inproc:// and tcp:// on a loopback host; ValueError for anything unparsable."""
+    transport, sep, rest = endpoint.partition("://")
+    if not sep or not rest:
+        raise ValueError(f"endpoint {endpoint!r}: expected TRANSPORT://ADDRESS")
+    if transport in ("ipc", "inproc"):
+        if transport == "ipc" and len(rest.encode()) > IPC_PATH_MAX:
+            raise ValueError(f"endpoint {endpoint!r}: ipc path has {len(rest.encode())} bytes, max {IPC_PATH_MAX}")
+        return True
+    if transport != "tcp":
+        raise ValueError(f"endpoint {endpoint!r}: transport {transport!r}, expected tcp, ipc or inproc")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not (port == "*" or port.isdigit()):
+        raise ValueError(f"endpoint {endpoint!r}: expected tcp://HOST:PORT (PORT a number, 0 or * for a free one)")
+    host = host.removeprefix("[").removesuffix("]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # an interface name, hostname or "*": public
+
+
+def make_socket(
+    ctx: zmq.Context[S],
+    kind: int,
+    *,
+    bind: str | None = None,
+    connect: str | None = None,
+    hwm: int = DEFAULT_HWM,
+    identity: bytes | None = None,
+    linger_ms: int = 0,
+    allow_public: bool = False,
+    heartbeat_ivl_ms: int = DEFAULT_HEARTBEAT_IVL_MS,
+    heartbeat_timeout_ms: int = DEFAULT_HEARTBEAT_TIMEOUT_MS,
+) -> S:
+    """Create a socket of ``ctx`` (sync or ``zmq.asyncio``), set its options, bind or connect it.
+
+    Options: ``ROUTER_MANDATORY`` on ROUTERs (a message to an unknown peer raises
+    ``EHOSTUNREACH`` instead of vanishing, and a full peer makes the send wait); ``SNDHWM`` and
+    ``RCVHWM`` = ``hwm`` messages; ``LINGER`` = ``linger_ms`` (0: close drops unsent messages; use a
+    short linger, or :func:`close_socket`, only for the final ``Dead`` notice); TCP keepalive and
+    ZMTP heartbeats, so a dead peer's connection is dropped; ``IMMEDIATE`` on connecting DEALER/PUSH
+    sockets, so a send waits for a live connection instead of queueing for a peer not there yet.
+
+    Args:
+        kind: ``zmq.ROUTER``, ``zmq.DEALER``, ``zmq.PUSH`` or ``zmq.PULL``.
+        bind / connect: exactly one endpoint. A bind to ``tcp://127.0.0.1:0`` (or ``:*``) takes a
+            free port; read it back with :func:`last_endpoint`.
+        identity: ZeroMQ routing id (what the peer ROUTER sees), e.g. the actor id.
+        allow_public: permit binding to a non-loopback address.
+
+    Raises:
+        ValueError: an unsupported kind, not exactly one endpoint, a malformed endpoint, or a public
+            bind without ``allow_public`` (the message names the address).
+        zmq.ZMQError: the bind or connect itself failed (e.g. the port is taken).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"socket kind {kind}: expected one of {sorted(KINDS.values())} (no PUB/SUB for data)")
+    if (bind is None) == (connect is None):
+        raise ValueError(f"give exactly one of bind= and connect= (got bind={bind!r}, connect={connect!r})")
+    if bind is not None and not _is_local(bind) and not allow_public:
+        raise ValueError(f"refusing to bind {bind!r}: not a loopback or ipc address; allow_public=True exposes it")
+    if connect is not None:
+        _is_local(connect)  # validates the syntax; connecting to a remote host is normal
+    sock = ctx.socket(kind)
+    try:
+        sock.setsockopt(zmq.LINGER, linger_ms)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)  # seconds
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 10)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ivl_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_timeout_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, heartbeat_timeout_ms)
+        if kind == zmq.ROUTER:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if identity is not None:
+            sock.setsockopt(zmq.ROUTING_ID, identity)
+        if "://[" in (bind or connect or ""):
+            sock.setsockopt(zmq.IPV6, 1)  # an IPv6 literal; off otherwise so "localhost" stays IPv4
+        if bind is not None:
+            sock.bind(bind)
+        else:
+            if kind in (zmq.DEALER, zmq.PUSH):
+                sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.connect(connect)  # type: ignore[arg-type]
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def last_endpoint(sock: zmq.Socket) -> str:  # type: ignore[type-arg]
+    """The endpoint the socket last bound or connected, with the real port (after ``:0`` or ``:*``)."""
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def close_socket(sock: zmq.Socket, linger_ms: int = 0) -> None:  # type: ignore[type-arg]
+    """Close ``sock``; ``linger_ms`` > 0 gives queued messages (the final ``Dead``) that long to leave."""
+    sock.close(linger=linger_ms)
