@@ -1,0 +1,264 @@
+"""The rollout coordinator: which group runs where, what has streamed back, and what is finished.
+
+A pure state machine with no I/O (the trainer actor and the embedding client drive it from their
+receive loops, so it is tested without sockets). It keeps, for every group in flight, the prompt,
+the generator serving it and each sample's tokens, behavior logprobs and per-token policy versions
+as they stream in; it hands out groups by the free capacity generators report; and when a
+generator dies it sends that generator's unfinished groups elsewhere as ``SubmitGroup(resume=...)``
+carrying every token already streamed, so a rollout continues from prompt + its own token ids
+(never re-tokenized text) and nothing is lost or duplicated:
+
+- a chunk must start exactly where the trainer's copy of its sample ends (``offset``); a chunk that
+  overlaps what is held must agree with it and only its new tail is kept; a gap, a disagreement or
+  tokens after the finish are refused (:class:`ChunkError`);
+- chunks from a generator that no longer serves the group (it was declared dead, or the group was
+  aborted) are ignored and counted, never merged.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from specroll.protocol.messages import RolloutChunk, SampleResume, SubmitGroup
+from specroll.protocol.sampling import SamplingParams
+
+
+class ChunkError(ValueError):
+    """A rollout chunk that cannot be merged: unknown group or sample, a gap, a disagreement with
+    tokens already held, or tokens after the sample finished."""
+
+
+@dataclass
+class Sample:
+    """One response of a group, as streamed so far."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    """Behavior logprobs (natural log, under the processed distribution that sampled each token)."""
+    versions: list[int] = field(default_factory=list)
+    """The policy version of the weights that produced each token."""
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Group:
+    """n samples of one prompt, in flight or finished."""
+
+    group_id: str
+    prompt_token_ids: list[int]
+    samples: list[Sample]
+    sampling: SamplingParams
+    payload: object = None
+    """Whatever the caller attached to the prompt (e.g. the reference answer for the reward)."""
+    generator: str | None = None
+    """Actor id serving it now; None while queued."""
+    dispatches: int = 0
+    """Times it was sent to a generator (1 + resumes after deaths)."""
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+    def submit_message(self) -> SubmitGroup:
+        """The ``SubmitGroup`` for this group now: fresh, or resuming its unfinished samples."""
+        resume: tuple[SampleResume, ...] = ()
+        if any(s.token_ids or s.finished for s in self.samples):
+            resume = tuple(
+                SampleResume(index=i, token_ids=list(s.token_ids), logprobs=list(s.logprobs),
+                             versions=list(s.versions))
+                for i, s in enumerate(self.samples) if not s.finished
+            )
+        return SubmitGroup(group_id=self.group_id, prompt_token_ids=list(self.prompt_token_ids),
+                           n=len(self.samples), sampling=self.sampling, resume=resume)
+
+
+@dataclass
+class GeneratorState:
+    """What the coordinator knows of one generator."""
+
+    actor_id: str
+    free_groups: int = 0
+    """Groups it can still take, as of its last heartbeat minus groups sent since."""
+    policy_version: int = 0
+    groups: set[str] = field(default_factory=set)
+
+
+class RolloutCoordinator:
+    """Dispatch groups to generators by free capacity, assemble streamed chunks, resume after deaths.
+
+    Args:
+        max_groups_in_flight: most groups dispatched and unfinished at once (bounds staleness:
+            the off-step pipeline never runs further ahead than this).
+    """
+
+    def __init__(self, max_groups_in_flight: int) -> None:
+        if max_groups_in_flight <= 0:
+            raise ValueError(f"max_groups_in_flight={max_groups_in_flight}, expected a positive integer")
+        self.max_groups_in_flight = max_groups_in_flight
+        self.groups: dict[str, Group] = {}
+        """Every group queued or in flight, by id."""
+        self.generators: dict[str, GeneratorState] = {}
+        self._queue: deque[str] = deque()  # group ids waiting for a generator, oldest first
+        self._finished: deque[Group] = deque()
+        self._next_id = 0
+        self.ignored_chunks = 0
+        """Chunks from a generator that no longer serves their group (late after a death or abort)."""
+        self.resumed_groups = 0
+        """Groups sent to another generator after theirs died."""
+
+    # ---- prompts and generators -----------------------------------------------------------
+
+    def add_group(self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, payload: object = None) -> str:
+        """Queue a group of ``n`` samples of one prompt; returns its id.
+
+        Raises:
+            ValueError: empty prompt or ``n`` < 1.
+        """
+        if not prompt_token_ids:
+            raise ValueError("empty prompt: expected at least one token id")
+        if n < 1:
+            raise ValueError(f"n={n}, expected at least one sample per group")
+        group_id = f"g{self._next_id}"
+        self._next_id += 1
+        self.groups[group_id] = Group(group_id, list(prompt_token_ids), [Sample() for _ in range(n)], sampling,
+                                      payload)
+        self._queue.append(group_id)
+        return group_id
+
+    def add_generator(self, actor_id: str) -> None:
+        """A generator completed its handshake (a restarted one comes back under a new id)."""
+        self.generators.setdefault(actor_id, GeneratorState(actor_id))
+
+    def on_heartbeat(self, actor_id: str, free_groups: int, policy_version: int) -> None:
+        """Record a generator's reported capacity and served policy version."""
+        gen = self.generators.get(actor_id)
+        if gen is not None:
+            gen.free_groups, gen.policy_version = free_groups, policy_version
+
+    def remove_generator(self, actor_id: str) -> list[str]:
+        """A generator died or left: its unfinished groups go back to the front of the queue, to
+        resume elsewhere from what they streamed. Returns their ids."""
+        gen = self.generators.pop(actor_id, None)
+        if gen is None:
+            return []
+        orphans = sorted(gen.groups, key=lambda g: int(g[1:]))
+        for group_id in reversed(orphans):  # oldest first at the front
+            self.groups[group_id].generator = None
+            self._queue.appendleft(group_id)
+        self.resumed_groups += len(orphans)
+        return orphans
+
+    # ---- dispatch ---------------------------------------------------------------------------
+
+    @property
+    def num_in_flight(self) -> int:
+        """Groups dispatched and not finished."""
+        return sum(1 for g in self.groups.values() if g.generator is not None)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    def dispatch(self) -> list[tuple[str, SubmitGroup]]:
+        """Assign queued groups to generators with free capacity, most free first, while fewer than
+        ``max_groups_in_flight`` are in flight. Returns (actor id, message) pairs to send."""
+        out = []
+        budget = self.max_groups_in_flight - self.num_in_flight
+        while self._queue and budget > 0:
+            gen = max(self.generators.values(), key=lambda g: (g.free_groups, -len(g.groups)), default=None)
+            if gen is None or gen.free_groups <= 0:
+                break
+            group = self.groups[self._queue.popleft()]
+            group.generator = gen.actor_id
+            group.dispatches += 1
+            gen.groups.add(group.group_id)
+            gen.free_groups -= 1
+            budget -= 1
+            out.append((gen.actor_id, group.submit_message()))
+        return out
+
+    # ---- chunks -----------------------------------------------------------------------------
+
+    def on_chunk(self, actor_id: str, chunk: RolloutChunk) -> Group | None:
+        """Merge one chunk; returns the group when this chunk finished it (it then leaves the
+        coordinator and is also queued for :meth:`pop_finished`).
+
+        Raises:
+            ChunkError: the chunk cannot be merged (see the module docstring); nothing is changed.
+        """
+        group = self.groups.get(chunk.group_id)
+        if group is None or group.generator != actor_id:
+            if group is None and not self._issued(chunk.group_id):
+                raise ChunkError(f"chunk for unknown group {chunk.group_id!r}")
+            self.ignored_chunks += 1  # late: the group finished, was aborted or moved elsewhere
+            return None
+        if chunk.sample_index >= len(group.samples):
+            raise ChunkError(f"group {chunk.group_id!r} has {len(group.samples)} samples; "
+                             f"chunk for sample {chunk.sample_index}")
+        sample = group.samples[chunk.sample_index]
+        held = len(sample.token_ids)
+        where = f"group {chunk.group_id!r} sample {chunk.sample_index}"
+        if sample.finished:
+            if chunk.token_ids or not chunk.finished:
+                raise ChunkError(f"{where} already finished ({sample.finish_reason}); got more tokens")
+            return None
+        if chunk.offset > held:
+            raise ChunkError(f"{where}: chunk at offset {chunk.offset}, but only {held} tokens are held (a gap)")
+        overlap = held - chunk.offset
+        if chunk.token_ids[:overlap] != sample.token_ids[chunk.offset:]:
+            raise ChunkError(f"{where}: chunk at offset {chunk.offset} disagrees with the tokens already held")
+        sample.token_ids.extend(chunk.token_ids[overlap:])
+        sample.logprobs.extend(chunk.logprobs[overlap:])
+        sample.versions.extend(chunk.versions[overlap:])
+        if chunk.finished:
+            sample.finish_reason = chunk.finish_reason
+        if not group.finished:
+            return None
+        self._retire(group)
+        self._finished.append(group)
+        return group
+
+    def _issued(self, group_id: str) -> bool:
+        """Whether this coordinator ever created ``group_id``."""
+        return group_id[:1] == "g" and group_id[1:].isdigit() and int(group_id[1:]) < self._next_id
+
+    def _retire(self, group: Group) -> None:
+        del self.groups[group.group_id]
+        if group.generator is not None and group.generator in self.generators:
+            gen = self.generators[group.generator]
+            gen.groups.discard(group.group_id)
+            gen.free_groups += 1  # until its next heartbeat says otherwise
+
+    def abort(self, group_id: str) -> str | None:
+        """Drop a group; returns the generator to send ``Abort`` to (None if it was queued).
+
+        Raises:
+            KeyError: no such group queued or in flight.
+        """
+        group = self.groups[group_id]
+        if group_id in self._queue:
+            self._queue.remove(group_id)
+        self._retire(group)
+        return group.generator
+
+    def pop_finished(self, limit: int | None = None) -> list[Group]:
+        """Finished groups, oldest first (at most ``limit``)."""
+        out = []
+        while self._finished and (limit is None or len(out) < limit):
+            out.append(self._finished.popleft())
+        return out
+
+    @property
+    def num_finished(self) -> int:
+        return len(self._finished)
+
+    def groups_of(self, actor_id: str) -> Iterable[str]:
+        """Ids of the groups a generator serves now."""
+        gen = self.generators.get(actor_id)
+        return sorted(gen.groups) if gen is not None else []
