@@ -1,0 +1,596 @@
+"""Run configuration: strict structs for a whole run, loaded from TOML with ``--set a.b=value`` overrides.
+
+One :class:`RunConfig` describes everything ``specroll launch`` starts (trainer, generators,
+drafter trainer) and every role started alone reads the same file. ``RunConfig()`` is a small valid
+run on a CPU: the default model, the built-in arithmetic task, one generator.
+
+* :func:`load_config` reads a file (or nothing: the defaults), applies overrides and validates.
+* :func:`dump_config` writes TOML; :func:`write_resolved` writes ``RUN_DIR/config.toml``
+  atomically, and ``load_config(write_resolved(c, d)) == c``.
+* Every problem is one :class:`ConfigError` naming the file, the dotted key and what was expected.
+
+Every struct is frozen and forbids unknown fields; ranges are checked in ``__post_init__`` (which
+raises ``ValueError`` naming the field, the value and what was expected), so a config built in code
+is checked exactly like one loaded from a file. An optional field always defaults to ``None``: TOML
+has no null, so :func:`dump_config` omits ``None`` and the round trip relies on it.
+
+Layering: the generator section nests :class:`~specroll.engine.config.EngineConfig`, so this module
+lives in ``actors/`` (which may import every layer) rather than in ``protocol/``, which stays a leaf.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import math
+import os
+import re
+import tempfile
+import tomllib
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import msgspec.inspect as mi
+
+from specroll.engine.config import EngineConfig
+from specroll.engine.registry import DEFAULT_MODEL
+from specroll.protocol.sampling import SamplingParams
+
+__all__ = [
+    "ConfigError",
+    "DrafterConfig",
+    "GeneratorConfig",
+    "ModelSection",
+    "NetworkConfig",
+    "RunConfig",
+    "TaskConfig",
+    "TrainerConfig",
+    "dump_config",
+    "load_config",
+    "write_resolved",
+]
+
+CONFIG_FILENAME = "config.toml"
+"""Name of the resolved config inside the run directory."""
+
+
+class ConfigError(ValueError):
+    """A config file, an override or a value is not acceptable; the message names the file and dotted key."""
+
+
+def _require(ok: bool, name: str, value: object, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r}, expected {expected}")
+
+
+def _check_literals(struct: msgspec.Struct) -> None:
+    """Literal fields hold an allowed value (msgspec checks this when decoding, not when built in code)."""
+    for name, kind in typing.get_type_hints(type(struct)).items():
+        if typing.get_origin(kind) is Literal:
+            allowed = typing.get_args(kind)
+            value = getattr(struct, name)
+            _require(value in allowed, name, value, f"one of {', '.join(map(repr, allowed))}")
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Base of every config section: frozen, strict, keyword-only."""
+
+
+class ModelSection(_Section):
+    """The policy: the model the trainer trains and every generator serves (``[model]``)."""
+
+    name: str = DEFAULT_MODEL
+    """A registered model name, a Hugging Face checkpoint directory or a ``.gguf`` file. Default: the
+    registered default model (SmolLM2-135M-Instruct)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the trainer's parameters and optimizer state. Default ``float32``. (The generators'
+    inference dtype is ``generator.engine.dtype``.)"""
+
+    def __post_init__(self) -> None:
+        _check_literals(self)
+        _require(bool(self.name), "name", self.name, "a model name or path")
+
+
+class TaskConfig(_Section):
+    """Where prompts come from and how responses are scored (``[task]``)."""
+
+    prompts: str | None = None
+    """GSM8K-style JSONL file (``question`` and ``answer`` per line); ``None`` (default) uses the
+    built-in arithmetic task."""
+    reward: Literal["gsm8k"] = "gsm8k"
+    """Reward function from ``specroll.actors.tasks.REWARDS``: ``gsm8k`` (default) scores 1 when the
+    last number of the response equals the answer."""
+    max_prompts: int | None = None
+    """Use at most this many prompts of the file; ``None`` (default) uses them all."""
+    builtin_count: int = 256
+    """Number of prompts the built-in task generates (used when ``prompts`` is ``None``). Default 256."""
+
+    def __post_init__(self) -> None:
+        _check_literals(self)
+        _require(self.prompts is None or bool(self.prompts), "prompts", self.prompts, "a file path or unset")
+        _require(self.max_prompts is None or self.max_prompts >= 1, "max_prompts", self.max_prompts,
+                 "a positive integer or unset")
+        _require(self.builtin_count >= 1, "builtin_count", self.builtin_count, "a positive integer")
+
+
+class TrainerConfig(_Section):
+    """GRPO training with off-policy correction (``[trainer]``)."""
+
+    batch_groups: int = 4
+    """B: finished groups that make one training step. Default 4."""
+    group_size: int = 4
+    """n: samples per prompt (a GRPO group). Default 4; at least 2, as one sample has no advantage."""
+    learning_rate: float = 1e-6
+    """AdamW learning rate. Default 1e-6."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay. Default 0."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping. Default 1.0."""
+    grad_accum_steps: int = 1
+    """Micro-batches one step's B·n samples are split into (one optimizer step). Default 1."""
+    loss: Literal["tis", "ppo"] = "tis"
+    """Off-policy correction against the behavior logprobs: ``tis`` (default) weighs each token's
+    policy gradient by the truncated importance ratio min(π/μ, ``tis_cap``); ``ppo`` is the decoupled
+    PPO clipped objective with clip range ``clip_eps``."""
+    tis_cap: float = 2.0
+    """Truncation C of the importance ratio in the ``tis`` loss. Default 2.0."""
+    clip_eps: float = 0.2
+    """ε of the ``ppo`` loss: ratios are clipped to [1-ε, 1+ε]. Default 0.2."""
+    max_staleness: int = 1
+    """η: most policy versions a trained token may lag behind the version being trained. Default 1."""
+    staleness_policy: Literal["mask", "drop"] = "mask"
+    """What happens to tokens older than η: ``mask`` (default) removes them from the loss;
+    ``drop`` discards their whole sample. Both are counted in the metrics."""
+    normalize_std: bool = True
+    """Divide group-centred rewards by the group's standard deviation (GRPO). Default true."""
+    checkpoint_every: int = 0
+    """Save a checkpoint (weights, optimizer, step) every this many steps; 0 (default) never does."""
+    weights_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of published weights on the wire; ``bfloat16`` halves the bytes. Default ``float32``."""
+    max_groups_in_flight: int = 8
+    """Groups dispatched to generators and not yet trained on, at most; at least ``batch_groups``.
+    Default 8."""
+    train_threads: int | None = None
+    """Torch intra-op CPU threads of the trainer; ``None`` (default) keeps torch's default."""
+
+    def __post_init__(self) -> None:
+        _check_literals(self)
+        _require(self.batch_groups >= 1, "batch_groups", self.batch_groups, "a positive integer")
+        _require(self.group_size >= 2, "group_size", self.group_size,
+                 "an integer >= 2 (a group of one sample has zero advantage)")
+        _require(self.learning_rate > 0 and math.isfinite(self.learning_rate), "learning_rate",
+                 self.learning_rate, "a positive finite number")
+        _require(self.weight_decay >= 0 and math.isfinite(self.weight_decay), "weight_decay", self.weight_decay,
+                 "a finite number >= 0")
+        _require(self.max_grad_norm >= 0 and math.isfinite(self.max_grad_norm), "max_grad_norm",
+                 self.max_grad_norm, "a finite number >= 0 (0 disables clipping)")
+        samples = self.batch_groups * self.group_size
+        _require(1 <= self.grad_accum_steps <= samples, "grad_accum_steps", self.grad_accum_steps,
+                 f"an integer in [1, batch_groups * group_size = {samples}]")
+        _require(self.tis_cap > 0, "tis_cap", self.tis_cap, "a positive number")
+        _require(0 < self.clip_eps < 1, "clip_eps", self.clip_eps, "a number in (0, 1)")
+        _require(self.max_staleness >= 0, "max_staleness", self.max_staleness, "an integer >= 0")
+        _require(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every,
+                 "an integer >= 0 (0 never checkpoints)")
+        _require(self.max_groups_in_flight >= self.batch_groups, "max_groups_in_flight", self.max_groups_in_flight,
+                 f"an integer >= batch_groups ({self.batch_groups}), or a step could never fill")
+        _require(self.train_threads is None or self.train_threads >= 1, "train_threads", self.train_threads,
+                 "a positive integer or unset")
+
+
+class GeneratorConfig(_Section):
+    """The generators: each wraps one engine and streams rollouts to the trainer (``[generator]``)."""
+
+    count: int = 1
+    """Generators ``specroll launch`` starts. Default 1."""
+    engine: EngineConfig = EngineConfig()
+    """The engine of each generator (``[generator.engine]``). Its ``model`` follows ``model.name``: leave
+    it unset (or equal to ``model.name``)."""
+    sampling: SamplingParams = SamplingParams()
+    """How rollouts are sampled (``[generator.sampling]``): temperature, top_p, top_k, max_tokens.
+    ``seed`` must stay unset: each request's seed derives from the run seed."""
+    kv_policy: Literal["keep", "recompute"] = "keep"
+    """What running requests do on a weight update: ``keep`` (default) reuses KV computed under the
+    older weights (recorded per token); ``recompute`` prefills it again under the new ones."""
+    stream_every_steps: int = 4
+    """Engine steps between rollout chunks sent to the trainer (finished samples are sent at once).
+    Default 4."""
+    heartbeat_s: float = 1.0
+    """Seconds between heartbeats to the trainer. Default 1.0."""
+    speculative: Literal["off", "suffix", "eagle", "auto"] = "off"
+    """Speculative decoding: ``off`` (default), ``suffix`` (model-free n-gram drafts), ``eagle``
+    (the learned drafter; needs ``[drafter]``) or ``auto`` (``eagle`` when a drafter is configured,
+    else ``suffix``)."""
+
+    def __post_init__(self) -> None:
+        _check_literals(self)
+        _require(self.count >= 1, "count", self.count, "a positive integer")
+        _require(self.sampling.seed is None, "sampling.seed", self.sampling.seed,
+                 "unset (per-request seeds derive from the run seed; one seed gives a group identical samples)")
+        _require(self.stream_every_steps >= 1, "stream_every_steps", self.stream_every_steps, "a positive integer")
+        _require(self.heartbeat_s > 0 and math.isfinite(self.heartbeat_s), "heartbeat_s", self.heartbeat_s,
+                 "a positive number of seconds")
+
+
+class DrafterConfig(_Section):
+    """The drafter trainer: trains an EAGLE-style drafter online on the rollouts (``[drafter]``)."""
+
+    enabled: bool = False
+    """Start the drafter trainer and publish drafter versions to the generators. Default false."""
+    path: str | None = None
+    """Initial drafter directory (``config.json`` + ``model.safetensors``, as ``specroll init-drafter``
+    writes); ``None`` (default) initialises one from the target."""
+    learning_rate: float = 1e-4
+    """AdamW learning rate of the drafter. Default 1e-4."""
+    window_rollouts: int = 256
+    """Most recent finished rollouts the drafter trains on. Default 256."""
+    publish_every_steps: int = 20
+    """Drafter training steps between published drafter versions. Default 20."""
+
+    def __post_init__(self) -> None:
+        _require(self.path is None or bool(self.path), "path", self.path, "a directory or unset")
+        _require(self.learning_rate > 0 and math.isfinite(self.learning_rate), "learning_rate",
+                 self.learning_rate, "a positive finite number")
+        _require(self.window_rollouts >= 1, "window_rollouts", self.window_rollouts, "a positive integer")
+        _require(self.publish_every_steps >= 1, "publish_every_steps", self.publish_every_steps,
+                 "a positive integer")
+
+
+class NetworkConfig(_Section):
+    """Where the trainer listens and how the channels behave (``[network]``)."""
+
+    host: str = "127.0.0.1"
+    """Address the trainer binds and generators connect to. Default ``127.0.0.1``; a non-loopback
+    address needs ``allow_public``."""
+    trainer_port: int = 0
+    """TCP port of the trainer; 0 (default) picks a free one (``specroll launch`` passes it on)."""
+    allow_public: bool = False
+    """Allow binding a non-loopback address. Default false: messages are not authenticated."""
+    hwm: int = 1000
+    """ZeroMQ high-water mark: messages queued per peer and direction. Default 1000
+    (``protocol.sockets.DEFAULT_HWM``)."""
+    window: int = 64
+    """Credit window: data messages a sender may have unconsumed at one receiver; below ``hwm``.
+    Default 64 (``protocol.channel.DEFAULT_WINDOW``)."""
+    heartbeat_timeout_s: float = 10.0
+    """Seconds of silence after which a peer is declared dead; above ``generator.heartbeat_s``.
+    Default 10.0."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.host), "host", self.host, "an address")
+        _require(self.allow_public or _is_loopback(self.host), "host", self.host,
+                 "a loopback address (127.0.0.1, ::1, localhost) unless allow_public = true")
+        _require(0 <= self.trainer_port <= 65535, "trainer_port", self.trainer_port, "a port in [0, 65535]")
+        _require(self.hwm >= 1, "hwm", self.hwm, "a positive integer")
+        _require(2 <= self.window < self.hwm, "window", self.window, f"an integer in [2, hwm = {self.hwm})")
+        _require(self.heartbeat_timeout_s > 0 and math.isfinite(self.heartbeat_timeout_s), "heartbeat_timeout_s",
+                 self.heartbeat_timeout_s, "a positive number of seconds")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
+    except ValueError:
+        return False  # a hostname, an interface name or "*": public
+
+
+class RunConfig(_Section):
+    """A whole run: ``specroll launch`` and every role read it. ``RunConfig()`` is a small CPU run."""
+
+    run_dir: str = "runs/default"
+    """Directory of the run: resolved config, metrics JSONL, checkpoints. Default ``runs/default``."""
+    seed: int = 0
+    """Seed of the run: prompt order, per-request sampling seeds, initialisation. Default 0."""
+    steps: int = 3
+    """GRPO steps to train. Default 3."""
+    model: ModelSection = ModelSection()
+    task: TaskConfig = TaskConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    generator: GeneratorConfig = GeneratorConfig()
+    drafter: DrafterConfig = DrafterConfig()
+    network: NetworkConfig = NetworkConfig()
+
+    def __post_init__(self) -> None:
+        _require(bool(self.run_dir), "run_dir", self.run_dir, "a directory path")
+        _require(self.seed >= 0, "seed", self.seed, "an integer >= 0")
+        _require(self.steps >= 1, "steps", self.steps, "a positive integer")
+        engine = self.generator.engine
+        if engine.model != self.model.name:
+            # The generators serve the policy: an engine model left at its default follows model.name.
+            _require(engine.model == DEFAULT_MODEL, "generator.engine.model", engine.model,
+                     f"unset or equal to model.name={self.model.name!r}")
+            generator = msgspec.structs.replace(self.generator, engine=msgspec.structs.replace(
+                engine, model=self.model.name))
+            msgspec.structs.force_setattr(self, "generator", generator)
+        _require(self.generator.speculative != "eagle" or self.drafter.enabled or self.drafter.path is not None,
+                 "generator.speculative", self.generator.speculative,
+                 "'off', 'suffix' or 'auto' unless drafter.enabled = true or drafter.path is set")
+        _require(self.network.heartbeat_timeout_s > self.generator.heartbeat_s, "network.heartbeat_timeout_s",
+                 self.network.heartbeat_timeout_s, f"more than generator.heartbeat_s = {self.generator.heartbeat_s}")
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read a TOML file (``None``: start from the defaults), apply ``--set`` overrides, validate.
+
+    Args:
+        path: The TOML file, or ``None``.
+        overrides: ``"a.b.c=value"`` strings, applied in order. The value is parsed as a TOML value
+            (``3``, ``0.5``, ``true``, ``"x"``, ``[1, 2]``, ``{a = 1}``); a bare word that is not valid
+            TOML (``runs/x``, ``data.jsonl``) is taken as a string.
+
+    Raises:
+        ConfigError: the file is missing or unreadable, not valid TOML (the message has the line), an
+            override is malformed, a key is unknown (close matches are suggested), a value has the
+            wrong type or is out of range. The message names the file and the dotted key.
+    """
+    source = str(path) if path is not None else "<defaults>"
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = Path(path).read_bytes()
+        except FileNotFoundError:
+            raise ConfigError(f"{source}: config file not found") from None
+        except OSError as exc:
+            raise ConfigError(f"{source}: cannot read config file ({exc.strerror or exc})") from exc
+        try:
+            data = tomllib.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{source}: not UTF-8 text ({exc})") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{source}: invalid TOML: {exc}") from exc
+    set_by: dict[str, str] = {}
+    for item in overrides:
+        key, value = _parse_override(item, source)
+        _apply_override(data, key, value, item, source)
+        set_by[".".join(key)] = item
+    try:
+        return msgspec.convert(data, RunConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_explain(exc, source, set_by)) from exc
+
+
+_STRUCTURED = tuple("[{\"'")
+
+
+def _parse_override(item: str, source: str) -> tuple[list[str], Any]:
+    key_text, sep, value_text = item.partition("=")
+    if not sep:
+        raise ConfigError(f"{source}: --set {item!r}: expected KEY=VALUE, e.g. trainer.group_size=8")
+    key = [part.strip() for part in key_text.split(".")]
+    if not any(key):
+        raise ConfigError(f"{source}: --set {item!r}: empty key before '='")
+    if not all(key):
+        raise ConfigError(f"{source}: --set {item!r}: key {key_text.strip()!r} has an empty part")
+    value_text = value_text.strip()
+    if not value_text:
+        raise ConfigError(f"{source}: --set {item!r}: empty value (write '\"\"' for an empty string)")
+    try:
+        return key, tomllib.loads(f"v = {value_text}")["v"]
+    except tomllib.TOMLDecodeError as exc:
+        if value_text.startswith(_STRUCTURED):
+            raise ConfigError(f"{source}: --set {item!r}: invalid TOML value ({exc})") from exc
+        return key, value_text  # a bare word: a string
+
+
+def _apply_override(data: dict[str, Any], key: list[str], value: Any, item: str, source: str) -> None:
+    table = data
+    for depth, part in enumerate(key[:-1]):
+        where = key[: depth + 1]
+        child = table.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{source}: --set {item!r}: {'.'.join(where)} is {_toml_kind(child)}, not a table")
+        kind = _unwrap(_type_at(where))
+        if not isinstance(kind, mi.StructType | mi.AnyType):  # AnyType: unknown key, reported at convert
+            raise ConfigError(f"{source}: --set {item!r}: {'.'.join(where)} is {_schema_kind(kind)}, not a table")
+        table = child
+    table[key[-1]] = value
+
+
+def _schema_kind(kind: mi.Type) -> str:
+    kinds = {mi.BoolType: "a boolean", mi.IntType: "an integer", mi.FloatType: "a float", mi.StrType: "a string",
+             mi.LiteralType: "a string", mi.VarTupleType: "an array", mi.ListType: "an array"}
+    return kinds.get(type(kind), "a value")
+
+
+def _toml_kind(value: object) -> str:
+    kinds = {bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "an array"}
+    return kinds.get(type(value), f"a {type(value).__name__}")
+
+
+_AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_PART = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+
+
+def _explain(exc: msgspec.ValidationError, source: str, set_by: dict[str, str]) -> str:
+    """Turn msgspec's ``"<what> - at `$.a.b`"`` into ``"<file>: a.b: <what>, expected ..."``."""
+    match = _AT.match(str(exc))
+    assert match is not None  # the pattern matches any text
+    what, path = match["what"], match["path"] or ""
+    parts: list[str | int] = [int(i) if i else name for name, i in _PART.findall(path)]
+    table = ".".join(p for p in parts if isinstance(p, str))
+    field_type = _type_at(parts)
+
+    if isinstance(exc.__cause__, ValueError):  # raised by a __post_init__: "field=value, expected ..."
+        text = str(exc.__cause__)
+        if table and re.match(r"^[\w.]+=", text):
+            text = f"{table}.{text}"
+        elif table:
+            text = f"{table}: {text}"
+        key = text.partition("=")[0]
+    elif unknown := re.match(r"Object contains unknown field `(.*)`", what):
+        name = unknown[1]
+        key = f"{table}.{name}" if table else name
+        text = f"unknown key {key}" + _suggest(name, field_type, key)
+    else:
+        key = _dotted(parts)
+        if lit := re.match(r"Invalid enum value (.*)", what):
+            text = f"{key}={lit[1]}, expected {_describe(field_type)}"
+        else:
+            expected = what.replace("Expected `object`", "expected a table").replace("got `object`", "got a table")
+            text = f"{key}: {re.sub(r'^Expected', 'expected', expected)}"
+    item = next((item for k, item in reversed(set_by.items()) if _related(key, k)), None)
+    if item is None:
+        return f"{source}: {text}"
+    if "expected `str`" in text and "=" in item:
+        name, _, value = item.partition("=")
+        text += f" (quote a string: --set '{name}=\"{value}\"')"
+    return f"{source} (from --set {item!r}): {text}"
+
+
+def _related(a: str, b: str) -> bool:
+    """One dotted key is the other or lies under it (``x.y`` and ``x.y.z``, ``x.y`` and ``x.y[0]``)."""
+    short, long = sorted((a, b), key=len)
+    return long == short or (long.startswith(short) and long[len(short)] in ".[")
+
+
+def _dotted(parts: Sequence[str | int]) -> str:
+    text = ""
+    for part in parts:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
+    return text
+
+
+def _type_at(parts: Sequence[str | int]) -> mi.Type:
+    """The msgspec type at a path of the RunConfig document (``AnyType`` where unknown)."""
+    kind: mi.Type = mi.type_info(RunConfig)
+    for part in parts:
+        kind = _unwrap(kind)
+        if isinstance(part, int) and isinstance(kind, mi.VarTupleType | mi.ListType):
+            kind = kind.item_type
+        elif isinstance(part, str) and isinstance(kind, mi.StructType):
+            kind = next((f.type for f in kind.fields if f.name == part), mi.AnyType())
+        else:
+            return mi.AnyType()
+    return kind
+
+
+def _unwrap(kind: mi.Type) -> mi.Type:
+    """The non-None member of an optional type."""
+    if isinstance(kind, mi.UnionType):
+        members = [t for t in kind.types if not isinstance(t, mi.NoneType)]
+        return members[0] if len(members) == 1 else kind
+    return kind
+
+
+def _describe(kind: mi.Type) -> str:
+    kind = _unwrap(kind)
+    if isinstance(kind, mi.LiteralType):
+        return "one of " + ", ".join(map(repr, kind.values))
+    return "a valid value"
+
+
+def _all_keys(kind: mi.Type, prefix: str = "") -> list[str]:
+    keys: list[str] = []
+    if isinstance(kind, mi.StructType):
+        for f in kind.fields:
+            keys.append(prefix + f.name)
+            keys += _all_keys(f.type, prefix + f.name + ".")
+    return keys
+
+
+def _suggest(name: str, table_type: mi.Type, key: str) -> str:
+    """``"; did you mean X?"`` from the same table, else the same name in another table, else the valid keys."""
+    names = [f.name for f in table_type.fields] if isinstance(table_type, mi.StructType) else []
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    prefix = key[: -len(name)]
+    if close:
+        return "; did you mean " + " or ".join(prefix + c for c in close) + "?"
+    elsewhere = [k for k in _all_keys(mi.type_info(RunConfig)) if k.rpartition(".")[2] == name]
+    if elsewhere:
+        return "; did you mean " + " or ".join(elsewhere[:3]) + "?"
+    where = f"[{prefix[:-1]}]" if prefix else "the top level"
+    return f"; keys in {where}: {', '.join(names)}"
+
+
+# ---- writing ----------------------------------------------------------------------------------
+
+
+def dump_config(config: RunConfig) -> str:
+    """The config as TOML: top-level keys first, then one ``[table]`` per section; ``None`` omitted.
+
+    Every field is written, defaults included, so the file is the whole resolved config.
+    """
+    lines = ["# specroll run config, resolved: every field (unset optional fields omitted)"]
+    _emit_table(lines, (), msgspec.to_builtins(config))
+    return "\n".join(lines) + "\n"
+
+
+def write_resolved(config: RunConfig, run_dir: str | Path | None = None) -> Path:
+    """Write ``run_dir/config.toml`` (``run_dir`` defaults to ``config.run_dir``) atomically.
+
+    The text goes to a temporary file in the same directory, is fsynced, then renamed over the
+    target, so a reader sees the old file or the whole new one; on any error the temporary file is
+    removed and the error propagates.
+
+    Returns:
+        The path of the written file.
+    """
+    directory = Path(config.run_dir if run_dir is None else run_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / CONFIG_FILENAME
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{CONFIG_FILENAME}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(dump_config(config))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _emit_table(lines: list[str], path: tuple[str, ...], table: dict[str, Any]) -> None:
+    # TOML: a table's own key/value pairs must come before its sub-tables.
+    for key, value in table.items():
+        if value is not None and not isinstance(value, dict):
+            lines.append(f"{_key(key)} = {_value(value)}")
+    for key, value in table.items():
+        if isinstance(value, dict):
+            lines += ["", "[" + ".".join(_key(k) for k in (*path, key)) + "]"]
+            _emit_table(lines, (*path, key), value)
+
+
+def _key(key: str) -> str:
+    return key if _BARE_KEY.match(key) else _string(key)
+
+
+def _string(text: str) -> str:
+    escaped = "".join(_ESCAPES.get(c, f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c) for c in text)
+    return f'"{escaped}"'
+
+
+def _value(value: object) -> str:
+    if isinstance(value, bool):  # before int: bool is an int
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)  # shortest round-tripping form; "1e-06" is valid TOML
+    if isinstance(value, str):
+        return _string(value)
+    if isinstance(value, list | tuple):
+        if any(v is None for v in value):
+            raise TypeError(f"cannot write None inside a TOML array: {value!r}")
+        return "[" + ", ".join(_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        items = ", ".join(f"{_key(k)} = {_value(v)}" for k, v in value.items() if v is not None)
+        return "{" + items + "}"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML: {value!r}")
