@@ -79,15 +79,39 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.project(x, cos, sin)
         o = backend.forward(q, k, v, kv_cache)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v for ``x`` ``[..., T, hidden]``: ``[..., T, H, D]``, ``[..., T, H_kv, D]`` twice.
+
+        q/k normed (Qwen3) then rotated by ``cos``/``sin`` (broadcastable to ``[..., T, 1, D]``);
+        shared by the paged inference path and the dense training path (:meth:`forward_dense`).
+        """
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))  # [..., T, H, D]
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [..., T, H_kv, D]
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward_dense(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention over a padded batch ``x`` ``[B, T, hidden]`` with no KV cache (training).
+
+        ``cos``/``sin``: ``[B, T, 1, D]``; ``attn_mask``: bool ``[B, 1, T, T]``, True where query
+        i may attend to key j. Returns ``[B, T, hidden]``.
+        """
+        q, k, v = self.project(x, cos, sin)  # [B, T, H(_kv), D]
+        o = F.scaled_dot_product_attention(  # [B, H, T, D]; scale 1/sqrt(D) as the paged backends
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, enable_gqa=True
+        )
+        return self.o_proj(o.transpose(1, 2).flatten(2))
 
 
 class MLP(nn.Module):
@@ -122,6 +146,13 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_dense(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`forward` over a padded batch ``[B, T, hidden]`` without KV cache (see ``CausalLM.score``)."""
+        x = x + self.self_attn.forward_dense(self.input_layernorm(x), cos, sin, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -237,3 +268,48 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 ``[N, vocab_size]`` logits for hidden states ``[N, hidden_size]``."""
         return F.linear(hidden, self.lm_head_weight).float()
+
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Differentiable dense forward for training: float32 logits ``[B, T, vocab_size]``.
+
+        No KV cache and no inference mode, so gradients reach every parameter; the same modules
+        and weights as :meth:`forward`, so trainer and generator run one implementation. Each row
+        is one sequence, right-padded: token ``t`` of a row sits at RoPE position ``t`` (in
+        general, the number of valid tokens before it) and attends causally to the row's valid
+        tokens only, through ``F.scaled_dot_product_attention`` with GQA. Logits at padded
+        positions are finite but meaningless; mask them out of any loss.
+
+        Args:
+            input_ids: int64 ``[B, T]`` token ids (padding positions may hold any valid id).
+            attention_mask: bool ``[B, T]``, True at real tokens.
+
+        Returns:
+            float32 ``[B, T, vocab_size]``: row b, position t predicts token t + 1.
+
+        Raises:
+            ValueError: ``input_ids`` is not 2-D integer, or ``attention_mask`` is not bool of the
+                same shape.
+        """
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(
+                f"input_ids must be int64 or int32 [B, T], got {input_ids.dtype} {tuple(input_ids.shape)}"
+            )
+        if attention_mask.shape != input_ids.shape or attention_mask.dtype != torch.bool:
+            raise ValueError(
+                f"attention_mask must be bool with input_ids' shape {tuple(input_ids.shape)}, "
+                f"got {attention_mask.dtype} {tuple(attention_mask.shape)}"
+            )
+        b, t = input_ids.shape
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]: 0..len-1 on real tokens
+        x = self.model.embed_tokens(input_ids)  # [B, T, hidden]
+        cos, sin = self.rotary.cos_sin(positions.flatten(), x.dtype)  # [B*T, 1, D]
+        cos, sin = cos.view(b, t, 1, -1), sin.view(b, t, 1, -1)  # [B, T, 1, D]
+        # query i sees key j when j <= i and j is a real token; the diagonal is always open so a
+        # padded query never has an empty row (which would give NaN through softmax and backward)
+        idx = torch.arange(t, device=input_ids.device)
+        causal = idx[None, :] <= idx[:, None]  # [T, T]
+        attn_mask = (causal & attention_mask[:, None, :]) | torch.eye(t, dtype=torch.bool, device=idx.device)
+        attn_mask = attn_mask[:, None]  # [B, 1, T, T]
+        for layer in self.model.layers:
+            x = layer.forward_dense(x, cos, sin, attn_mask)
+        return F.linear(self.model.norm(x), self.lm_head_weight).float()
