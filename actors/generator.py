@@ -1,0 +1,724 @@
+"""The generator actor: one :class:`~specroll.engine.engine.Engine` behind a DEALER socket.
+
+Tasks (one anyio task group on the asyncio backend):
+
+* **receive** — the channel's one receive task: answers bad frames with ``Error`` (or a log line),
+  queues engine work (``SubmitGroup``, ``Abort``, a complete weight version) for the step loop,
+  assembles ``WeightsChunk``s;
+* **step loop** — the only code that touches the engine: applies queued work between steps, runs
+  ``Engine.step`` in a worker thread, turns its deltas into ``RolloutChunk``s;
+* **send** — drains the outbox through the channel (waiting for the trainer's credit), so a slow
+  trainer delays decoding only once the outbox is full (bounded memory);
+* **tick** — ``Heartbeat`` every ``heartbeat_s`` and ``Stats`` every ``stats_s``;
+* **watchdog** — exits non-zero when the trainer has been unreachable (no connection, no message)
+  for ``trainer_timeout_s``; **signals** — SIGTERM/SIGINT stop stepping, flush, send ``Dead``, exit 0.
+
+Message flow with the trainer: ``Hello`` → ``Welcome`` | ``Refuse``; ``SubmitGroup`` → chunks of
+each sample (the last ``finished``); ``Abort`` → final chunks with ``"abort"``;
+``WeightsAvailable`` → ``FetchWeights`` → ``WeightsChunk``s → applied between steps → ``AckWeights``.
+
+Policy-version attribution: an update is applied only between steps, so every engine step runs under
+exactly one version and each token it emits is tagged with that version — the weights whose forward
+pass produced the token's logits. With ``kv_policy="keep"`` that forward pass attends to K/V of
+earlier positions computed under older weights (the last emitted token's K/V is computed in the
+first step after the update, under the new weights); with ``"recompute"`` every live request is
+re-prefilled under the new weights first. Tokens emitted before the update keep their old version;
+``AckWeights(v)`` is queued after the update, so every token of a chunk sent after the ack that was
+emitted after the update carries ``v``.
+
+Run as ``python -m specroll.actors.generator --connect tcp://127.0.0.1:PORT --model PATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, assert_never
+
+import anyio
+import anyio.abc
+import msgspec
+import torch
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from specroll.actors.rollout_stream import DraftCounter, SampleStream
+from specroll.engine.config import EngineConfig
+from specroll.engine.engine import Engine
+from specroll.engine.sequence import StepOutput
+from specroll.protocol.channel import DEFAULT_WINDOW, Channel, Received, SequenceError
+from specroll.protocol.codec import ProtocolError
+from specroll.protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    AckWeights,
+    Credit,
+    Dead,
+    Error,
+    ErrorCode,
+    FetchWeights,
+    Heartbeat,
+    Hello,
+    Refuse,
+    RolloutChunk,
+    SpecStats,
+    Stats,
+    SubmitGroup,
+    ToGenerator,
+    WeightsAvailable,
+    WeightsChunk,
+    Welcome,
+)
+from specroll.protocol.sockets import close_socket, make_socket
+
+log = logging.getLogger("specroll.generator")
+
+KvPolicy = Literal["keep", "recompute"]
+Speculative = Literal["off", "suffix"]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_REFUSED = 2
+EXIT_TRAINER_LOST = 3
+
+
+@dataclass
+class GeneratorSettings:
+    """Everything a generator process needs (a TOML config layer maps onto this)."""
+
+    connect: str
+    """The trainer's ROUTER endpoint, e.g. ``tcp://127.0.0.1:5555``."""
+    model: str
+    """A registered model name, a Hugging Face checkpoint directory or a ``.gguf`` file."""
+    actor_id: str = ""
+    """Unique per process incarnation, also the ZeroMQ identity; empty: ``generator-<uuid4 hex>``."""
+    max_num_seqs: int = 64
+    """Most sequences decoded in one step; also the capacity announced in heartbeats."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weight and KV dtype of the engine."""
+    speculative: Speculative = "off"
+    """``suffix``: model-free drafts (``drafter/suffix.py``) verified losslessly; ``off``: plain decoding."""
+    num_draft_tokens: int = 4
+    """Drafts per sequence and step when speculating."""
+    stream_every: int = 4
+    """A sample with unsent tokens gets a chunk at least every this many engine steps."""
+    heartbeat_s: float = 1.0
+    """Seconds between heartbeats."""
+    stats_s: float = 5.0
+    """Seconds between ``Stats`` messages."""
+    kv_policy: KvPolicy = "keep"
+    """On a weight update: ``keep`` running requests' K/V, or ``recompute`` it under the new weights."""
+    seed: int = 0
+    """Engine seed for samples whose group brings no seed."""
+    trainer_timeout_s: float = 60.0
+    """Exit (code 3) after this many seconds with neither a connection to nor a message from the
+    trainer; also the limit on the handshake."""
+    linger_s: float = 1.0
+    """On shutdown: seconds to flush unsent chunks and then to deliver ``Dead``."""
+    kv_cache_gb: float = 1.0
+    """KV-cache memory in GiB."""
+    max_model_len: int | None = None
+    """Context length cap in tokens; ``None`` takes the checkpoint's."""
+    device: str = "cpu"
+    """Torch device of the engine."""
+    backend: Literal["auto", "torch", "flashinfer"] = "auto"
+    """Attention backend."""
+    num_threads: int | None = None
+    """Torch intra-op CPU threads; ``None`` leaves torch's default."""
+    window: int = DEFAULT_WINDOW
+    """Credit window of the channel; must equal the trainer's."""
+    max_outbox: int = 256
+    """Messages queued for the trainer before the step loop waits (backpressure)."""
+
+    def __post_init__(self) -> None:
+        if not self.actor_id:
+            self.actor_id = f"generator-{uuid.uuid4().hex}"
+        for name in ("max_num_seqs", "num_draft_tokens", "stream_every", "max_outbox"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)}, expected a positive integer")
+        for name in ("heartbeat_s", "stats_s", "trainer_timeout_s", "linger_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)}, expected a positive number of seconds")
+        if self.kv_policy not in ("keep", "recompute"):
+            raise ValueError(f"kv_policy={self.kv_policy!r}, expected 'keep' or 'recompute'")
+        if self.speculative not in ("off", "suffix"):
+            raise ValueError(f"speculative={self.speculative!r}, expected 'off' or 'suffix'")
+
+
+@dataclass
+class _ApplyWeights:
+    """A complete policy version, queued for the step loop."""
+
+    version: int
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass
+class _Fetch:
+    """A policy version being fetched: chunks arrive in order."""
+
+    version: int
+    num_chunks: int
+    names: frozenset[str] | None
+    """The announced parameter names (``WeightsAvailable.params``), when it was announced."""
+    next_index: int = 0
+    tensors: dict[str, torch.Tensor] | None = None
+
+
+class _Wakeup:
+    """Level-triggered wake-up: :meth:`notify` wakes every task waiting now."""
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = anyio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+class GeneratorActor:
+    """Serves one engine to one trainer over ``channel`` (see the module docstring).
+
+    Args:
+        settings: the actor's settings.
+        engine: a ready engine (built with ``settings``); only this actor's step loop touches it.
+        channel: a DEALER channel connected to the trainer, inbound union ``ToGenerator``.
+        draft_counter: the engine's proposer when speculating (for per-chunk ``SpecStats``).
+    """
+
+    def __init__(
+        self, settings: GeneratorSettings, engine: Engine, channel: Channel[ToGenerator],
+        draft_counter: DraftCounter | None = None,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.channel = channel
+        self.draft_counter = draft_counter
+        self._streams: dict[str, SampleStream] = {}
+        """request id → stream of every live sample."""
+        self._groups: dict[str, dict[int, SampleStream]] = {}
+        """group id → its live samples by index."""
+        self._inbox: deque[SubmitGroup | Abort | _ApplyWeights] = deque()
+        """Engine work for the step loop, in arrival order."""
+        self._outbox: deque[RolloutChunk | FetchWeights | AckWeights | Stats | Hello | Error] = deque()
+        self._sending = False
+        self._wake, self._outbox_changed = _Wakeup(), _Wakeup()
+        self._welcomed = anyio.Event()
+        self._announced: WeightsAvailable | None = None
+        self._fetch: _Fetch | None = None
+        self._largest_group = 1
+        self._stopping = False
+        self._exit: tuple[int, str] | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        # Assumed up until the socket monitor says otherwise: the monitor attaches after make_socket
+        # connected, so it may miss the first handshake; a trainer never reached is caught by the
+        # handshake's own timeout.
+        self._connected = True
+        self._last_alive = time.monotonic()
+        self._last_hello = 0.0
+        self._num_steps = self._num_tokens = 0
+        self._busy_s = self._idle_s = 0.0
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Serve until a signal, a refusal or the trainer's loss; send ``Dead``; return the exit code
+        (0 after SIGTERM/SIGINT, 2 refused, 3 trainer unreachable, 1 an internal failure)."""
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self._receive_loop)
+                tg.start_soon(self._send_loop)
+                tg.start_soon(self._watchdog)
+                tg.start_soon(self._watch_connection)
+                tg.start_soon(self._watch_signals)
+                await self._handshake()
+                tg.start_soon(self._tick)
+                await self._step_loop()
+                with anyio.move_on_after(self.settings.linger_s):  # graceful stop: flush what was emitted
+                    for stream in self._streams.values():
+                        if stream.token_ids:
+                            self._put(stream.take_chunk(speculative=self.draft_counter is not None))
+                    self._put(self._stats())
+                    while self._outbox or self._sending:
+                        await self._outbox_changed.wait()
+                tg.cancel_scope.cancel()
+        except Exception as e:  # an internal failure: reported as the actor's death
+            log.exception("generator %s failed", self.settings.actor_id)
+            self._exit = (EXIT_FAILED, f"internal failure: {type(e).__name__}: {e}")
+        code, reason = self._exit or (EXIT_OK, "stopped")
+        with anyio.move_on_after(self.settings.linger_s, shield=True):
+            await self.channel.send(Dead(actor_id=self.settings.actor_id, reason=reason))
+        log.log(logging.INFO if code == EXIT_OK else logging.ERROR, "generator %s exits with code %d: %s",
+                self.settings.actor_id, code, reason)
+        return code
+
+    def stop(self, code: int, reason: str, *, graceful: bool) -> None:
+        """End the actor: ``graceful`` lets the current step finish and flushes chunks; otherwise
+        every task is cancelled now. The first reason given is the one reported."""
+        if self._exit is None:
+            self._exit = (code, reason)
+        self._stopping = True
+        self._wake.notify()
+        self._outbox_changed.notify()
+        if not graceful and self._tg is not None:
+            self._tg.cancel_scope.cancel()
+
+    async def _handshake(self) -> None:
+        self._send_hello()
+        with anyio.move_on_after(self.settings.trainer_timeout_s):
+            await self._welcomed.wait()
+        if not self._welcomed.is_set():
+            self.stop(EXIT_TRAINER_LOST, f"no Welcome from the trainer at {self.settings.connect} within "
+                      f"{self.settings.trainer_timeout_s} s", graceful=False)
+            await anyio.sleep_forever()
+
+    def _send_hello(self) -> None:
+        self._last_hello = time.monotonic()
+        self._put(Hello(protocol_version=PROTOCOL_VERSION, role="generator", actor_id=self.settings.actor_id,
+                        capabilities=("resume", "bf16-weights", *(("speculative",) if self.draft_counter else ()))))
+
+    async def _watch_signals(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                if self._stopping:
+                    log.warning("second %s: stopping now", name)
+                    self.stop(EXIT_OK, f"received {name}", graceful=False)
+                else:
+                    log.info("received %s: stopping after this step", name)
+                    self.stop(EXIT_OK, f"received {name}", graceful=True)
+
+    async def _watch_connection(self) -> None:
+        """Track whether the ZMTP connection to the trainer is up (the socket monitor's events)."""
+        monitor = self.channel.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                self._connected = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+                self._last_alive = time.monotonic()
+                log.info("%s the trainer at %s", "connected to" if self._connected else "lost the connection to",
+                         self.settings.connect)
+        finally:
+            self.channel.socket.disable_monitor()
+            monitor.close(linger=0)
+
+    async def _watchdog(self) -> None:
+        """The trainer counts as alive while connected (ZMTP heartbeats drop a dead peer's connection)
+        or while it sent a message within ``trainer_timeout_s``; ZeroMQ keeps reconnecting meanwhile."""
+        timeout = self.settings.trainer_timeout_s
+        while True:
+            await anyio.sleep(min(1.0, timeout / 4))
+            now = time.monotonic()
+            if self._connected:
+                self._last_alive = now
+            elif now - self._last_alive > timeout:
+                self.stop(EXIT_TRAINER_LOST, f"no connection to and no message from the trainer at "
+                          f"{self.settings.connect} for {timeout} s", graceful=False)
+
+    # ---- sending ----------------------------------------------------------------------------
+
+    def _put(self, msg: RolloutChunk | FetchWeights | AckWeights | Stats | Hello | Error) -> None:
+        self._outbox.append(msg)
+        self._outbox_changed.notify()
+
+    async def _send_loop(self) -> None:
+        while True:
+            while not self._outbox:
+                await self._outbox_changed.wait()
+            self._sending = True
+            await self.channel.send(self._outbox[0])  # waits for the trainer's credit
+            self._outbox.popleft()
+            self._sending = False
+            self._outbox_changed.notify()
+
+    async def _refuse(self, code: ErrorCode, message: str, seq: int | None = None) -> None:
+        """Log a refused inbound message and answer it with ``Error`` when that would not wait for
+        credit (the receive task must never block, or credit would never arrive)."""
+        log.warning("refused (%s): %s", code, message)
+        if self.channel.can_send():
+            await self.channel.send(Error(code=code, message=message, seq=seq))
+
+    async def _tick(self) -> None:
+        last_stats = time.monotonic()
+        while True:
+            await anyio.sleep(self.settings.heartbeat_s)
+            queued = sum(len(op.resume) or op.n for op in self._inbox if isinstance(op, SubmitGroup))
+            live = len(self._streams) + queued
+            free_seqs = max(0, self.settings.max_num_seqs - live)
+            beat = Heartbeat(policy_version=self.engine.weight_version, batch_size=len(self._streams),
+                             free_groups=free_seqs // self._largest_group, free_seqs=free_seqs)
+            with anyio.move_on_after(self.settings.heartbeat_s):  # never pile up behind a dead connection
+                await self.channel.send(beat)
+            if time.monotonic() - last_stats >= self.settings.stats_s and len(self._outbox) < self.settings.max_outbox:
+                last_stats = time.monotonic()
+                self._put(self._stats())
+
+    def _stats(self) -> Stats:
+        spec = None
+        if self.draft_counter is not None:
+            s = self.engine.spec_stats
+            spec = SpecStats(num_drafted=s.num_drafted, num_accepted=s.num_accepted, num_draft_steps=s.num_draft_steps)
+        return Stats(policy_version=self.engine.weight_version, num_steps=self._num_steps, num_tokens=self._num_tokens,
+                     busy_s=self._busy_s, idle_s=self._idle_s, spec=spec)
+
+    # ---- receiving --------------------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        while True:
+            try:
+                received = await self.channel.recv()
+            except SequenceError as e:
+                await self._refuse("sequence", str(e), e.seq)
+                if e.seq < e.expected:
+                    continue  # a duplicate: already handled
+                received = e.received  # a gap: the message itself is fine
+            except ProtocolError as e:
+                await self._refuse("malformed", str(e), e.seq)
+                continue
+            self._last_alive = time.monotonic()
+            await self._dispatch(received)
+
+    async def _dispatch(self, r: Received[ToGenerator]) -> None:
+        msg = r.msg
+        if r.first and self._welcomed.is_set():
+            log.info("a new trainer session (seq %d): the trainer restarted or a stray peer wrote", r.seq)
+        match msg:
+            case Welcome():
+                if self._welcomed.is_set():
+                    await self._refuse("bad_request", f"unexpected Welcome from {msg.actor_id!r}: already welcomed",
+                                       r.seq)
+                elif msg.protocol_version != PROTOCOL_VERSION:
+                    self.stop(EXIT_REFUSED, f"the trainer speaks protocol {msg.protocol_version}, "
+                              f"this generator {PROTOCOL_VERSION}", graceful=False)
+                else:
+                    log.info("welcomed by %s", msg.actor_id)
+                    self._welcomed.set()
+            case Refuse():
+                if self._welcomed.is_set():
+                    await self._refuse("bad_request", f"unexpected Refuse after the handshake: {msg.reason}", r.seq)
+                else:
+                    self.stop(EXIT_REFUSED, f"refused by the trainer: {msg.reason}", graceful=False)
+            case SubmitGroup() | Abort():
+                if not self._welcomed.is_set():
+                    await self._refuse("unknown_peer", f"{type(msg).__name__} before Welcome", r.seq)
+                    return
+                if isinstance(msg, SubmitGroup):
+                    self._largest_group = max(self._largest_group, msg.n)
+                self._inbox.append(msg)
+                self._wake.notify()
+            case WeightsAvailable():
+                self._announced = msg
+                self._maybe_fetch()
+            case WeightsChunk():
+                await self._on_weights_chunk(msg, r)
+            case Credit():
+                pass  # consumed by the channel; never handed out
+            case Error():
+                log.warning("the trainer reports an error (%s) for our message %s: %s", msg.code, msg.seq, msg.message)
+                if msg.code == "unknown_peer" and time.monotonic() - self._last_hello > 1.0:
+                    self._send_hello()  # the trainer restarted and does not know us: register again
+            case Dead():
+                log.warning("the trainer %s is exiting (%s); waiting for it to come back", msg.actor_id, msg.reason)
+                self._connected = False
+                self._last_alive = time.monotonic()
+            case _:
+                assert_never(msg)
+
+    def _maybe_fetch(self) -> None:
+        """Fetch the newest announced version when it is newer than what is served or fetched."""
+        a = self._announced
+        if a is None or self._fetch is not None or a.version <= self.engine.weight_version:
+            return
+        self._fetch = _Fetch(a.version, a.num_chunks, frozenset(p.name for p in a.params))
+        log.info("fetching policy version %d (%d chunks)", a.version, a.num_chunks)
+        self._put(FetchWeights(version=a.version))
+
+    def _forget_announcement(self, version: int) -> None:
+        """A fetch of ``version`` failed: do not fetch it again until it is announced again."""
+        if self._announced is not None and self._announced.version == version:
+            self._announced = None
+
+    async def _on_weights_chunk(self, msg: WeightsChunk, r: Received[ToGenerator]) -> None:
+        f = self._fetch
+        if f is None or msg.version != f.version or f.next_index >= f.num_chunks:
+            await self._refuse("bad_request", f"weights chunk {msg.index} of version {msg.version} was not fetched "
+                               f"(fetching {f.version if f else None})", r.seq)
+            return
+        if msg.index != f.next_index or msg.num_chunks != f.num_chunks:
+            self._fetch = None  # the version is unusable; a later WeightsAvailable starts over
+            self._forget_announcement(msg.version)
+            await self._refuse("bad_request", f"weights chunk {msg.index}/{msg.num_chunks} of version {msg.version}; "
+                               f"expected chunk {f.next_index}/{f.num_chunks} (fetch abandoned)", r.seq)
+            return
+        tensors = f.tensors if f.tensors is not None else {}
+        dup = tensors.keys() & r.tensors.keys()
+        if dup:
+            self._fetch = None
+            self._forget_announcement(msg.version)
+            await self._refuse("bad_request", f"version {msg.version} sends tensors {sorted(dup)[:3]} twice", r.seq)
+            return
+        tensors.update(r.tensors)
+        f.tensors, f.next_index = tensors, f.next_index + 1
+        if f.next_index < f.num_chunks:
+            return
+        if f.names is not None and f.names != tensors.keys():
+            self._fetch = None
+            self._forget_announcement(msg.version)
+            await self._refuse("bad_request", f"version {msg.version}: received tensors differ from the announced "
+                               f"ones (missing {sorted(f.names - tensors.keys())[:3]}, "
+                               f"extra {sorted(tensors.keys() - f.names)[:3]})", r.seq)
+            return
+        f.tensors = None  # handed to the step loop
+        self._inbox.append(_ApplyWeights(msg.version, tensors))
+        self._wake.notify()
+
+    # ---- the step loop: the only code touching the engine -----------------------------------
+
+    async def _step_loop(self) -> None:
+        while not self._stopping:
+            await self._apply_inbox()
+            if self._stopping:
+                break
+            if not self.engine.has_unfinished():
+                start = time.monotonic()
+                if not self._inbox:
+                    await self._wake.wait()
+                self._idle_s += time.monotonic() - start
+                continue
+            while len(self._outbox) >= self.settings.max_outbox and not self._stopping:
+                await self._outbox_changed.wait()  # backpressure: the trainer is behind
+            start = time.monotonic()
+            outputs = await anyio.to_thread.run_sync(self.engine.step)
+            self._busy_s += time.monotonic() - start
+            self._num_steps += 1
+            self._on_outputs(outputs)
+
+    def _on_outputs(self, outputs: Sequence[StepOutput]) -> None:
+        speculative = self.draft_counter is not None
+        drafted = self.draft_counter.drafted if self.draft_counter is not None else {}
+        for out in outputs:
+            stream = self._streams[out.request_id]
+            stream.extend(out.new_token_ids, out.new_logprobs, out.new_versions)
+            stream.count_spec(drafted.get(out.request_id, 0), len(out.new_token_ids))
+            self._num_tokens += len(out.new_token_ids)
+            if out.finished:
+                assert out.finish_reason is not None
+                self._finish(stream, out.finish_reason)
+        drafted.clear()
+        for stream in self._streams.values():
+            if stream.token_ids:
+                stream.steps_waiting += 1
+                if stream.steps_waiting >= self.settings.stream_every:
+                    self._put(stream.take_chunk(speculative=speculative))
+
+    def _finish(self, stream: SampleStream, reason: Literal["stop", "length", "abort"]) -> None:
+        """Send the sample's final chunk and forget it (and its group once every sample finished)."""
+        self._put(stream.take_chunk(reason, speculative=self.draft_counter is not None))
+        self._streams.pop(stream.request_id, None)
+        if self.draft_counter is not None:
+            self.draft_counter.max_len.pop(stream.request_id, None)
+        group = self._groups.get(stream.group_id)
+        if group is not None:
+            group.pop(stream.index, None)
+            if not group:
+                del self._groups[stream.group_id]
+
+    async def _apply_inbox(self) -> None:
+        while self._inbox and not self._stopping:
+            op = self._inbox.popleft()
+            match op:
+                case SubmitGroup():
+                    await self._submit(op)
+                case Abort():
+                    await self._abort(op)
+                case _ApplyWeights():
+                    await self._apply_weights(op)
+                case _:
+                    assert_never(op)
+
+    def _add(self, stream: SampleStream, prompt: list[int]) -> None:
+        """Queue the engine request of ``stream`` with ``prompt`` and the remaining budget.
+
+        Raises:
+            ValueError: from ``Engine.add_request`` (e.g. a prompt too long for the context).
+        """
+        sampling = stream.sampling
+        seed = sampling.seed
+        if seed is not None:  # siblings (and re-prefills) of a seeded group must not share one stream
+            seed = hash((seed, stream.index, stream.engine_base)) & (2**63 - 1)
+        sampling = msgspec.structs.replace(sampling, max_tokens=stream.remaining, seed=seed)
+        self.engine.add_request(prompt, sampling, stream.request_id, group_id=stream.group_id)
+        if self.draft_counter is not None:
+            cap = min(self.engine.max_model_len, len(prompt) + stream.remaining)
+            self.draft_counter.max_len[stream.request_id] = cap
+
+    async def _submit(self, msg: SubmitGroup) -> None:
+        if msg.group_id in self._groups:
+            await self._refuse("bad_request", f"group {msg.group_id!r} is already live here")
+            return
+        resumed = {r.index: r for r in msg.resume}
+        indices = sorted(resumed) if resumed else range(msg.n)
+        streams: list[SampleStream] = []
+        added: list[SampleStream] = []
+        try:
+            for i in indices:
+                done = resumed[i] if i in resumed else None
+                n_done = len(done.token_ids) if done else 0
+                stream = SampleStream(msg.group_id, i, msg.prompt_token_ids, msg.sampling,
+                                      sent=n_done, engine_base=n_done)
+                streams.append(stream)
+                if stream.remaining > 0:
+                    self._add(stream, msg.prompt_token_ids + (done.token_ids if done else []))
+                    added.append(stream)
+        except ValueError as e:
+            for stream in added:
+                self.engine.abort(stream.request_id)
+                if self.draft_counter is not None:
+                    self.draft_counter.max_len.pop(stream.request_id, None)
+            await self._refuse("bad_request", f"group {msg.group_id!r}: {e}")
+            return
+        self._groups[msg.group_id] = {s.index: s for s in added}
+        self._streams.update((s.request_id, s) for s in added)
+        for stream in streams:
+            if stream.remaining <= 0:  # resumed with its whole budget already used
+                self._finish(stream, "length")
+        log.debug("group %s: %d samples queued", msg.group_id, len(added))
+
+    async def _abort(self, msg: Abort) -> None:
+        group = self._groups.get(msg.group_id)
+        if group is None:
+            await self._refuse("unknown_group", f"abort of group {msg.group_id!r}, which is not live here")
+            return
+        for stream in list(group.values()):
+            done = self.engine.abort(stream.request_id)
+            assert stream.engine_base + len(done.token_ids) == stream.num_response_tokens, stream.request_id
+            self._finish(stream, "abort")
+
+    async def _apply_weights(self, op: _ApplyWeights) -> None:
+        try:
+            await anyio.to_thread.run_sync(self.engine.update_weights, op.tensors, op.version)
+        except ValueError as e:
+            log.error("policy version %d refused, still serving %d: %s", op.version, self.engine.weight_version, e)
+            self._put(Error(code="bad_request", message=f"policy version {op.version} refused: {e}"))
+            self._forget_announcement(op.version)
+        else:
+            if self.settings.kv_policy == "recompute":
+                self._recompute()
+            log.info("serving policy version %d (%d live samples, kv_policy=%s)", op.version, len(self._streams),
+                     self.settings.kv_policy)
+            self._put(AckWeights(version=op.version))
+        self._fetch = None
+        self._maybe_fetch()
+
+    def _recompute(self) -> None:
+        """Re-prefill every live request under the new weights: abort it and add it again with its
+        response so far folded into the prompt. Its emitted tokens stay in the stream (with their
+        versions); only the K/V is recomputed, nothing is sent twice."""
+        for request_id in self.engine.live_request_ids():
+            stream = self._streams[request_id]
+            prompt = self.engine.prompt_token_ids(request_id)
+            response, _, _ = self.engine.output_so_far(request_id)
+            self.engine.abort(request_id)
+            stream.engine_base += len(response)
+            assert stream.engine_base == stream.num_response_tokens, request_id
+            self._add(stream, prompt + response)
+
+
+# ---- process entry point --------------------------------------------------------------------
+
+
+def build_engine(settings: GeneratorSettings) -> tuple[Engine, DraftCounter | None]:
+    """The engine (and its draft counter when speculating) the settings describe.
+
+    Raises:
+        CheckpointError, ValueError: the model cannot be loaded or a setting is out of range.
+    """
+    config = EngineConfig(
+        model=settings.model, backend=settings.backend, device=settings.device, dtype=settings.dtype,
+        kv_cache_memory_gb=settings.kv_cache_gb, max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs, seed=settings.seed, num_threads=settings.num_threads,
+        num_draft_tokens=settings.num_draft_tokens,
+    )
+    counter = None
+    if settings.speculative == "suffix":
+        from specroll.drafter.suffix import SuffixProposer
+
+        counter = DraftCounter(SuffixProposer())
+    return Engine(config, proposer=counter), counter
+
+
+async def run_generator(settings: GeneratorSettings) -> int:
+    """Load the engine, connect to the trainer and serve until stopped; return the exit code."""
+    engine, counter = build_engine(settings)
+    log.info("generator %s: model %s loaded (%s, %s); connecting to %s", settings.actor_id, settings.model,
+             engine.dtype, engine.device, settings.connect)
+    ctx = zmq.asyncio.Context()
+    sock = make_socket(ctx, zmq.DEALER, connect=settings.connect, identity=settings.actor_id.encode())
+    try:
+        actor = GeneratorActor(settings, engine, Channel(sock, ToGenerator, window=settings.window), counter)
+        return await actor.run()
+    finally:
+        close_socket(sock, linger_ms=int(settings.linger_s * 1000))  # the final Dead may still be queued
+        ctx.term()
+
+
+def parse_args(argv: Sequence[str] | None = None) -> GeneratorSettings:
+    """Command-line arguments → settings (argparse exits with status 2 on a bad value)."""
+    d = GeneratorSettings(connect="", model="", actor_id="-")
+    p = argparse.ArgumentParser(prog="python -m specroll.actors.generator",
+                                description="Run one generator actor connected to a trainer.")
+    p.add_argument("--connect", required=True, help="trainer endpoint, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--model", required=True, help="registered name, checkpoint directory or .gguf file")
+    p.add_argument("--actor-id", default="", help="unique id (default: generator-<uuid4 hex>)")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=d.dtype)
+    p.add_argument("--speculative", choices=["off", "suffix"], default=d.speculative)
+    p.add_argument("--num-draft-tokens", type=int, default=d.num_draft_tokens)
+    p.add_argument("--stream-every", type=int, default=d.stream_every, help="engine steps between chunks at most")
+    p.add_argument("--heartbeat-s", type=float, default=d.heartbeat_s)
+    p.add_argument("--stats-s", type=float, default=d.stats_s)
+    p.add_argument("--kv-policy", choices=["keep", "recompute"], default=d.kv_policy)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--trainer-timeout-s", type=float, default=d.trainer_timeout_s)
+    p.add_argument("--linger-s", type=float, default=d.linger_s)
+    p.add_argument("--kv-cache-gb", type=float, default=d.kv_cache_gb)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--backend", choices=["auto", "torch", "flashinfer"], default=d.backend)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return GeneratorSettings(
+            connect=a.connect, model=a.model, actor_id=a.actor_id, max_num_seqs=a.max_num_seqs, dtype=a.dtype,
+            speculative=a.speculative, num_draft_tokens=a.num_draft_tokens, stream_every=a.stream_every,
+            heartbeat_s=a.heartbeat_s, stats_s=a.stats_s, kv_policy=a.kv_policy, seed=a.seed,
+            trainer_timeout_s=a.trainer_timeout_s, linger_s=a.linger_s, kv_cache_gb=a.kv_cache_gb,
+            max_model_len=a.max_model_len, device=a.device, backend=a.backend, num_threads=a.threads,
+        )
+    except ValueError as e:
+        p.error(str(e))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: parse ``argv``, run the actor, return its exit code."""
+    settings = parse_args(argv)
+    return anyio.run(run_generator, settings, backend="asyncio")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,410 @@
+"""The generator actor as a real process against a fake trainer (a ROUTER channel in the test).
+
+Each test starts ``python -m specroll.actors.generator`` in its own process group on a tiny
+random checkpoint and always kills and reaps it, also on failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+from conftest import write_tiny_checkpoint
+from safetensors.torch import load_file, save_file
+
+from specroll.engine.config import EngineConfig
+from specroll.engine.driver import run_to_completion
+from specroll.engine.engine import Engine
+from specroll.protocol.channel import Channel, Received
+from specroll.protocol.codec import ProtocolError, encode, pack_tensors
+from specroll.protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    AckWeights,
+    Dead,
+    Error,
+    FetchWeights,
+    Heartbeat,
+    Hello,
+    RolloutChunk,
+    SampleResume,
+    Stats,
+    SubmitGroup,
+    TensorSpec,
+    ToTrainer,
+    WeightsAvailable,
+    WeightsChunk,
+    Welcome,
+)
+from specroll.protocol.sampling import SamplingParams
+from specroll.protocol.sockets import close_socket, last_endpoint, make_socket
+
+pytestmark = pytest.mark.anyio
+
+PEER = b"gen-0"
+KV_GB = 0.02
+TOKEN_A, TOKEN_B = 100, 200
+"""Under weights A greedy decoding emits only TOKEN_A; under weights B only TOKEN_B."""
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+# ---- the fake trainer -----------------------------------------------------------------------
+
+
+class FakeTrainer:
+    """A ROUTER channel on a random loopback port with its receive task; heartbeats and stats are
+    kept aside, every other message is queued for :meth:`next`."""
+
+    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+        self.sock = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:0")
+        self.endpoint = last_endpoint(self.sock)
+        self.channel: Channel[Any] = Channel(self.sock, ToTrainer)
+        self._send, self._recv = anyio.create_memory_object_stream[Any](math.inf)
+        self.heartbeats: list[Heartbeat] = []
+        self.stats: list[Stats] = []
+        self.bad: list[ProtocolError] = []
+
+    async def serve(self) -> None:
+        while True:
+            try:
+                r: Received[Any] = await self.channel.recv()
+            except ProtocolError as e:
+                self.bad.append(e)
+                continue
+            if isinstance(r.msg, Heartbeat):
+                self.heartbeats.append(r.msg)
+            elif isinstance(r.msg, Stats):
+                self.stats.append(r.msg)
+            else:
+                self._send.send_nowait(r.msg)
+
+    async def next(self, timeout: float = 30) -> Any:
+        with anyio.fail_after(timeout):
+            return await self._recv.receive()
+
+    async def expect(self, kind: type, timeout: float = 30) -> Any:
+        msg = await self.next(timeout)
+        assert isinstance(msg, kind), f"expected {kind.__name__}, got {msg!r:.300}"
+        return msg
+
+    async def send(self, msg: Any, tensors: list[torch.Tensor] | None = None) -> None:
+        await self.channel.send(msg, peer=PEER, tensors=tensors or ())
+
+    async def next_heartbeat(self, timeout: float = 10) -> Heartbeat:
+        """The first heartbeat that arrives from now on."""
+        seen = len(self.heartbeats)
+        with anyio.fail_after(timeout):
+            while len(self.heartbeats) == seen:
+                await anyio.sleep(0.02)
+        return self.heartbeats[-1]
+
+    async def handshake(self) -> Hello:
+        hello = await self.expect(Hello, timeout=60)
+        assert (hello.role, hello.protocol_version, hello.actor_id) == ("generator", PROTOCOL_VERSION, "gen-0")
+        await self.send(Welcome(protocol_version=PROTOCOL_VERSION, actor_id="trainer"))
+        return hello
+
+
+@contextlib.asynccontextmanager
+async def fake_trainer() -> AsyncIterator[FakeTrainer]:
+    ctx = zmq.asyncio.Context()
+    trainer = FakeTrainer(ctx)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(trainer.serve)
+            yield trainer
+            tg.cancel_scope.cancel()
+    finally:
+        close_socket(trainer.sock)
+        ctx.term()
+
+
+@contextlib.contextmanager
+def generator_process(endpoint: str, model: Path, log: Path, *extra: str) -> Iterator[subprocess.Popen[bytes]]:
+    """The generator in its own process group; killed (whole group) and reaped on the way out."""
+    cmd = [sys.executable, "-m", "specroll.actors.generator", "--connect", endpoint, "--model", str(model),
+           "--actor-id", "gen-0", "--dtype", "float32", "--kv-cache-gb", str(KV_GB), "--threads", "1",
+           "--heartbeat-s", "0.2", "--stats-s", "0.5", "--trainer-timeout-s", "30", *extra]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+async def wait_exit(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
+    return await anyio.to_thread.run_sync(proc.wait, timeout)
+
+
+async def collect(trainer: FakeTrainer, group_id: str, indices: set[int], first_offset: int = 0,
+                  others: list[Any] | None = None, prior: list[Any] = ()) -> dict[int, list[RolloutChunk]]:
+    """Chunks of ``group_id`` (``prior`` messages first, then received ones) until each sample in
+    ``indices`` finished; checks offsets are contiguous. Other messages go to ``others``."""
+    chunks: dict[int, list[RolloutChunk]] = {i: [] for i in indices}
+    offsets = dict.fromkeys(indices, first_offset)
+    pending = list(prior)
+    while any(not c or not c[-1].finished for c in chunks.values()):
+        msg = pending.pop(0) if pending else await trainer.next()
+        if not isinstance(msg, RolloutChunk) or msg.group_id != group_id:
+            assert others is not None, f"unexpected message {msg!r:.300}"
+            others.append(msg)
+            continue
+        i = msg.sample_index
+        assert i in chunks and not (chunks[i] and chunks[i][-1].finished), f"chunk after the last: {msg}"
+        assert msg.offset == offsets[i], f"sample {i}: offset {msg.offset}, expected {offsets[i]}"
+        offsets[i] += len(msg.token_ids)
+        chunks[i].append(msg)
+    return chunks
+
+
+def joined(chunks: list[RolloutChunk]) -> tuple[list[int], list[int]]:
+    return [t for c in chunks for t in c.token_ids], [v for c in chunks for v in c.versions]
+
+
+def local_engine(model: Path) -> Engine:
+    return Engine(EngineConfig(model=str(model), dtype="float32", kv_cache_memory_gb=KV_GB))
+
+
+# ---- tests ----------------------------------------------------------------------------------
+
+
+async def test_handshake_greedy_group_and_resume(tiny_checkpoint, tmp_path: Path) -> None:
+    model = tiny_checkpoint("llama")
+    prompt = [5, 17, 42, 9, 77, 3]
+    sampling = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    reference = local_engine(model)
+    reference.add_request(prompt, sampling, "ref")
+    expected = run_to_completion(reference)["ref"].token_ids
+    reference.add_request(prompt + expected[:5], SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True), "r")
+    expected_resumed = run_to_completion(reference)["r"].token_ids
+
+    async with fake_trainer() as trainer:
+        with generator_process(trainer.endpoint, model, tmp_path / "gen.log", "--stream-every", "3",
+                               "--max-num-seqs", "8") as proc:
+            await trainer.handshake()
+            await trainer.send(SubmitGroup(group_id="g", prompt_token_ids=prompt, n=2, sampling=sampling))
+            chunks = await collect(trainer, "g", {0, 1})
+            for i in (0, 1):
+                tokens, versions = joined(chunks[i])
+                assert tokens == expected
+                assert versions == [0] * len(expected)
+                assert all(len(c.token_ids) == len(c.logprobs) and c.spec is None for c in chunks[i])
+                assert chunks[i][-1].finish_reason == "length"
+                assert len(chunks[i]) >= 3, "streamed in several chunks"
+
+            # Resume sample 1 from its first 5 tokens (as after a generator died): chunks go on at offset 5.
+            done = SampleResume(index=1, token_ids=expected[:5], logprobs=[0.0] * 5, versions=[0] * 5)
+            await trainer.send(SubmitGroup(group_id="g2", prompt_token_ids=prompt, n=2, sampling=sampling,
+                                           resume=(done,)))
+            resumed = await collect(trainer, "g2", {1}, first_offset=5)
+            assert joined(resumed[1])[0] == expected_resumed
+
+            await trainer.send(Abort(group_id="nope"))
+            err = await trainer.expect(Error)
+            assert err.code == "unknown_group" and "nope" in err.message
+            beat = await trainer.next_heartbeat()
+            assert (beat.policy_version, beat.batch_size, beat.free_seqs, beat.free_groups) == (0, 0, 8, 4)
+            assert proc.poll() is None
+
+
+def reveal_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Make the checkpoint at ``path`` emit only TOKEN_A whatever the context (weights A) and
+    return the LM head of weights B (only TOKEN_B).
+
+    Attention and MLP outputs are zeroed and every token embeds to the same vector v, so the final
+    hidden state is norm(v) at every position; an LM head with one row ∝ v then makes that row's
+    token the argmax. So the token a step emits names the weights its forward pass used.
+    """
+    weights = load_file(path / "model.safetensors")
+    for name, t in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            t.zero_()
+    v = torch.randn(weights["model.embed_tokens.weight"].shape[1], generator=torch.Generator().manual_seed(0))
+    weights["model.embed_tokens.weight"][:] = v
+
+    def head(token: int) -> torch.Tensor:
+        h = torch.zeros_like(weights["lm_head.weight"])  # [V, hidden]
+        h[token] = 10 * v / v.norm()
+        return h
+
+    weights["lm_head.weight"] = head(TOKEN_A)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return {"lm_head.weight": head(TOKEN_B)}
+
+
+@pytest.mark.parametrize("kv_policy", ["keep", "recompute"])
+async def test_version_attribution_across_a_weight_update(tmp_path: Path, kv_policy: str) -> None:
+    model = tmp_path / "reveal"
+    model.mkdir()
+    write_tiny_checkpoint(model, "llama", tie_word_embeddings=False)
+    weights_b = reveal_weights(model)
+    sampling = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    params = [TensorSpec(name=n, shape=tuple(t.shape)) for n, t in weights_b.items()]
+
+    async with fake_trainer() as trainer:
+        with generator_process(trainer.endpoint, model, tmp_path / "gen.log", "--stream-every", "1",
+                               "--kv-policy", kv_policy):
+            await trainer.handshake()
+            await trainer.send(SubmitGroup(group_id="g", prompt_token_ids=[7, 8, 9], n=2, sampling=sampling))
+            first = await trainer.expect(RolloutChunk)
+            assert first.token_ids and set(first.versions) == {0}
+            await trainer.send(WeightsAvailable(version=1, dtype="float32", params=params, num_chunks=1))
+            seen: list[Any] = [first]
+            while not isinstance(seen[-1], FetchWeights):
+                seen.append(await trainer.next())
+            assert seen[-1].version == 1
+            refs, tensors = pack_tensors(weights_b.items())
+            await trainer.send(WeightsChunk(version=1, index=0, num_chunks=1, tensors=refs), tensors)
+            seen.append(await trainer.next())  # nothing but chunks until the ack
+            while not isinstance(seen[-1], AckWeights):
+                assert isinstance(seen[-1], RolloutChunk), seen[-1]
+                seen.append(await trainer.next())
+            others: list[Any] = []
+            got = await collect(trainer, "g", {0, 1}, others=others, prior=seen)
+            assert [type(m) for m in others] == [FetchWeights, AckWeights], others
+            assert seen[-1].version == 1
+            sent_before_ack = {id(m) for m in seen[:-1]}
+
+        for i in (0, 1):
+            chunks = got[i]
+            assert [c.offset for c in chunks] == [sum(len(c.token_ids) for c in chunks[:j]) for j in range(len(chunks))]
+            tokens, versions = joined(chunks)
+            assert len(tokens) == sampling.max_tokens and chunks[-1].finish_reason == "length"
+            # Each token's version is that of the weights that produced it: A ⇔ version 0, B ⇔ version 1.
+            assert [{0: TOKEN_A, 1: TOKEN_B}[v] for v in versions] == tokens
+            assert versions == sorted(versions) and set(versions) == {0, 1}, "both versions within one rollout"
+            # stream_every=1: a chunk sent after the ack holds only tokens of steps after the update.
+            after_ack = [c for c in chunks if id(c) not in sent_before_ack]
+            assert all(set(c.versions) == {1} for c in after_ack if c.token_ids)
+
+
+async def test_bad_update_is_refused_and_the_old_version_kept(tmp_path: Path, tiny_checkpoint) -> None:
+    model = tiny_checkpoint("llama", tie_word_embeddings=False)
+    async with fake_trainer() as trainer:
+        with generator_process(trainer.endpoint, model, tmp_path / "gen.log", "--speculative", "suffix"):
+            await trainer.handshake()
+            bad = {"lm_head.weight": torch.zeros(3, 3)}
+            await trainer.send(WeightsAvailable(version=1, dtype="float32", num_chunks=1,
+                                                params=[TensorSpec(name="lm_head.weight", shape=(3, 3))]))
+            assert (await trainer.expect(FetchWeights)).version == 1
+            refs, tensors = pack_tensors(bad.items())
+            await trainer.send(WeightsChunk(version=1, index=0, num_chunks=1, tensors=refs), tensors)
+            err = await trainer.expect(Error)
+            assert err.code == "bad_request" and "lm_head.weight" in err.message
+            await trainer.send(SubmitGroup(group_id="g", prompt_token_ids=[4, 5], n=1,
+                                           sampling=SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)))
+            chunks = await collect(trainer, "g", {0})
+            assert joined(chunks[0])[1] == [0, 0, 0]
+            assert all(c.spec is not None for c in chunks[0]), "speculating: chunks carry SpecStats"
+            assert (await trainer.next_heartbeat()).policy_version == 0
+
+
+async def test_abort_mid_generation_then_sigterm(tiny_checkpoint, tmp_path: Path) -> None:
+    model = tiny_checkpoint("llama")
+    sampling = SamplingParams(temperature=1.0, max_tokens=400, ignore_eos=True, seed=3)
+    async with fake_trainer() as trainer:
+        with generator_process(trainer.endpoint, model, tmp_path / "gen.log", "--stream-every", "1") as proc:
+            await trainer.handshake()
+            await trainer.send(SubmitGroup(group_id="g", prompt_token_ids=[1, 2, 3], n=2, sampling=sampling))
+            first = await trainer.expect(RolloutChunk)
+            await trainer.send(Abort(group_id="g"))
+            chunks = await collect(trainer, "g", {0, 1}, prior=[first])
+            for i in (0, 1):
+                tokens, _ = joined(chunks[i])
+                assert chunks[i][-1].finish_reason == "abort"
+                assert 0 < len(tokens) < sampling.max_tokens
+                assert [c.offset for c in chunks[i]] == [sum(len(c.token_ids) for c in chunks[i][:j])
+                                                         for j in range(len(chunks[i]))]
+            assert joined(chunks[0])[0] != joined(chunks[1])[0], "seeded siblings must differ"
+
+            proc.send_signal(signal.SIGTERM)
+            while not isinstance(msg := await trainer.next(), Dead):
+                assert not isinstance(msg, RolloutChunk), msg
+            assert msg.actor_id == "gen-0" and "SIGTERM" in msg.reason
+            assert await wait_exit(proc) == 0
+
+
+def fuzz_frames(rng: random.Random, n: int) -> list[list[bytes]]:
+    """Random and corrupted frames, each of which a generator must refuse (none is acceptable work)."""
+    refs, tensors = pack_tensors([("w", torch.ones(4))])
+    valid: list[tuple[Any, list[torch.Tensor]]] = [
+        (Welcome(protocol_version=PROTOCOL_VERSION, actor_id="x"), []),  # after the handshake: unexpected
+        (Abort(group_id="never-submitted"), []),
+        (WeightsChunk(version=9, index=0, num_chunks=1, tensors=refs), tensors),  # never fetched
+    ]
+    frames: list[list[bytes]] = []
+    for i in range(n):
+        msg, ts = rng.choice(valid)
+        # A session of its own for each, so the real stream's numbering is untouched.
+        base = [bytes(f) for f in encode(msg, ts, session=rng.randrange(2**62, 2**63), seq=rng.randrange(1000))]
+        header = bytearray(base[0])
+        kind = i % 5
+        if kind == 0:
+            frames.append([rng.randbytes(rng.randrange(0, 64))])
+        elif kind == 1:
+            frames.append([bytes(header[: rng.randrange(len(header))]), *base[1:]])
+        elif kind == 2:
+            pos = rng.randrange(len(header))
+            header[pos] ^= 1 << rng.randrange(8)
+            frames.append([bytes(header), *base[1:]])
+        elif kind == 3:
+            frames.append([*base, rng.randbytes(5)])  # an unreferenced extra frame
+        else:
+            frames.append(base)  # well-formed but unacceptable
+    return frames
+
+
+async def test_random_frames_are_refused_and_the_generator_keeps_serving(tiny_checkpoint, tmp_path: Path) -> None:
+    model = tiny_checkpoint("llama")
+    log = tmp_path / "gen.log"
+    n = 2000
+    sampling = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    async with fake_trainer() as trainer:
+        with generator_process(trainer.endpoint, model, log) as proc:
+            await trainer.handshake()
+            for frames in fuzz_frames(random.Random(0), n):
+                await trainer.sock.send_multipart([PEER, *frames])
+            await trainer.send(SubmitGroup(group_id="after", prompt_token_ids=[3, 4, 5], n=2, sampling=sampling))
+            others: list[Any] = []
+            chunks = await collect(trainer, "after", {0, 1}, others=others)
+            assert all(len(joined(chunks[i])[0]) == 5 for i in (0, 1))
+            assert proc.poll() is None
+            errors = [m for m in others if isinstance(m, Error)]
+            assert errors and all(e.code in ("malformed", "bad_request", "unknown_group") for e in errors)
+            assert not trainer.bad
+    refused = log.read_text().count("refused (")
+    assert refused >= n, f"{refused} refusals logged for {n} bad frames"
+
+
+async def test_exits_nonzero_when_the_trainer_goes_away(tiny_checkpoint, tmp_path: Path) -> None:
+    model = tiny_checkpoint("llama")
+    log = tmp_path / "gen.log"
+    with contextlib.ExitStack() as stack:
+        async with fake_trainer() as trainer:
+            proc = stack.enter_context(generator_process(trainer.endpoint, model, log, "--trainer-timeout-s", "1.5"))
+            await trainer.handshake()
+            await anyio.sleep(3)  # idle but connected: the trainer is alive, the generator stays
+            assert proc.poll() is None
+        assert await wait_exit(proc) == 3
+    assert "no connection to and no message from the trainer" in log.read_text()
