@@ -35,11 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--batch-sizes", type=int_list, default=[1, 16, 64], help="batch sizes (default 1,16,64)")
-    parser.add_argument("--backends", default="torch,flashinfer", help="backends to compare (default torch,flashinfer)")
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure; the median is kept")
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--backends", type=_backends, default=["torch", "flashinfer"],
+                        help="comma-separated backends to compare: torch, flashinfer (default both)")
+    parser.add_argument("--prompt-tokens", type=_positive, default=128)
+    parser.add_argument("--max-tokens", type=_positive, default=128)
+    parser.add_argument("--repeats", type=_positive, default=3, help="timed runs per figure; the median is kept")
+    parser.add_argument("--kv-cache-gb", type=float, default=4.0, help="KV cache per engine, GiB (two engines "
+                        "live at once during the speculative figure)")
+    parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
     parser.add_argument("--profile", type=Path, help="write torch.profiler tables of one plain and one speculative "
                         "batch-1 run here (where a speculative step's time goes)")
     args = parser.parse_args(argv)
@@ -52,8 +55,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"--device {args.device}: this machine has no CUDA GPU", file=sys.stderr)
         return 2
+    if not (args.device == "cpu" or args.device.startswith("cuda")):
+        print(f"--device {args.device!r}: expected cuda, cuda:N or cpu", file=sys.stderr)
+        return 2
+    if "flashinfer" in args.backends and not args.device.startswith("cuda"):
+        print("--backends flashinfer needs --device cuda", file=sys.stderr)
+        return 2
+    if not args.kv_cache_gb > 0:
+        print(f"--kv-cache-gb {args.kv_cache_gb}: expected a positive number", file=sys.stderr)
+        return 2
     checkpoint = random_checkpoint(SMOLLM2_135M, seed=0, std=0.05)
-    backends = args.backends.split(",")
+    backends = args.backends
     results: dict = {
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
         "torch": torch.__version__,
@@ -70,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         results["flashinfer"] = None
     for backend in backends:
-        engine = _engine(checkpoint, backend, args.device, max(args.batch_sizes))
+        engine = _engine(checkpoint, backend, args.device, max(args.batch_sizes), args.kv_cache_gb)
         start = time.perf_counter()
         _run(engine, _prompts(2, args.prompt_tokens, seed=99), 8, temperature=1.0)
         results["warmup_s"][backend] = round(time.perf_counter() - start, 2)
@@ -93,12 +105,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _engine(checkpoint, backend: str, device: str, max_num_seqs: int, proposer=None):
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
+    return int(text)
+
+
+def _backends(text: str) -> list[str]:
+    names = text.split(",")
+    if not names or any(n not in ("torch", "flashinfer") for n in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected distinct names from torch, flashinfer (comma-separated)")
+    return names
+
+
+def _engine(checkpoint, backend: str, device: str, max_num_seqs: int, kv_cache_gb: float, proposer=None):
     from specroll.engine.config import EngineConfig
     from specroll.engine.engine import Engine
 
-    config = EngineConfig(model="random", backend=backend, device=device, dtype="bfloat16", kv_cache_memory_gb=4.0,
-                          max_num_seqs=max_num_seqs, max_num_batched_tokens=16384)
+    config = EngineConfig(model="random", backend=backend, device=device, dtype="bfloat16",
+                          kv_cache_memory_gb=kv_cache_gb, max_num_seqs=max_num_seqs, max_num_batched_tokens=16384)
     return Engine(config, checkpoint=checkpoint, proposer=proposer)
 
 
@@ -131,13 +156,13 @@ def _speculative(checkpoint, backend: str, args: argparse.Namespace) -> dict:
     from specroll.drafter.replay import ReplayProposer
 
     prompts = _prompts(1, args.prompt_tokens, seed=7)
-    plain = _engine(checkpoint, backend, args.device, 1)
+    plain = _engine(checkpoint, backend, args.device, 1, args.kv_cache_gb)
     _, done = _run(plain, prompts, args.max_tokens, temperature=0.0)
     # bf16 verify and decode kernels round differently, so on random weights (full of near-ties)
     # plain greedy output is not quite what verification computes: replay the speculative run's own
     # output until it reproduces itself, so every draft is one the verifier accepts.
     proposer = ReplayProposer({"g0": prompts[0] + done["r0"]})
-    spec = _engine(checkpoint, backend, args.device, 1, proposer)
+    spec = _engine(checkpoint, backend, args.device, 1, args.kv_cache_gb, proposer)
     rounds = 0
     while rounds < 5:
         rounds += 1

@@ -107,7 +107,7 @@ class EagleProposer:
                 config, self.page_size, weight.dtype))
             self.kv_cache = allocate_kv_cache(config, num_pages, self.page_size, weight.dtype, weight.device)[0]
             self.block_manager = BlockManager(num_pages, self.page_size, enable_prefix_caching=False)
-            self.backend = TorchAttention(config.num_heads, config.num_kv_heads, config.head_dim)
+            self.backend = TorchAttention(config.num_heads, config.num_kv_heads, config.head_dim, weight.device)
         self._target = target
         d2t = self.head.draft_to_target.to(weight.device)
         self._head_weight = weight.detach().index_select(0, d2t)  # [draft_vocab, H]

@@ -61,12 +61,13 @@ def select_backend(
 ) -> AttentionBackend:
     """Build the backend named by ``name`` (``auto``, ``torch`` or ``flashinfer``).
 
-    ``auto`` picks FlashInfer when the device is CUDA, the package imports and ``dtype`` is 16-bit
-    (FlashInfer has no float32 attention); otherwise torch.
+    ``auto`` picks FlashInfer when :func:`flashinfer_problem` finds nothing in the way (a CUDA
+    device, a 16-bit dtype, a head size FlashInfer compiles, and a ``flashinfer`` package that
+    imports); otherwise torch.
 
     Raises:
-        ValueError: ``name`` is unknown, or ``flashinfer`` is forced without CUDA, without the
-            package, or with float32.
+        ValueError: ``name`` is unknown, or ``flashinfer`` is forced where it cannot run (the
+            message says why).
     """
     from specroll.engine.torch_attention import TorchAttention
 
@@ -75,25 +76,36 @@ def select_backend(
     reference = TorchAttention(config.num_heads, config.num_kv_heads, config.head_dim, device)
     if name == "torch":
         return reference
-    if device.type != "cuda":
+    problem = flashinfer_problem(device, dtype, config.head_dim)
+    if problem is not None:
         if name == "auto":
             return reference
-        raise ValueError(f"attention backend 'flashinfer' needs a CUDA device, but the engine runs on {device}")
-    if not flashinfer_available():
-        if name == "auto":
-            return reference
-        raise ValueError("attention backend 'flashinfer' needs the flashinfer package: pip install 'specroll[cuda]'")
-    if dtype == torch.float32:
-        if name == "auto":
-            return reference
-        raise ValueError("attention backend 'flashinfer' runs bfloat16 or float16; got dtype float32")
+        raise ValueError(f"attention backend 'flashinfer' {problem}")
     from specroll.engine.flashinfer_attention import FlashInferAttention
 
     return FlashInferAttention(config.num_heads, config.num_kv_heads, config.head_dim, device, dtype)
 
 
-def flashinfer_available() -> bool:
-    """Whether the ``flashinfer`` package is installed (found without importing it)."""
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+"""Head sizes FlashInfer's FA2 kernels are compiled for (``DISPATCH_HEAD_DIM``)."""
+
+
+def flashinfer_problem(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str | None:
+    """Why the FlashInfer backend cannot serve this engine (a phrase completing "attention backend
+    'flashinfer' ..."), or None when it can. Cheap enough to call before loading a model (pass
+    ``head_dim=None`` when it is not known yet)."""
+    if device.type != "cuda":
+        return f"needs a CUDA device, but the engine runs on {device}"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"runs bfloat16 or float16; got dtype {str(dtype).removeprefix('torch.')}"
+    if head_dim is not None and head_dim not in FLASHINFER_HEAD_DIMS:
+        return f"supports head_dim {FLASHINFER_HEAD_DIMS}; the model has {head_dim}"
     import importlib.util
 
-    return importlib.util.find_spec("flashinfer") is not None
+    if importlib.util.find_spec("flashinfer") is None:
+        return "needs the flashinfer package: pip install -e '.[cuda]' (from a checkout) or 'specroll[cuda]'"
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as exc:  # a missing dependency or CUDA library: the message says which
+        return f"is installed but does not import ({type(exc).__name__}: {exc})"
+    return None

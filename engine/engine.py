@@ -13,7 +13,7 @@ from collections.abc import Sequence as SequenceOf
 
 import torch
 
-from specroll.engine.attention import allocate_kv_cache, kv_bytes_per_page, select_backend
+from specroll.engine.attention import allocate_kv_cache, flashinfer_problem, kv_bytes_per_page, select_backend
 from specroll.engine.batch import build_metadata
 from specroll.engine.block_manager import BlockManager
 from specroll.engine.checkpoint import Checkpoint, expected_weight_shapes, load_checkpoint
@@ -33,12 +33,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The dtype ``name`` stands for; ``auto`` is bfloat16 on CUDA and on CPUs with native bf16
-    (AVX512-BF16 or AMX: bf16 matmuls there run about twice as fast as float32), else float32.
+    """The dtype ``name`` stands for; ``auto`` is bfloat16 on CUDA GPUs that support it (float16 on
+    older ones) and on CPUs with native bf16 (AVX512-BF16 or AMX: bf16 matmuls there run about twice
+    as fast as float32), else float32.
     """
     if name != "auto":
         return _DTYPES[name]
-    if device.type == "cuda" or _cpu_has_native_bf16():
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if _cpu_has_native_bf16():
         return torch.bfloat16
     return torch.float32
 
@@ -61,6 +64,9 @@ def _check_device(name: str) -> torch.device:
         raise ValueError(f"device {name!r}: this torch build or machine has no CUDA; use 'cpu'")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device {name!r}: expected 'cpu' or a CUDA device")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"expected an index below that")
     return device
 
 
@@ -89,6 +95,10 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.device = _check_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.backend == "flashinfer":  # fail before spending time loading the model
+            problem = flashinfer_problem(self.device, self.dtype, head_dim=None)
+            if problem is not None:
+                raise ValueError(f"attention backend 'flashinfer' {problem}")
         ckpt = checkpoint if checkpoint is not None else load_checkpoint(config.model, dtype=self.dtype)
         self.model_config = ckpt.config
         self.tokenizer = ckpt.tokenizer

@@ -82,7 +82,8 @@ class FlashInferAttention:
             ``auto`` (FA3 for long prefills on Hopper).
 
     Raises:
-        ValueError: the device is not CUDA, the dtype is not 16-bit, or the package is missing.
+        ValueError: the device is not CUDA, the dtype is not 16-bit, the head size is not compiled,
+            or the package is missing or does not import.
     """
 
     def __init__(
@@ -98,12 +99,13 @@ class FlashInferAttention:
             raise ValueError(f"the flashinfer backend needs a CUDA device, got {device}")
         if dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"the flashinfer backend runs bfloat16 or float16, got {dtype}; use dtype 'auto'")
+        if head_dim not in (64, 128, 256):
+            raise ValueError(f"the flashinfer backend supports head_dim 64, 128 or 256; got {head_dim}")
         try:
             import flashinfer
-        except ImportError as exc:
-            raise ValueError(
-                "the flashinfer backend needs the flashinfer package: pip install 'specroll[cuda]'"
-            ) from exc
+        except Exception as exc:
+            raise ValueError(f"the flashinfer backend needs a flashinfer package that imports "
+                             f"(pip install -e '.[cuda]'); {type(exc).__name__}: {exc}") from exc
         self._flashinfer = flashinfer
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.device, self.dtype = device, dtype

@@ -11,6 +11,10 @@
 #
 # (about 38 MB; flashinfer-python 0.7.0 is the newest whose wheel fits a 60 MB budget, and its
 # kernels are JIT-compiled here with the machine's nvcc, so no prebuilt kernel package is needed.)
+# The wheels go in with --no-deps: the machine's image must already hold what they and specroll
+# need beyond them — numpy, tokenizers, safetensors, jinja2, tqdm, anyio, pytest, and for
+# FlashInfer's JIT nvcc (CUDA 12.9 or 13), ninja, einops, packaging, requests, click, tabulate
+# (the workplace's CUDA image has all of these).
 #
 # Usage: scripts/gpu_check.sh [OUT_DIR]    (default $OUT, else ./gpu_check)
 # Writes OUT_DIR/gpu.txt (machine), jit.log, gpu_tests.log + gpu_tests.xml, gpu_bench.log,
@@ -24,13 +28,19 @@ wheels="${SPECROLL_WHEELS:-.whl}"
 began=$(date +%s)
 stamp() { echo "[gpu_check +$(( $(date +%s) - began ))s] $*"; }
 
-site=/tmp/specroll-site
+python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
+    || { echo "gpu_check: torch sees no CUDA GPU here; this script is for a CUDA machine"; exit 1; }
+ls "$wheels"/*.whl >/dev/null 2>&1 \
+    || { echo "gpu_check: no wheels in $wheels; download them as this script's header says"; exit 1; }
+scratch="$(mktemp -d /tmp/specroll-gpu-check.XXXXXX)"
+trap 'rm -rf "$scratch"' EXIT
+site="$scratch/site"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
-    "$wheels"/*.whl || { echo "could not install the wheels in $wheels"; exit 1; }
+    "$wheels"/*.whl || { echo "gpu_check: could not install the wheels in $wheels"; exit 1; }
 # specroll from the checkout, without building it: its packages are the top-level folders.
-shim=/tmp/specroll-shim/specroll
+shim="$scratch/shim/specroll"
 mkdir -p "$shim" && for p in engine actors drafter protocol; do ln -sfn "$PWD/$p" "$shim/$p"; done
-export PYTHONPATH="/tmp/specroll-shim:$site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$scratch/shim:$site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 MAX_JOBS="${MAX_JOBS:-$(nproc)}" FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer-cache
 if [ -z "${CUDA_HOME:-}" ] && ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
     export CUDA_HOME=/usr/local/cuda PATH="/usr/local/cuda/bin:$PATH"
@@ -72,6 +82,9 @@ stamp "tests (pytest -m gpu)"
 timeout 170 python3 -m pytest -q -m gpu tests/test_flashinfer_gpu.py -p no:cacheprovider \
     --junitxml "$out/gpu_tests.xml" 2>&1 | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
+if grep -q "skipped" "$out/gpu_tests.log"; then  # a skipped GPU test here means the check did not check
+    echo "gpu_check: some GPU tests were skipped" | tee -a "$out/gpu_tests.log"; tests_rc=1
+fi
 
 stamp "benchmark"
 (cd benchmarks && timeout 150 python3 bench_backends.py --json "$out/gpu_bench.json" \

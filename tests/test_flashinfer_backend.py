@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import sys
 
+import msgspec
 import pytest
 import torch
 
-from specroll.engine import attention
 from specroll.engine.attention import select_backend
 from specroll.engine.batch import build_metadata
 from specroll.engine.config import EngineConfig
@@ -98,12 +99,26 @@ def test_forcing_flashinfer_without_the_package_names_the_extra() -> None:
     assert isinstance(select_backend("auto", CONFIG, cuda, torch.bfloat16), TorchAttention)
 
 
-def test_flashinfer_refuses_float32(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(attention, "flashinfer_available", lambda: True)
-    cuda = torch.device("cuda")
+def test_flashinfer_refuses_float32_and_uncompiled_head_sizes() -> None:
+    cuda = torch.device("cuda")  # only compared, never allocated on
     with pytest.raises(ValueError, match="float32"):
         select_backend("flashinfer", CONFIG, cuda, torch.float32)
     assert isinstance(select_backend("auto", CONFIG, cuda, torch.float32), TorchAttention)
+    odd = msgspec.structs.replace(CONFIG, head_dim=96, num_heads=6, num_kv_heads=2)
+    with pytest.raises(ValueError, match="head_dim"):
+        select_backend("flashinfer", odd, cuda, torch.bfloat16)
+
+
+def test_a_flashinfer_that_does_not_import_is_named_and_auto_falls_back(tmp_path, monkeypatch) -> None:
+    fake = tmp_path / "flashinfer"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError(\"No module named 'einops'\")\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
+    cuda = torch.device("cuda")
+    with pytest.raises(ValueError, match=r"does not import.*einops"):
+        select_backend("flashinfer", CONFIG, cuda, torch.bfloat16)
+    assert isinstance(select_backend("auto", CONFIG, cuda, torch.bfloat16), TorchAttention)
 
 
 class StandInKernels:
