@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -93,3 +98,23 @@ def teacher_forced_logits(engine, prompt: list[int], response: list[int]) -> tor
     engine.backend.plan(meta)
     hidden, _ = engine.model(ids, meta.positions(), engine.kv_caches, engine.backend)
     return engine.model.compute_logits(hidden)[len(prompt) - 1 : -1]
+
+
+@contextlib.contextmanager
+def generator_process(
+    endpoint: str, model: Path, log: Path, *extra: str, actor_id: str = "gen-0", kv_gb: float = 0.02
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``python -m specroll.actors.generator`` in its own process group (float32, 1 thread, fast
+    heartbeats), output to ``log``; the whole group is killed and reaped on the way out."""
+    cmd = [sys.executable, "-m", "specroll.actors.generator", "--connect", endpoint, "--model", str(model),
+           "--actor-id", actor_id, "--dtype", "float32", "--kv-cache-gb", str(kv_gb), "--threads", "1",
+           "--heartbeat-s", "0.2", "--stats-s", "0.5", "--trainer-timeout-s", "30", *extra]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import random
 import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ import pytest
 import torch
 import zmq
 import zmq.asyncio
+from conftest import generator_process as spawn_generator
 from conftest import write_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
@@ -138,19 +137,9 @@ async def fake_trainer() -> AsyncIterator[FakeTrainer]:
 
 @contextlib.contextmanager
 def generator_process(endpoint: str, model: Path, log: Path, *extra: str) -> Iterator[subprocess.Popen[bytes]]:
-    """The generator in its own process group; killed (whole group) and reaped on the way out."""
-    cmd = [sys.executable, "-m", "specroll.actors.generator", "--connect", endpoint, "--model", str(model),
-           "--actor-id", "gen-0", "--dtype", "float32", "--kv-cache-gb", str(KV_GB), "--threads", "1",
-           "--heartbeat-s", "0.2", "--stats-s", "0.5", "--trainer-timeout-s", "30", *extra]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    """The generator ``gen-0`` in its own process group; killed (whole group) and reaped on the way out."""
+    with spawn_generator(endpoint, model, log, *extra, actor_id="gen-0", kv_gb=KV_GB) as proc:
         yield proc
-    finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
 
 
 async def wait_exit(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:

@@ -1,0 +1,500 @@
+"""The embedding API: an async client that submits prompt groups to specroll generators, streams
+their rollouts back and pushes new policy weights — the rollout coordinator as a library.
+
+Generators connect to the client (its ROUTER binds, each generator's DEALER connects; see the
+README's socket map). The built-in trainer is built on this class; another RL stack uses it the
+same way::
+
+    async with RolloutClient(bind="tcp://127.0.0.1:5555") as client:
+        await client.wait_for_generators(2)
+        group_id = await client.submit(prompt_ids, n=8, sampling=SamplingParams(max_tokens=256))
+        group = await client.next_finished()          # every sample's tokens, logprobs, versions
+        await client.publish_weights(model.state_dict(), version=1)
+
+:class:`SyncRolloutClient` wraps it for code without an event loop.
+
+Inside, three tasks share one :class:`~specroll.protocol.channel.Channel`: a receive loop (which
+never waits on a send: replies go through an outgoing queue, so credit grants are always read), a
+sender, and a ticker that dispatches queued groups by free capacity and declares generators dead
+after ``heartbeat_timeout_s`` of silence (their groups resume elsewhere from their streamed tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import anyio
+import torch
+import zmq
+import zmq.asyncio
+from anyio.abc import TaskGroup
+
+from specroll.actors.coordinator import ChunkError, Group, RolloutCoordinator
+from specroll.protocol.channel import DEFAULT_WINDOW, Channel, SequenceError
+from specroll.protocol.codec import ProtocolError, pack_tensors
+from specroll.protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    AckWeights,
+    Dead,
+    Error,
+    FetchWeights,
+    Heartbeat,
+    Hello,
+    Refuse,
+    RolloutChunk,
+    Stats,
+    TensorSpec,
+    ToTrainer,
+    WeightsAvailable,
+    WeightsChunk,
+    Welcome,
+)
+from specroll.protocol.sampling import SamplingParams
+from specroll.protocol.sockets import DEFAULT_HWM, close_socket, last_endpoint, make_socket
+
+log = logging.getLogger("specroll.client")
+
+WEIGHTS_CHUNK_BYTES = 64 << 20
+"""Weights travel in messages of at most about this many bytes of tensors."""
+_WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class RolloutClient:
+    """Coordinates generators: submit groups, receive rollouts, publish policy weights.
+
+    Args:
+        bind: the endpoint generators connect to (``tcp://127.0.0.1:0`` takes a free port; read
+            :attr:`endpoint` after start).
+        max_groups_in_flight: most groups dispatched and unfinished at once.
+        heartbeat_timeout_s: a generator silent this long is declared dead.
+        window: flow-control window (data messages), equal on both ends.
+        hwm: ZeroMQ high-water mark of the socket.
+        allow_public: permit binding to a non-loopback address.
+        on_chunk: called with ``(actor_id, chunk)`` for every merged chunk (partial rollouts).
+        actor_id: this side's id in the handshake.
+    """
+
+    def __init__(
+        self,
+        bind: str = "tcp://127.0.0.1:0",
+        *,
+        max_groups_in_flight: int = 64,
+        heartbeat_timeout_s: float = 10.0,
+        window: int = DEFAULT_WINDOW,
+        hwm: int = DEFAULT_HWM,
+        allow_public: bool = False,
+        on_chunk: Callable[[str, RolloutChunk], None] | None = None,
+        actor_id: str = "trainer",
+    ) -> None:
+        self.bind = bind
+        self.coordinator = RolloutCoordinator(max_groups_in_flight)
+        # Group ids must not repeat across incarnations of a client on one endpoint: generators
+        # that outlived a crashed client still run its groups ("g0", "g1", ...), and a new group
+        # reusing such an id would be refused by the generator ("already live") or merged with the
+        # old one's chunks. Numbering from the start time in µs makes every id of this incarnation
+        # larger than any id of an earlier one (unless it issued more than a group per µs), so
+        # chunks of older groups are recognised as foreign and aborted (see _on_foreign_chunk).
+        self._first_group = time.time_ns() // 1000
+        self.coordinator._next_id = self._first_group
+        self._aborted_foreign: set[tuple[str, str]] = set()
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.window, self.hwm, self.allow_public = window, hwm, allow_public
+        self.on_chunk = on_chunk
+        self.actor_id = actor_id
+        self.endpoint = ""
+        """The bound endpoint, e.g. ``tcp://127.0.0.1:41234`` (set by :meth:`start`)."""
+        self.generator_versions: dict[str, int] = {}
+        """Policy version each generator acknowledged serving."""
+        self.generator_stats: dict[str, Stats] = {}
+        """Each generator's last :class:`Stats`."""
+        self.dead_generators: list[str] = []
+        """Generators declared dead (by ``Dead`` or heartbeat timeout), in order."""
+        self.protocol_errors = 0
+        """Malformed, out-of-sequence or unmergeable messages received (each logged)."""
+        self._last_seen: dict[str, float] = {}
+        self._capacity_known: set[str] = set()
+        self._finished_event = anyio.Event()
+        self._version_event = anyio.Event()
+        self._weights: tuple[WeightsAvailable, list[tuple[WeightsChunk, list[torch.Tensor]]]] | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self._channel: Channel[Any] | None = None
+        self._tg: TaskGroup | None = None
+        self._out_send, self._out_recv = anyio.create_memory_object_stream[tuple[str, Any, list[torch.Tensor]]](
+            max_buffer_size=math.inf
+        )
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> RolloutClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Bind and start the receive, send and dispatch tasks.
+
+        Raises:
+            ValueError: a public bind without ``allow_public``, or a malformed endpoint.
+            zmq.ZMQError: the bind failed (e.g. the port is taken).
+        """
+        self._ctx = zmq.asyncio.Context()
+        try:
+            self._socket = make_socket(self._ctx, zmq.ROUTER, bind=self.bind, hwm=self.hwm,
+                                       allow_public=self.allow_public)
+        except BaseException:
+            self._ctx.term()
+            raise
+        self.endpoint = last_endpoint(self._socket)
+        self._channel = Channel(self._socket, ToTrainer, window=self.window)
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._receive_loop)
+        self._tg.start_soon(self._send_loop)
+        self._tg.start_soon(self._tick_loop)
+
+    async def aclose(self) -> None:
+        """Tell connected generators the coordinator is gone, stop the tasks, close the socket."""
+        if self._tg is None:
+            return
+        for actor in list(self.coordinator.generators):
+            self._queue(actor, Dead(actor_id=self.actor_id, reason="client closed"))
+        with anyio.move_on_after(0.5):
+            while self._out_recv.statistics().current_buffer_used:
+                await anyio.sleep(0.01)
+        self._tg.cancel_scope.cancel()
+        await self._tg.__aexit__(None, None, None)
+        self._tg = None
+        if self._socket is not None:
+            close_socket(self._socket, linger_ms=100)
+        if self._ctx is not None:
+            self._ctx.term()
+
+    # ---- the API ------------------------------------------------------------------------------
+
+    async def submit(
+        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, payload: object = None
+    ) -> str:
+        """Queue a group of ``n`` samples of one prompt (token ids, chat template applied); it is
+        dispatched when a generator has room. Returns the group id.
+
+        Raises:
+            ValueError: empty prompt or ``n`` < 1.
+        """
+        group_id = self.coordinator.add_group(prompt_token_ids, n, sampling, payload)
+        self._dispatch()
+        return group_id
+
+    async def next_finished(self, timeout: float | None = None) -> Group:
+        """The oldest finished group, waiting for one if none is ready.
+
+        Raises:
+            TimeoutError: none finished within ``timeout`` seconds.
+        """
+        with anyio.fail_after(timeout):
+            while not self.coordinator.num_finished:
+                await self._finished_event.wait()
+        return self.coordinator.pop_finished(1)[0]
+
+    def pop_finished(self, limit: int | None = None) -> list[Group]:
+        """Finished groups ready now, oldest first, without waiting."""
+        return self.coordinator.pop_finished(limit)
+
+    @property
+    def num_finished(self) -> int:
+        return self.coordinator.num_finished
+
+    @property
+    def num_pending(self) -> int:
+        """Groups queued or in flight."""
+        return len(self.coordinator.groups)
+
+    async def abort(self, group_id: str) -> None:
+        """Drop a group; its generator stops it. Chunks arriving later are ignored.
+
+        Raises:
+            KeyError: no such group queued or in flight.
+        """
+        actor = self.coordinator.abort(group_id)
+        if actor is not None:
+            self._queue(actor, Abort(group_id=group_id))
+
+    async def wait_for_generators(self, count: int, timeout: float | None = None) -> None:
+        """Wait until ``count`` generators are ready: handshake done and capacity reported (their
+        first heartbeat), so groups submitted next spread over all of them.
+
+        Raises:
+            TimeoutError: fewer were ready within ``timeout`` seconds.
+        """
+        with anyio.fail_after(timeout):
+            while sum(a in self._capacity_known for a in self.coordinator.generators) < count:
+                await anyio.sleep(0.05)
+
+    async def publish_weights(
+        self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int,
+        dtype: str = "bfloat16",
+    ) -> None:
+        """Make ``version`` the policy generators should serve; each fetches it between its steps
+        (without draining) and acknowledges (:attr:`generator_versions`).
+
+        The tensors are snapshotted (cast to ``dtype``, on the CPU) before this returns, so
+        training may go on changing the originals.
+
+        Args:
+            named_tensors: Hugging Face parameter names → tensors.
+            version: a policy version above every earlier one.
+            dtype: ``bfloat16`` (half the bytes) or ``float32`` on the wire.
+
+        Raises:
+            ValueError: an unknown dtype or a version not above the last published one.
+        """
+        if dtype not in _WIRE_DTYPES:
+            raise ValueError(f"weights dtype {dtype!r}, expected one of {sorted(_WIRE_DTYPES)}")
+        if self._weights is not None and version <= self._weights[0].version:
+            raise ValueError(f"weight version {version} is not above the published {self._weights[0].version}")
+        items = dict(named_tensors).items()
+        snapshot = [(name, t.detach().to("cpu", _WIRE_DTYPES[dtype]).contiguous().clone()) for name, t in items]
+        groups: list[list[tuple[str, torch.Tensor]]] = [[]]
+        size = 0
+        for name, t in snapshot:
+            if groups[-1] and size + t.numel() * t.element_size() > WEIGHTS_CHUNK_BYTES:
+                groups.append([])
+                size = 0
+            groups[-1].append((name, t))
+            size += t.numel() * t.element_size()
+        chunks = []
+        for index, group in enumerate(groups):
+            refs, tensors = pack_tensors(group)
+            chunks.append((WeightsChunk(version=version, index=index, num_chunks=len(groups), tensors=refs), tensors))
+        announce = WeightsAvailable(version=version, dtype=dtype, num_chunks=len(groups),
+                                    params=[TensorSpec(name=n, shape=tuple(t.shape)) for n, t in snapshot])
+        self._weights = (announce, chunks)
+        for actor in self.coordinator.generators:
+            self._queue(actor, announce)
+
+    async def wait_for_version(self, version: int, count: int | None = None, timeout: float | None = None) -> None:
+        """Wait until ``count`` generators (default: all connected) acknowledged ``version`` or later.
+
+        Raises:
+            TimeoutError: not within ``timeout`` seconds.
+        """
+        with anyio.fail_after(timeout):
+            while True:
+                live = [a for a in self.coordinator.generators]
+                need = len(live) if count is None else count
+                if sum(self.generator_versions.get(a, -1) >= version for a in live) >= need:
+                    return
+                event = self._version_event
+                with anyio.move_on_after(0.1):
+                    await event.wait()
+
+    # ---- tasks --------------------------------------------------------------------------------
+
+    def _queue(self, actor: str, msg: Any, tensors: list[torch.Tensor] | None = None) -> None:
+        self._out_send.send_nowait((actor, msg, tensors or []))
+
+    async def _send_loop(self) -> None:
+        assert self._channel is not None
+        async for actor, msg, tensors in self._out_recv:
+            if actor not in self.coordinator.generators and not isinstance(msg, Welcome | Refuse | Error | Dead):
+                continue  # it left while this waited
+            try:
+                with anyio.move_on_after(self.heartbeat_timeout_s):
+                    await self._channel.send(msg, peer=actor.encode(), tensors=tensors)
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EHOSTUNREACH:
+                    raise
+                log.info("generator %s is unreachable; dropping %s", actor, type(msg).__name__)
+
+    async def _tick_loop(self) -> None:
+        while True:
+            now = time.monotonic()
+            for actor, seen in list(self._last_seen.items()):
+                if now - seen > self.heartbeat_timeout_s:
+                    self._generator_gone(actor, f"silent for {now - seen:.1f} s")
+            self._dispatch()
+            await anyio.sleep(0.05)
+
+    def _dispatch(self) -> None:
+        for actor, msg in self.coordinator.dispatch():
+            self._queue(actor, msg)
+
+    def _generator_gone(self, actor: str, why: str) -> None:
+        if actor not in self.coordinator.generators:
+            return
+        orphans = self.coordinator.remove_generator(actor)
+        self._last_seen.pop(actor, None)
+        self._capacity_known.discard(actor)
+        self.generator_versions.pop(actor, None)
+        self.dead_generators.append(actor)
+        if self._channel is not None:
+            self._channel.forget(actor.encode())
+        log.warning("generator %s is gone (%s); %d groups resume elsewhere", actor, why, len(orphans))
+        self._dispatch()
+
+    async def _receive_loop(self) -> None:
+        assert self._channel is not None
+        while True:
+            try:
+                received = await self._channel.recv()
+            except SequenceError as e:
+                self.protocol_errors += 1
+                log.warning("%s", e)
+                received = e.received
+                if received.seq < e.expected and not received.first:
+                    continue  # a duplicate: already handled once
+            except ProtocolError as e:
+                self.protocol_errors += 1
+                actor = e.peer.decode(errors="replace") if e.peer else "?"
+                log.warning("malformed message from %s: %s", actor, e)
+                if actor in self.coordinator.generators and self._channel.can_send(e.peer):
+                    self._queue(actor, Error(code="malformed", message=str(e)[:500], seq=e.seq))
+                continue
+            actor = (received.peer or b"").decode(errors="replace")
+            try:
+                self._handle(actor, received.msg, received.first)
+            except ChunkError as e:
+                self.protocol_errors += 1
+                log.warning("chunk from %s refused: %s", actor, e)
+                self._queue(actor, Error(code="bad_request", message=str(e)[:500], seq=received.seq))
+
+    def _handle(self, actor: str, msg: Any, first: bool) -> None:
+        if isinstance(msg, Hello):
+            self._on_hello(actor, msg)
+            return
+        if actor not in self.coordinator.generators:
+            if not isinstance(msg, Dead):
+                self._queue(actor, Error(code="unknown_peer", message="send Hello first"))
+            return
+        self._last_seen[actor] = time.monotonic()
+        match msg:
+            case RolloutChunk():
+                if self._foreign(msg.group_id):
+                    self._on_foreign_chunk(actor, msg.group_id)
+                    return
+                if self.coordinator.on_chunk(actor, msg) is not None:
+                    self._finished_event.set()
+                    self._finished_event = anyio.Event()
+                if self.on_chunk is not None:
+                    self.on_chunk(actor, msg)
+            case Heartbeat():
+                self.coordinator.on_heartbeat(actor, msg.free_groups, msg.policy_version)
+                self._capacity_known.add(actor)
+                self._dispatch()
+            case FetchWeights():
+                self._on_fetch(actor, msg.version)
+            case AckWeights():
+                self.generator_versions[actor] = msg.version
+                self._version_event.set()
+                self._version_event = anyio.Event()
+            case Stats():
+                self.generator_stats[actor] = msg
+            case Error():
+                log.warning("generator %s reports %s: %s", actor, msg.code, msg.message)
+            case Dead():
+                self._generator_gone(actor, f"it exited ({msg.reason or 'no reason given'})")
+
+    def _foreign(self, group_id: str) -> bool:
+        """True for a group this client never issued (e.g. one of a crashed earlier incarnation)."""
+        if group_id in self.coordinator.groups:
+            return False
+        number = group_id[1:]
+        return not (group_id[:1] == "g" and number.isdigit()
+                    and self._first_group <= int(number) < self.coordinator._next_id)
+
+    def _on_foreign_chunk(self, actor: str, group_id: str) -> None:
+        """Stop a group this client does not know on the generator that runs it (once per group
+        and generator: its final ``abort`` chunks are then ignored), instead of letting it use
+        capacity until its ``max_tokens``."""
+        self.coordinator.ignored_chunks += 1
+        if (actor, group_id) in self._aborted_foreign:
+            return
+        self._aborted_foreign.add((actor, group_id))
+        log.info("generator %s streams group %s, unknown here (an earlier client's?); aborting it", actor, group_id)
+        self._queue(actor, Abort(group_id=group_id))
+
+    def _on_hello(self, actor: str, msg: Hello) -> None:
+        if msg.protocol_version != PROTOCOL_VERSION:
+            self._queue(actor, Refuse(reason=f"protocol version {msg.protocol_version}, this trainer speaks "
+                                             f"{PROTOCOL_VERSION}; run the same specroll version on both"))
+            return
+        if msg.role != "generator":
+            self._queue(actor, Refuse(reason=f"role {msg.role!r}: this endpoint serves generators"))
+            return
+        if actor in self.coordinator.generators:  # it restarted under the same id: its groups are gone
+            self._generator_gone(actor, "it said Hello again")
+        self.coordinator.add_generator(actor)
+        self._last_seen[actor] = time.monotonic()
+        self._queue(actor, Welcome(protocol_version=PROTOCOL_VERSION, actor_id=self.actor_id))
+        if self._weights is not None:
+            self._queue(actor, self._weights[0])
+
+    def _on_fetch(self, actor: str, version: int) -> None:
+        if self._weights is None or self._weights[0].version != version:
+            have = None if self._weights is None else self._weights[0].version
+            self._queue(actor, Error(code="bad_request", message=f"weights version {version} is not published "
+                                                                 f"(current: {have})"))
+            return
+        for chunk, tensors in self._weights[1]:
+            self._queue(actor, chunk, tensors)
+
+
+class SyncRolloutClient:
+    """:class:`RolloutClient` for code without an event loop: it runs in a background thread.
+
+    Takes the same arguments; use it as a context manager or call :meth:`close`.
+    """
+
+    def __init__(self, bind: str = "tcp://127.0.0.1:0", **kwargs: Any) -> None:
+        from anyio.from_thread import start_blocking_portal
+
+        self._portal_cm = start_blocking_portal("asyncio")
+        self._portal = self._portal_cm.__enter__()
+        self.client = RolloutClient(bind, **kwargs)
+        # The client's task group must be entered and left by one task: the portal runs both there.
+        self._client_cm = self._portal.wrap_async_context_manager(self.client)
+        try:
+            self._client_cm.__enter__()
+        except BaseException:
+            self._portal_cm.__exit__(None, None, None)
+            raise
+        self.endpoint = self.client.endpoint
+
+    def __enter__(self) -> SyncRolloutClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._portal_cm is not None:
+            self._client_cm.__exit__(None, None, None)
+            self._portal_cm.__exit__(None, None, None)
+            self._portal_cm = None  # type: ignore[assignment]
+
+    def submit(self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, payload: object = None) -> str:
+        """See :meth:`RolloutClient.submit`."""
+        return self._portal.call(self.client.submit, prompt_token_ids, n, sampling, payload)
+
+    def next_finished(self, timeout: float | None = None) -> Group:
+        """See :meth:`RolloutClient.next_finished`."""
+        return self._portal.call(self.client.next_finished, timeout)
+
+    def publish_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int, dtype: str = "bfloat16") -> None:
+        """See :meth:`RolloutClient.publish_weights`."""
+        self._portal.call(self.client.publish_weights, named_tensors, version, dtype)
+
+    def wait_for_generators(self, count: int, timeout: float | None = None) -> None:
+        """See :meth:`RolloutClient.wait_for_generators`."""
+        self._portal.call(self.client.wait_for_generators, count, timeout)
+
+    def wait_for_version(self, version: int, count: int | None = None, timeout: float | None = None) -> None:
+        """See :meth:`RolloutClient.wait_for_version`."""
+        self._portal.call(self.client.wait_for_version, version, count, timeout)
