@@ -90,17 +90,105 @@ def _add_init_drafter(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="initialisation seed")
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a positive finite number, with a message naming the bad value."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
+    return value
+
+
+def _add_set(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set trainer.group_size=8 (TOML value; repeatable)")
+
+
+def _add_launch(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "launch",
+        help="run a whole RL job here: the trainer and N generators as processes, watched",
+        description="Start the trainer and generator.count generators as separate processes (each in its "
+        "own process group, logs in RUN_DIR/logs/), watch them, and stop them all when the trainer "
+        "finishes (exit 0), when any process dies or on Ctrl-C (exit non-zero, naming who died).",
+    )
+    p.add_argument("config", metavar="CONFIG.toml", help="run config, e.g. examples/gsm8k_smollm2.toml")
+    _add_set(p)
+    p.add_argument("--startup-timeout-s", type=positive_float, default=300.0,
+                   help="seconds the trainer may take to bind and write RUN_DIR/trainer.endpoint "
+                        "(default: %(default)s)")
+    p.add_argument("--grace-s", type=positive_float, default=15.0,
+                   help="seconds processes get to exit after SIGTERM before SIGKILL (default: %(default)s)")
+    # Tests only: run a stand-in trainer module instead of specroll.actors.trainer (same contract:
+    # --config FILE, writes RUN_DIR/trainer.endpoint once bound, exits 0 when done).
+    p.add_argument("--trainer-module", default=None, help=argparse.SUPPRESS)
+
+
+def _add_trainer(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "trainer",
+        help="run the trainer alone (generators connect to it from any host)",
+        description="Run the trainer actor: bind tcp://network.host:network.trainer_port, write the bound "
+        "endpoint to RUN_DIR/trainer.endpoint, train config.steps steps.",
+    )
+    p.add_argument("--config", required=True, metavar="FILE", help="run config TOML")
+    _add_set(p)
+
+
+def _add_generator(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generator",
+        help="run one generator alone, connected to a trainer (on any host)",
+        description="Run one generator actor with the settings of a run config ([generator], [network]), "
+        "connected to the trainer at --connect.",
+    )
+    p.add_argument("--config", required=True, metavar="FILE", help="run config TOML")
+    p.add_argument("--connect", required=True, metavar="tcp://HOST:PORT",
+                   help="the trainer's endpoint (RUN_DIR/trainer.endpoint on the trainer's host)")
+    p.add_argument("--actor-id", default=None, help="unique id (default: generator-<uuid4 hex>)")
+    _add_set(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specroll", description="specroll: a rollout engine for RL on LLMs")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     _add_init_drafter(sub)
+    _add_launch(sub)
+    _add_trainer(sub)
+    _add_generator(sub)
     return parser
+
+
+def _with_sets(args: argparse.Namespace, argv: list[str]) -> list[str]:
+    return argv + [item for s in args.overrides for item in ("--set", s)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``specroll`` console script; returns the process exit code."""
     args = build_parser().parse_args(argv)
+    if args.command == "launch":
+        from specroll.actors.launch import TRAINER_MODULE, run_launch
+
+        return run_launch(args.config, args.overrides, trainer_module=args.trainer_module or TRAINER_MODULE,
+                          startup_timeout_s=args.startup_timeout_s, grace_s=args.grace_s)
+    if args.command == "trainer":
+        try:
+            from specroll.actors.trainer import main as trainer_main
+        except ModuleNotFoundError as e:
+            if e.name != "specroll.actors.trainer":
+                raise
+            print("specroll trainer: error: specroll.actors.trainer is not in this install", file=sys.stderr)
+            return 2
+        return trainer_main(_with_sets(args, ["--config", args.config]))
+    if args.command == "generator":
+        from specroll.actors.generator import main as generator_main
+
+        actor = ["--actor-id", args.actor_id] if args.actor_id else []
+        return generator_main(_with_sets(args, ["--config", args.config, "--connect", args.connect, *actor]))
+
     from specroll.actors.generate import GenerateError
 
     if args.command == "generate":
@@ -118,7 +206,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"specroll {args.command}: interrupted; nothing written", file=sys.stderr)
         return 130
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,414 @@
+"""``specroll launch``: start a whole run on this host — one trainer and N generators as separate
+processes — watch them, and tear everything down when the run ends, fails or is interrupted.
+
+Lifecycle:
+
+1. The config is loaded and validated (a ``ConfigError`` is one line, exit 2, nothing started) and
+   written resolved to ``RUN_DIR/config.toml``; every role reads that file.
+2. The trainer starts (``python -m specroll.actors.trainer --config RUN_DIR/config.toml``) after a
+   stale ``RUN_DIR/trainer.endpoint`` is removed; once bound it writes its endpoint there, which the
+   launcher waits for (``startup_timeout_s``; the trainer dying first ends the launch).
+3. ``generator.count`` generators start (``python -m specroll.actors.generator --config ...
+   --connect ENDPOINT --actor-id generator-<i>``).
+4. Watch: the trainer exiting 0 is the end of the run; any other exit (a generator's, or the
+   trainer's with a failure) or SIGINT/SIGTERM to the launcher ends it with a failure report naming
+   who died and the tail of its log.
+5. Teardown (always, in a ``finally``): SIGTERM to each live process group, ``grace_s`` to exit,
+   then SIGKILL to every process group the launcher started, then reap.
+
+Process hygiene: each role runs in its own process group (``pgid == pid``) with stdout and stderr
+in ``RUN_DIR/logs/<role>.log``; ``RUN_DIR/pids.json`` lists the launcher and every started pid. A
+child that exits is observed without being reaped (``waitid(WNOWAIT)``): its zombie keeps the
+pid — and with it the process-group id — reserved, so the final SIGKILL to that group can only reach
+processes the launcher started (and anything they left behind in their group). On Linux each child
+also gets ``PR_SET_PDEATHSIG = SIGKILL``, so even a SIGKILLed launcher leaves no role running.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specroll.actors.config import RunConfig
+
+__all__ = [
+    "ENDPOINT_FILENAME",
+    "PIDS_FILENAME",
+    "TRAINER_MODULE",
+    "LaunchError",
+    "Launcher",
+    "run_launch",
+]
+
+TRAINER_MODULE = "specroll.actors.trainer"
+GENERATOR_MODULE = "specroll.actors.generator"
+ENDPOINT_FILENAME = "trainer.endpoint"
+"""The trainer writes its bound endpoint (``tcp://HOST:PORT``) to ``RUN_DIR/trainer.endpoint``."""
+PIDS_FILENAME = "pids.json"
+"""``{"launcher": PID, "processes": {"trainer": PID, "generator-0": PID, ...}}`` in the run directory."""
+LOGS_DIRNAME = "logs"
+METRICS_FILENAME = "metrics.jsonl"
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+_WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::")
+
+
+class LaunchError(Exception):
+    """The run cannot go on: a one-line reason (plus an optional log tail) and the exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILED, detail: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.detail = detail
+
+
+@dataclass
+class RoleProcess:
+    """One started role: its process (leader of its own process group) and its log."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    exit_code: int | None = None
+    """Set once the process is seen to have exited (``-N``: killed by signal N), before it is reaped."""
+    reaped: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+def describe_exit(code: int) -> str:
+    """``"exited with code 3"`` or ``"was killed by SIGKILL"`` for a Popen-style return code."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
+
+
+def tail(path: Path, lines: int = 20, max_bytes: int = 16384) -> str:
+    """The last ``lines`` lines of a text file (``""`` when missing), each indented by two spaces."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join("  " + line for line in text.rstrip("\n").splitlines()[-lines:])
+
+
+def _write_json_atomic(path: Path, data: object) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _pdeathsig_preexec() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child receive SIGKILL when the launcher dies (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return None
+    prctl = ctypes.CDLL(libc_name, use_errno=True).prctl  # resolved before fork, not in the child
+    pr_set_pdeathsig, parent = 1, os.getpid()
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl: do not run orphaned
+            os._exit(1)
+
+    return preexec
+
+
+def _exit_code(proc: RoleProcess) -> int | None:
+    """The exit code if ``proc`` has exited, without reaping it (its pid and pgid stay reserved)."""
+    if proc.exit_code is not None:
+        return proc.exit_code
+    if not hasattr(os, "waitid"):  # not Linux: poll() reaps; the pgid is then no longer reserved
+        proc.exit_code = proc.popen.poll()
+        proc.reaped = proc.exit_code is not None
+        return proc.exit_code
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # already reaped (cannot happen unless someone else waited on it)
+        proc.exit_code = proc.popen.poll()
+        proc.reaped = True
+        return proc.exit_code
+    if info is None or info.si_pid == 0:
+        return None
+    proc.exit_code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+    return proc.exit_code
+
+
+PROGRESS_FIELDS = ("policy_version", "reward_mean", "accuracy", "loss", "gen_tokens_per_s", "max_lag",
+                   "tokens_masked_stale", "samples_dropped_stale", "acceptance_length", "step_s", "wait_s")
+"""Fields of a metrics record shown in the launcher's progress line, when present (in this order)."""
+
+
+def format_metrics(record: dict[str, object]) -> str:
+    """``"step 3: reward_mean=0.25 loss=0.0132 ..."``: one progress line for a metrics record."""
+
+    def numeric(value: object) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+
+    keys = [k for k in PROGRESS_FIELDS if numeric(record.get(k))]
+    if not keys:
+        keys = [k for k, v in record.items() if numeric(v) and k != "step"][:10]
+    parts = [f"{k}={v:.4g}" if isinstance(v := record[k], float) else f"{k}={v}" for k in keys]
+    return f"step {record.get('step', '?')}: {' '.join(parts)}"
+
+
+def local_endpoint(endpoint: str) -> str:
+    """The endpoint a local generator connects to: a wildcard bind address becomes 127.0.0.1.
+
+    Raises:
+        LaunchError: the text is not ``tcp://HOST:PORT`` or ``ipc://PATH``.
+    """
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return endpoint
+    host, sep, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if not endpoint.startswith("tcp://") or not sep or not host or not port.isdigit():
+        raise LaunchError(f"{ENDPOINT_FILENAME} holds {endpoint!r}, expected tcp://HOST:PORT or ipc://PATH")
+    return f"tcp://127.0.0.1:{port}" if host in _WILDCARD_HOSTS else endpoint
+
+
+@dataclass
+class Launcher:
+    """Starts, watches and stops the processes of one run (see the module docstring).
+
+    Args:
+        config: the validated run config.
+        trainer_module: module run as the trainer (``python -m MODULE --config FILE``); tests pass
+            a stand-in.
+        startup_timeout_s: how long the trainer may take to write its endpoint.
+        grace_s: how long processes get to exit after SIGTERM before their groups are SIGKILLed.
+        poll_s: the watch loop's period.
+        out: where status lines go; metrics lines go to ``metrics_out``.
+    """
+
+    config: RunConfig
+    trainer_module: str = TRAINER_MODULE
+    startup_timeout_s: float = 300.0
+    grace_s: float = 15.0
+    poll_s: float = 0.1
+    out: IO[str] = field(default_factory=lambda: sys.stderr)
+    metrics_out: IO[str] = field(default_factory=lambda: sys.stdout)
+    processes: list[RoleProcess] = field(default_factory=list, init=False)
+    """Every process started, in start order (the trainer first)."""
+    _signal: int | None = field(default=None, init=False, repr=False)
+    _hurry: bool = field(default=False, init=False, repr=False)
+    _metrics_offset: int = field(default=0, init=False, repr=False)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.config.run_dir)
+
+    def say(self, text: str) -> None:
+        print(f"specroll launch: {text}", file=self.out, flush=True)
+
+    # ---- the whole run --------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Start every role, watch them until the run ends, stop them all; return the exit code
+        (0: the trainer finished; 1: a process died or the trainer never came up; 130/143: SIGINT/SIGTERM)."""
+        from specroll.actors.config import write_resolved
+
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            try:
+                config_path = write_resolved(self.config)
+                (self.run_dir / LOGS_DIRNAME).mkdir(exist_ok=True)
+            except OSError as e:
+                raise LaunchError(f"run_dir={self.config.run_dir!r}: cannot write the run directory "
+                                  f"({e.strerror or e}), expected a writable directory", code=EXIT_BAD_INPUT) from e
+            metrics = self.run_dir / METRICS_FILENAME
+            self._metrics_offset = metrics.stat().st_size if metrics.exists() else 0
+            endpoint_file = self.run_dir / ENDPOINT_FILENAME
+            endpoint_file.unlink(missing_ok=True)  # stale, from an earlier run
+            trainer = self._spawn("trainer", [self.trainer_module, "--config", str(config_path)])
+            endpoint = local_endpoint(self._wait_endpoint(trainer, endpoint_file))
+            self.say(f"trainer listening at {endpoint}")
+            for i in range(self.config.generator.count):
+                self._spawn(f"generator-{i}", [GENERATOR_MODULE, "--config", str(config_path), "--connect", endpoint,
+                                               "--actor-id", f"generator-{i}"])
+            return self._watch(trainer)
+        except LaunchError as e:
+            self.say(f"error: {e}")
+            if e.detail:
+                print(e.detail, file=self.out, flush=True)
+            return e.code
+        finally:
+            try:
+                self._teardown()
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if self._signal is not None:
+            self._hurry = True  # a second Ctrl-C: skip the grace period
+        self._signal = signum
+
+    def _check_signal(self) -> None:
+        if self._signal is not None:
+            name = signal.Signals(self._signal).name
+            raise LaunchError(f"interrupted by {name}; stopping every process", code=128 + self._signal)
+
+    # ---- starting -------------------------------------------------------------------------------
+
+    def _spawn(self, name: str, module_args: list[str]) -> RoleProcess:
+        """Start ``python -m module_args...`` as ``name`` in its own process group, output to its log."""
+        self._check_signal()
+        log_path = self.run_dir / LOGS_DIRNAME / f"{name}.log"
+        with log_path.open("ab") as log:
+            log.write(f"==== specroll launch: {name} started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+            log.flush()
+            popen = subprocess.Popen(
+                [sys.executable, "-m", *module_args], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                process_group=0, preexec_fn=_pdeathsig_preexec(), close_fds=True,
+            )
+        proc = RoleProcess(name, popen, log_path)
+        self.processes.append(proc)
+        _write_json_atomic(self.run_dir / PIDS_FILENAME, {
+            "launcher": os.getpid(), "processes": {p.name: p.pid for p in self.processes}})
+        self.say(f"started {name} (pid {proc.pid}), log: {log_path}")
+        return proc
+
+    def _wait_endpoint(self, trainer: RoleProcess, path: Path) -> str:
+        """The endpoint the trainer wrote to ``path``, once it is there."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            self._check_signal()
+            if path.exists():
+                text = path.read_text(errors="replace").strip()
+                if text:
+                    return text
+            code = _exit_code(trainer)
+            if code is not None:
+                raise self._died(trainer, code, "before writing its endpoint")
+            if time.monotonic() > deadline:
+                raise LaunchError(f"the trainer (pid {trainer.pid}) wrote no {path} within "
+                                  f"{self.startup_timeout_s:g} s (--startup-timeout-s); "
+                                  f"last lines of {trainer.log_path}:",
+                                  detail=tail(trainer.log_path))
+            time.sleep(self.poll_s)
+
+    # ---- watching -------------------------------------------------------------------------------
+
+    def _watch(self, trainer: RoleProcess) -> int:
+        """Until the trainer exits 0 (return 0) or anything else ends the run (raise LaunchError)."""
+        while True:
+            self._check_signal()
+            self._print_metrics()
+            code = _exit_code(trainer)  # first: generators may notice the trainer's end on their own
+            if code == 0:
+                self._print_metrics()
+                self.say(f"the trainer finished {self.config.steps} steps; stopping the generators")
+                return EXIT_OK
+            if code is not None:
+                raise self._died(trainer, code)
+            for proc in self.processes:
+                code = _exit_code(proc)
+                if code is not None:
+                    raise self._died(proc, code)
+            time.sleep(self.poll_s)
+
+    def _died(self, proc: RoleProcess, code: int, when: str = "") -> LaunchError:
+        when = f" {when}" if when else ""
+        return LaunchError(f"{proc.name} (pid {proc.pid}) {describe_exit(code)}{when}; stopping the run. "
+                           f"Last lines of {proc.log_path}:", detail=tail(proc.log_path))
+
+    def _print_metrics(self) -> None:
+        """One line per new record of ``RUN_DIR/metrics.jsonl`` (the live progress): the fields of
+        :data:`PROGRESS_FIELDS` it has, else its first numeric fields."""
+        path = self.run_dir / METRICS_FILENAME
+        try:
+            with path.open("rb") as f:
+                f.seek(self._metrics_offset)
+                data = f.read()
+        except OSError:
+            return
+        complete = data[: data.rfind(b"\n") + 1]
+        self._metrics_offset += len(complete)
+        for line in complete.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                print(format_metrics(record), file=self.metrics_out, flush=True)
+
+    # ---- stopping -------------------------------------------------------------------------------
+
+    def _teardown(self) -> None:
+        """SIGTERM every live process group, wait up to ``grace_s``, SIGKILL every group started, reap."""
+        live = [p for p in self.processes if _exit_code(p) is None]
+        if live:
+            self.say(f"stopping {', '.join(p.name for p in live)} (SIGTERM, {self.grace_s:g} s grace)")
+        for p in live:
+            _killpg(p, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        while live and time.monotonic() < deadline and not self._hurry:
+            time.sleep(self.poll_s)
+            live = [p for p in live if _exit_code(p) is None]
+        if live:
+            self.say(f"{', '.join(p.name for p in live)} did not stop within {self.grace_s:g} s: SIGKILL")
+        for p in self.processes:  # also the exited ones: their groups may hold leftovers
+            if not p.reaped:
+                _killpg(p, signal.SIGKILL)
+        for p in self.processes:
+            if not p.reaped:
+                try:
+                    p.exit_code = p.popen.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    self.say(f"{p.name} (pid {p.pid}) survived SIGKILL for 30 s (uninterruptible sleep?)")
+                    continue
+                p.reaped = True
+
+
+def _killpg(proc: RoleProcess, sig: signal.Signals) -> None:
+    """Signal the process group ``proc`` leads; valid while ``proc`` is unreaped (its pid is reserved)."""
+    if proc.reaped:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass  # the group is empty: nothing left to stop
+
+
+def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = TRAINER_MODULE,
+               startup_timeout_s: float = 300.0, grace_s: float = 15.0) -> int:
+    """``specroll launch``: validate the config (one error line and exit 2, nothing started), run."""
+    from specroll.actors.config import ConfigError, load_config
+    from specroll.actors.generator import GeneratorSettings, settings_from_config
+
+    try:
+        config = load_config(config_path, overrides)
+        # what each generator will make of it, checked before anything starts
+        GeneratorSettings(**settings_from_config(config, connect="tcp://127.0.0.1:1"))  # type: ignore[arg-type]
+    except (ConfigError, ValueError) as e:
+        print(f"specroll launch: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if config.drafter.enabled:
+        print("specroll launch: error: drafter.enabled=true, expected false: the drafter trainer actor is not "
+              "built yet", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    launcher = Launcher(config, trainer_module=trainer_module, startup_timeout_s=startup_timeout_s, grace_s=grace_s)
+    return launcher.run()

@@ -1,0 +1,289 @@
+"""``specroll launch``: real processes (launcher, trainer, generators on a tiny random model), real
+sockets; every test checks that no process the launcher started outlives it.
+
+The trainer here is a stand-in (``STANDIN_TRAINER``, run through the launcher's hidden
+``--trainer-module`` option) that keeps the trainer's process contract: ``--config FILE``, binds a
+:class:`~specroll.actors.client.RolloutClient` at ``network.host:network.trainer_port``, writes
+``RUN_DIR/trainer.endpoint`` atomically once bound, waits for ``generator.count`` generators, runs
+``steps`` steps of one group each (appending ``RUN_DIR/metrics.jsonl``) and exits 0. To run these
+tests against the real trainer, set ``TRAINER_MODULE = "specroll.actors.trainer"``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+STANDIN_MODULE = "launch_standin_trainer"
+TRAINER_MODULE: str | None = STANDIN_MODULE
+"""``None`` or ``"specroll.actors.trainer"``: the real trainer; ``STANDIN_MODULE``: the stand-in below."""
+
+STANDIN_TRAINER = '''
+"""Stand-in trainer for tests/test_launch.py: the trainer's process contract, no training."""
+import argparse, json, os, sys
+from pathlib import Path
+
+import anyio
+
+from specroll.actors.client import RolloutClient
+from specroll.actors.config import load_config
+from specroll.protocol.sampling import SamplingParams
+
+
+async def main(config) -> int:
+    run_dir = Path(config.run_dir)
+    bind = f"tcp://{config.network.host}:{config.network.trainer_port}"
+    async with RolloutClient(bind, heartbeat_timeout_s=config.network.heartbeat_timeout_s,
+                             window=config.network.window) as client:
+        tmp = run_dir / ".trainer.endpoint.tmp"
+        tmp.write_text(client.endpoint)
+        os.replace(tmp, run_dir / "trainer.endpoint")
+        await client.wait_for_generators(config.generator.count, timeout=120)
+        print("all generators connected", flush=True)
+        for step in range(1, config.steps + 1):
+            await client.submit([1, 2, 3, 4, 5], n=config.trainer.group_size,
+                                sampling=SamplingParams(max_tokens=config.generator.sampling.max_tokens))
+            group = await client.next_finished(timeout=120)
+            tokens = sum(len(s.token_ids) for s in group.samples)
+            with open(run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "tokens": tokens, "reward": 0.0}) + "\\n")
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", required=True)
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    a = p.parse_args()
+    sys.exit(anyio.run(main, load_config(a.config, a.overrides), backend="asyncio"))
+'''
+
+
+def write_config(tmp_path: Path, model: Path, steps: int = 3, count: int = 2) -> Path:
+    """A small run on ``model``: ``count`` generators, one group of 2 per step, 8 tokens per sample."""
+    path = tmp_path / "run.toml"
+    path.write_text(f"""
+run_dir = "{tmp_path / 'run'}"
+steps = {steps}
+
+[model]
+name = "{model}"
+
+[trainer]
+batch_groups = 1
+group_size = 2
+max_groups_in_flight = 2
+train_threads = 1
+
+[generator]
+count = {count}
+heartbeat_s = 0.5
+
+[generator.engine]
+dtype = "float32"
+kv_cache_memory_gb = 0.02
+max_num_seqs = 8
+num_threads = 1
+
+[generator.sampling]
+max_tokens = 8
+""")
+    return path
+
+
+def children_of(pid: int) -> set[int]:
+    """Live (non-zombie) processes whose parent is ``pid``."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.add(int(stat.parent.name))
+    return found
+
+
+def members_of_groups(pgids: set[int]) -> set[int]:
+    """Live processes in any of the process groups ``pgids``."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[2]) in pgids and fields[0] != "Z":
+            found.add(int(stat.parent.name))
+    return found
+
+
+def started_pids(run_dir: Path) -> dict[str, int]:
+    """Role name → pid, as the launcher recorded them in RUN_DIR/pids.json."""
+    return json.loads((run_dir / "pids.json").read_text())["processes"]
+
+
+def assert_nothing_left(run_dir: Path, children_before: set[int]) -> None:
+    """No process the launcher started, nor anything in their process groups, nor a new child of ours."""
+    pids = set(started_pids(run_dir).values())
+    time.sleep(0.2)  # /proc entries of just-reaped processes
+    alive = {pid for pid in pids if Path(f"/proc/{pid}").exists()
+             and Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"}
+    assert not alive, f"started processes still alive: {alive}"
+    assert not members_of_groups(pids), "processes left in the launched process groups"
+    assert children_of(os.getpid()) <= children_before, "a child of the test process remains"
+
+
+def launch(tmp_path: Path, config: Path, *extra: str) -> subprocess.Popen[str]:
+    """``specroll launch CONFIG`` as a child process, with the stand-in trainer importable."""
+    (tmp_path / f"{STANDIN_MODULE}.py").write_text(STANDIN_TRAINER)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    trainer = ["--trainer-module", TRAINER_MODULE] if TRAINER_MODULE else []
+    cmd = [sys.executable, "-m", "specroll.actors.cli", "launch", str(config), "--grace-s", "10", *trainer, *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 180) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # the launcher's children get SIGKILL too (PR_SET_PDEATHSIG)
+        out, err = proc.communicate()
+        pytest.fail(f"launcher did not finish within {timeout} s; stderr:\n{err}")
+    return proc.returncode, out, err
+
+
+def wait_for(predicate: Callable[[], bool], what: str, proc: subprocess.Popen[str], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            pytest.fail(f"launcher exited ({proc.returncode}) while waiting for {what}: {proc.stderr.read()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def generators_connected(run_dir: Path, count: int) -> bool:
+    logs = [run_dir / "logs" / f"generator-{i}.log" for i in range(count)]
+    return all(log.exists() and "welcomed by" in log.read_text(errors="replace") for log in logs)
+
+
+@pytest.mark.slow
+def test_launch_runs_three_steps_and_leaves_nothing(tmp_path: Path, tiny_checkpoint) -> None:
+    config = write_config(tmp_path, tiny_checkpoint(), steps=3, count=2)
+    before = children_of(os.getpid())
+    code, out, err = finish(launch(tmp_path, config))
+    run_dir = tmp_path / "run"
+    assert code == 0, err
+    assert set(started_pids(run_dir)) == {"trainer", "generator-0", "generator-1"}
+    assert_nothing_left(run_dir, before)
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    assert [line.split(":")[0] for line in out.splitlines()] == ["step 1", "step 2", "step 3"]
+    assert (run_dir / "config.toml").exists() and (run_dir / "trainer.endpoint").exists()
+    for i in range(2):  # served, then stopped by the launcher's SIGTERM (not by the SIGKILL fallback)
+        log = (run_dir / "logs" / f"generator-{i}.log").read_text()
+        assert "welcomed by" in log and "exits with code 0: received SIGTERM" in log, log
+    assert "finished 3 steps" in err
+
+
+def test_config_error_exits_2_and_starts_nothing(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text(f'run_dir = "{tmp_path / "run"}"\n[trainer]\ngroup_sise = 4\n')
+    before = children_of(os.getpid())
+    code, out, err = finish(launch(tmp_path, config))
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "trainer.group_sise" in err and "group_size" in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+    # an override out of range: the same
+    config.write_text(f'run_dir = "{tmp_path / "run"}"\n')
+    code, _, err = finish(launch(tmp_path, config, "--set", "trainer.group_size=1"))
+    assert code == 2 and err.count("\n") == 1 and "group_size=1" in err, err
+    assert not (tmp_path / "run").exists()
+    assert children_of(os.getpid()) <= before
+
+
+def test_trainer_dying_before_its_endpoint_is_reported(tmp_path: Path) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text(f'run_dir = "{tmp_path / "run"}"\n')
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "trainer.endpoint").write_text("tcp://127.0.0.1:1")  # stale: must not be used
+    env_module = "no_such_trainer_module_xyz"
+    cmd = [sys.executable, "-m", "specroll.actors.cli", "launch", str(config), "--trainer-module", env_module]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "trainer (pid" in proc.stderr and "exited with code 1 before writing its endpoint" in proc.stderr
+    assert "No module named" in proc.stderr  # the tail of its log
+    assert set(started_pids(tmp_path / "run")) == {"trainer"}  # no generator was started
+    assert_nothing_left(tmp_path / "run", set())
+
+
+@pytest.mark.slow
+def test_sigkilled_generator_tears_down_the_run(tmp_path: Path, tiny_checkpoint) -> None:
+    config = write_config(tmp_path, tiny_checkpoint(), steps=1_000_000, count=2)
+    before = children_of(os.getpid())
+    proc = launch(tmp_path, config)
+    run_dir = tmp_path / "run"
+    wait_for(lambda: generators_connected(run_dir, 2), "both generators to connect", proc)
+    victim = started_pids(run_dir)["generator-1"]
+    os.kill(victim, signal.SIGKILL)
+    code, _, err = finish(proc, timeout=60)
+    assert code == 1, err
+    assert f"generator-1 (pid {victim}) was killed by SIGKILL" in err, err
+    assert "logs/generator-1.log" in err
+    assert "exits with code 0: received SIGTERM" in (run_dir / "logs" / "generator-0.log").read_text()
+    assert_nothing_left(run_dir, before)
+
+
+@pytest.mark.slow
+def test_ctrl_c_tears_down_the_run(tmp_path: Path, tiny_checkpoint) -> None:
+    config = write_config(tmp_path, tiny_checkpoint(), steps=1_000_000, count=1)
+    before = children_of(os.getpid())
+    proc = launch(tmp_path, config)
+    run_dir = tmp_path / "run"
+    wait_for(lambda: generators_connected(run_dir, 1), "the generator to connect", proc)
+    proc.send_signal(signal.SIGINT)
+    code, _, err = finish(proc, timeout=60)
+    assert code == 130, err
+    assert "interrupted by SIGINT" in err
+    assert "SIGKILL" not in err.split("interrupted by SIGINT")[1]  # everyone stopped within the grace period
+    assert "exits with code 0: received SIGTERM" in (run_dir / "logs" / "generator-0.log").read_text()
+    assert_nothing_left(run_dir, before)
+
+
+def test_generator_settings_from_config_with_flag_overrides(tmp_path: Path) -> None:
+    from specroll.actors.generator import parse_args
+
+    config = tmp_path / "run.toml"
+    config.write_text('[model]\nname = "some/model"\n[generator]\nstream_every_steps = 3\nkv_policy = "recompute"\n'
+                      '[generator.engine]\nmax_num_seqs = 5\nnum_threads = 1\nkv_cache_memory_gb = 0.25\n'
+                      '[network]\nwindow = 32\nheartbeat_timeout_s = 9.0\n')
+    s = parse_args(["--config", str(config), "--connect", "tcp://127.0.0.1:9", "--actor-id", "g1",
+                    "--set", "generator.speculative=auto", "--max-num-seqs", "7"])
+    assert (s.model, s.actor_id, s.stream_every, s.kv_policy, s.num_threads, s.kv_cache_gb) == (
+        "some/model", "g1", 3, "recompute", 1, 0.25)
+    assert (s.window, s.trainer_timeout_s, s.speculative) == (32, 9.0, "suffix")  # auto without a drafter
+    assert s.max_num_seqs == 7  # the explicit flag wins over generator.engine.max_num_seqs
+    flags_only = parse_args(["--connect", "tcp://127.0.0.1:9", "--model", "m", "--max-num-seqs", "2"])
+    assert (flags_only.model, flags_only.max_num_seqs, flags_only.kv_cache_gb) == ("m", 2, 1.0)
+
+
+def test_generator_config_errors_exit_2_with_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text("[generator]\nkv_policy = \"sometimes\"\n")
+    for args in (["--config", str(config)], ["--set", "a=1", "--model", "m"]):
+        proc = subprocess.run([sys.executable, "-m", "specroll.actors.generator", "--connect", "tcp://127.0.0.1:9",
+                               *args], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "generator.kv_policy='sometimes'" in subprocess.run(
+        [sys.executable, "-m", "specroll.actors.cli", "generator", "--config", str(config), "--connect",
+         "tcp://127.0.0.1:9"], capture_output=True, text=True, timeout=60).stderr
