@@ -424,6 +424,12 @@ class GeneratorActor:
                 self._wake.notify()
             case WeightsAvailable():
                 self._announced = msg
+                f = self._fetch
+                if f is not None and f.version < msg.version and f.next_index < f.num_chunks:
+                    # A newer version supersedes a transfer still under way (the trainer moved on or
+                    # restarted and will never finish the old one): drop it, fetch the new one.
+                    log.info("policy version %d supersedes the unfinished fetch of %d", msg.version, f.version)
+                    self._fetch = None
                 self._maybe_fetch()
             case WeightsChunk():
                 await self._on_weights_chunk(msg, r)
@@ -456,6 +462,9 @@ class GeneratorActor:
 
     async def _on_weights_chunk(self, msg: WeightsChunk, r: Received[ToGenerator]) -> None:
         f = self._fetch
+        if (f is None or msg.version != f.version) and self._announced is not None \
+                and msg.version < self._announced.version:
+            return  # a chunk of a superseded transfer, still in flight: nothing to do with it
         if f is None or msg.version != f.version or f.next_index >= f.num_chunks:
             await self._refuse("bad_request", f"weights chunk {msg.index} of version {msg.version} was not fetched "
                                f"(fetching {f.version if f else None})", r.seq)

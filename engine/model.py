@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specroll.engine.attention import AttentionBackend
+from specroll.engine.checkpoint import expected_weight_shapes
 from specroll.engine.model_config import ModelConfig
 
 
@@ -221,6 +222,30 @@ class CausalLM(nn.Module):
             else:
                 fused, start, rows = slot
                 params[fused][start : start + rows].copy_(tensor)
+
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """The weights under their Hugging Face names: the inverse of :meth:`load_weights`.
+
+        Exactly the names and shapes of ``checkpoint.expected_weight_shapes(config)``, in its order:
+        q/k/v and gate/up are row slices of the fused ``qkv_proj`` / ``gate_up_proj`` parameters
+        (see ``_fused_slot``) and a tied LM head is omitted. So ``load_weights(hf_weights())`` and
+        ``Engine.update_weights(hf_weights(), version)`` round-trip.
+
+        Returns:
+            name → tensor of the parameters' dtype and device, detached: *views* that share storage
+            with the parameters (they change when training steps; clone to keep a snapshot, and
+            make them contiguous copies before ``safetensors.save_file``, which refuses shared storage).
+        """
+        params = dict(self.named_parameters())
+        out: dict[str, torch.Tensor] = {}
+        for name in expected_weight_shapes(self.config):
+            slot = _fused_slot(self.config, name)
+            if slot is None:
+                out[name] = params[name].detach()
+            else:
+                fused, start, rows = slot
+                out[name] = params[fused].detach()[start : start + rows]
+        return out
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

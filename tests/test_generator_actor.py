@@ -171,6 +171,12 @@ def joined(chunks: list[RolloutChunk]) -> tuple[list[int], list[int]]:
     return [t for c in chunks for t in c.token_ids], [v for c in chunks for v in c.versions]
 
 
+def load_checkpoint_weights(model: Path) -> dict[str, torch.Tensor]:
+    from specroll.engine.checkpoint import load_checkpoint
+
+    return load_checkpoint(model).weights
+
+
 def local_engine(model: Path) -> Engine:
     return Engine(EngineConfig(model=str(model), dtype="float32", kv_cache_memory_gb=KV_GB))
 
@@ -307,6 +313,27 @@ async def test_bad_update_is_refused_and_the_old_version_kept(tmp_path: Path, ti
             assert joined(chunks[0])[1] == [0, 0, 0]
             assert all(c.spec is not None for c in chunks[0]), "speculating: chunks carry SpecStats"
             assert (await trainer.next_heartbeat()).policy_version == 0
+
+
+async def test_a_newer_version_supersedes_an_unfinished_fetch(tmp_path: Path, tiny_checkpoint) -> None:
+    """The trainer announces v1, sends half of it and moves on to v2 (or restarted): the generator
+    drops the half-fetched v1 and serves v2, instead of waiting for v1 forever."""
+    model = tiny_checkpoint("llama", tie_word_embeddings=False)
+    weights = load_checkpoint_weights(model)
+    names = ["lm_head.weight", "model.norm.weight"]
+    specs = [TensorSpec(name=n, shape=tuple(weights[n].shape)) for n in names]
+    async with fake_trainer() as trainer:
+        with generator_process(trainer.endpoint, model, tmp_path / "gen.log"):
+            await trainer.handshake()
+            await trainer.send(WeightsAvailable(version=1, dtype="float32", num_chunks=2, params=specs))
+            assert (await trainer.expect(FetchWeights)).version == 1
+            refs, tensors = pack_tensors([(names[0], weights[names[0]])])
+            await trainer.send(WeightsChunk(version=1, index=0, num_chunks=2, tensors=refs), tensors)
+            await trainer.send(WeightsAvailable(version=2, dtype="float32", num_chunks=1, params=specs))
+            assert (await trainer.expect(FetchWeights)).version == 2
+            refs, tensors = pack_tensors([(n, weights[n]) for n in names])
+            await trainer.send(WeightsChunk(version=2, index=0, num_chunks=1, tensors=refs), tensors)
+            assert (await trainer.expect(AckWeights)).version == 2
 
 
 async def test_abort_mid_generation_then_sigterm(tiny_checkpoint, tmp_path: Path) -> None:

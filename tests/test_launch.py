@@ -1,12 +1,8 @@
 """``specroll launch``: real processes (launcher, trainer, generators on a tiny random model), real
 sockets; every test checks that no process the launcher started outlives it.
 
-The trainer here is a stand-in (``STANDIN_TRAINER``, run through the launcher's hidden
-``--trainer-module`` option) that keeps the trainer's process contract: ``--config FILE``, binds a
-:class:`~specroll.actors.client.RolloutClient` at ``network.host:network.trainer_port``, writes
-``RUN_DIR/trainer.endpoint`` atomically once bound, waits for ``generator.count`` generators, runs
-``steps`` steps of one group each (appending ``RUN_DIR/metrics.jsonl``) and exits 0. To run these
-tests against the real trainer, set ``TRAINER_MODULE = "specroll.actors.trainer"``.
+The trainer is the real one (``specroll.actors.trainer``); the launcher's hidden
+``--trainer-module`` option is used only to start a trainer that cannot start.
 """
 
 from __future__ import annotations
@@ -21,50 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-STANDIN_MODULE = "launch_standin_trainer"
-TRAINER_MODULE: str | None = STANDIN_MODULE
-"""``None`` or ``"specroll.actors.trainer"``: the real trainer; ``STANDIN_MODULE``: the stand-in below."""
-
-STANDIN_TRAINER = '''
-"""Stand-in trainer for tests/test_launch.py: the trainer's process contract, no training."""
-import argparse, json, os, sys
-from pathlib import Path
-
-import anyio
-
-from specroll.actors.client import RolloutClient
-from specroll.actors.config import load_config
-from specroll.protocol.sampling import SamplingParams
-
-
-async def main(config) -> int:
-    run_dir = Path(config.run_dir)
-    bind = f"tcp://{config.network.host}:{config.network.trainer_port}"
-    async with RolloutClient(bind, heartbeat_timeout_s=config.network.heartbeat_timeout_s,
-                             window=config.network.window) as client:
-        tmp = run_dir / ".trainer.endpoint.tmp"
-        tmp.write_text(client.endpoint)
-        os.replace(tmp, run_dir / "trainer.endpoint")
-        await client.wait_for_generators(config.generator.count, timeout=120)
-        print("all generators connected", flush=True)
-        for step in range(1, config.steps + 1):
-            await client.submit([1, 2, 3, 4, 5], n=config.trainer.group_size,
-                                sampling=SamplingParams(max_tokens=config.generator.sampling.max_tokens))
-            group = await client.next_finished(timeout=120)
-            tokens = sum(len(s.token_ids) for s in group.samples)
-            with open(run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, "tokens": tokens, "reward": 0.0}) + "\\n")
-    return 0
-
-
-if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("--config", required=True)
-    p.add_argument("--set", dest="overrides", action="append", default=[])
-    a = p.parse_args()
-    sys.exit(anyio.run(main, load_config(a.config, a.overrides), backend="asyncio"))
-'''
 
 
 def write_config(tmp_path: Path, model: Path, steps: int = 3, count: int = 2) -> Path:
@@ -142,12 +94,9 @@ def assert_nothing_left(run_dir: Path, children_before: set[int]) -> None:
 
 
 def launch(tmp_path: Path, config: Path, *extra: str) -> subprocess.Popen[str]:
-    """``specroll launch CONFIG`` as a child process, with the stand-in trainer importable."""
-    (tmp_path / f"{STANDIN_MODULE}.py").write_text(STANDIN_TRAINER)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
-    trainer = ["--trainer-module", TRAINER_MODULE] if TRAINER_MODULE else []
-    cmd = [sys.executable, "-m", "specroll.actors.cli", "launch", str(config), "--grace-s", "10", *trainer, *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    """``specroll launch CONFIG`` as a child process."""
+    cmd = [sys.executable, "-m", "specroll.actors.cli", "launch", str(config), "--grace-s", "10", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 180) -> tuple[int, str, str]:
