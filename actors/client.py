@@ -32,6 +32,7 @@ import torch
 import zmq
 import zmq.asyncio
 from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from specroll.actors.coordinator import ChunkError, Group, RolloutCoordinator
 from specroll.protocol.channel import DEFAULT_WINDOW, Channel, SequenceError
@@ -115,7 +116,8 @@ class RolloutClient:
         self.dead_generators: list[str] = []
         """Generators declared dead (by ``Dead`` or heartbeat timeout), in order."""
         self.protocol_errors = 0
-        """Malformed, out-of-sequence or unmergeable messages received (each logged)."""
+        """Messages refused: malformed, out of sequence, from a peer without a handshake, or chunks
+        that cannot be merged (each logged, and answered with ``Error`` where credit allows)."""
         self._last_seen: dict[str, float] = {}
         self._capacity_known: set[str] = set()
         self._finished_event = anyio.Event()
@@ -125,9 +127,7 @@ class RolloutClient:
         self._socket: zmq.asyncio.Socket | None = None
         self._channel: Channel[Any] | None = None
         self._tg: TaskGroup | None = None
-        self._out_send, self._out_recv = anyio.create_memory_object_stream[tuple[str, Any, list[torch.Tensor]]](
-            max_buffer_size=math.inf
-        )
+        self._outboxes: dict[str, MemoryObjectSendStream[tuple[Any, list[torch.Tensor]]]] = {}
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -157,7 +157,6 @@ class RolloutClient:
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._receive_loop)
-        self._tg.start_soon(self._send_loop)
         self._tg.start_soon(self._tick_loop)
 
     async def aclose(self) -> None:
@@ -167,7 +166,7 @@ class RolloutClient:
         for actor in list(self.coordinator.generators):
             self._queue(actor, Dead(actor_id=self.actor_id, reason="client closed"))
         with anyio.move_on_after(0.5):
-            while self._out_recv.statistics().current_buffer_used:
+            while any(box.statistics().current_buffer_used for box in self._outboxes.values()):
                 await anyio.sleep(0.01)
         self._tg.cancel_scope.cancel()
         await self._tg.__aexit__(None, None, None)
@@ -298,20 +297,54 @@ class RolloutClient:
     # ---- tasks --------------------------------------------------------------------------------
 
     def _queue(self, actor: str, msg: Any, tensors: list[torch.Tensor] | None = None) -> None:
-        self._out_send.send_nowait((actor, msg, tensors or []))
+        """Send to a generator through its own outbox and sender task, in order: a generator that
+        grants no credit (slow, or gone) holds up its own messages only."""
+        if actor not in self.coordinator.generators:
+            self._reply(actor, msg)
+            return
+        box = self._outboxes.get(actor)
+        if box is None:
+            box, queued = anyio.create_memory_object_stream[tuple[Any, list[torch.Tensor]]](math.inf)
+            self._outboxes[actor] = box
+            assert self._tg is not None
+            self._tg.start_soon(self._send_loop, actor, box, queued)
+        box.send_nowait((msg, tensors or []))
 
-    async def _send_loop(self) -> None:
+    def _reply(self, actor: str, msg: Any) -> None:
+        """A best-effort answer to a peer that is not (or no longer) a generator here: sent only if
+        it would not wait for credit, so a peer that never grants any cannot stall the client."""
+        if self._channel is not None and actor and self._channel.can_send(actor.encode()):
+            assert self._tg is not None
+            self._tg.start_soon(self._send_now, actor, msg)
+        else:
+            log.debug("no credit to answer %s with %s; dropped", actor, type(msg).__name__)
+
+    async def _send_now(self, actor: str, msg: Any) -> None:
         assert self._channel is not None
-        async for actor, msg, tensors in self._out_recv:
-            if actor not in self.coordinator.generators and not isinstance(msg, Welcome | Refuse | Error | Dead):
-                continue  # it left while this waited
-            try:
-                with anyio.move_on_after(self.heartbeat_timeout_s):
+        try:
+            with anyio.move_on_after(1.0):
+                await self._channel.send(msg, peer=actor.encode())
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+
+    async def _send_loop(
+        self,
+        actor: str,
+        box: MemoryObjectSendStream[tuple[Any, list[torch.Tensor]]],
+        queued: MemoryObjectReceiveStream[tuple[Any, list[torch.Tensor]]],
+    ) -> None:
+        assert self._channel is not None
+        async with queued:
+            async for msg, tensors in queued:
+                if self._outboxes.get(actor) is not box:
+                    return  # the generator is gone (or came back as a new one): drop what it never got
+                try:
                     await self._channel.send(msg, peer=actor.encode(), tensors=tensors)
-            except zmq.ZMQError as e:
-                if e.errno != zmq.EHOSTUNREACH:
-                    raise
-                log.info("generator %s is unreachable; dropping %s", actor, type(msg).__name__)
+                except zmq.ZMQError as e:
+                    if e.errno != zmq.EHOSTUNREACH:
+                        raise
+                    log.info("generator %s is unreachable; dropping %s", actor, type(msg).__name__)
 
     async def _tick_loop(self) -> None:
         while True:
@@ -334,6 +367,9 @@ class RolloutClient:
         self._capacity_known.discard(actor)
         self.generator_versions.pop(actor, None)
         self.dead_generators.append(actor)
+        box = self._outboxes.pop(actor, None)
+        if box is not None:
+            box.close()
         if self._channel is not None:
             self._channel.forget(actor.encode())
         log.warning("generator %s is gone (%s); %d groups resume elsewhere", actor, why, len(orphans))
@@ -371,6 +407,8 @@ class RolloutClient:
             return
         if actor not in self.coordinator.generators:
             if not isinstance(msg, Dead):
+                self.protocol_errors += 1
+                log.info("%s from %s, which never said Hello: refused", type(msg).__name__, actor)
                 self._queue(actor, Error(code="unknown_peer", message="send Hello first"))
             return
         self._last_seen[actor] = time.monotonic()

@@ -230,10 +230,17 @@ class Channel(Generic[M]):
         limit = st.expected + self.window
         if not force and limit - st.granted < max(1, self.window // 2):
             return
-        st.granted = limit
+        # Never wait here: a peer that does not read (its queue to us full) must not stall the
+        # receive task of every peer. A grant that cannot go out now is retried on the peer's next
+        # message (``granted`` only moves when one went out); credit is cumulative.
+        frames = encode(Credit(limit=limit), session=self.session, seq=st.next_seq)
         try:
-            await self.send(Credit(limit=limit), peer=peer)
+            await self.socket.send_multipart([self._key(peer), *frames] if self.router else frames,
+                                             flags=zmq.DONTWAIT, copy=False)
+        except zmq.Again:
+            return
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
-            # The peer disconnected: nothing to grant to. Credit is cumulative, the next grant heals it.
+            return  # the peer disconnected: nothing to grant to
+        st.granted = limit

@@ -4,18 +4,23 @@ weights flow out, and a generator killed mid-rollout loses and duplicates nothin
 from __future__ import annotations
 
 import os
+import random
 import signal
 from contextlib import ExitStack
 from pathlib import Path
 
 import anyio
 import pytest
+import zmq
+import zmq.asyncio
 from conftest import generator_process
 
 from specroll.actors.client import RolloutClient, SyncRolloutClient
 from specroll.engine.checkpoint import load_checkpoint
-from specroll.protocol.messages import RolloutChunk
+from specroll.protocol.codec import encode
+from specroll.protocol.messages import AckWeights, FetchWeights, Heartbeat, RolloutChunk
 from specroll.protocol.sampling import SamplingParams
+from specroll.protocol.sockets import close_socket, make_socket
 
 pytestmark = pytest.mark.anyio
 
@@ -80,3 +85,57 @@ def test_sync_client_round_trip_with_a_weight_update(tiny_checkpoint, tmp_path: 
         second = client.next_finished(timeout=60)
     assert second.samples[0].versions == [3] * 8
     assert second.samples[0].token_ids == first.samples[0].token_ids  # same weights, same greedy tokens
+
+
+def client_fuzz_frames(rng: random.Random, n: int) -> list[list[bytes]]:
+    """Random and corrupted frames from a peer that never said Hello: every one must be refused."""
+    valid = [
+        RolloutChunk(group_id="g1", sample_index=0, offset=0, token_ids=[1, 2], logprobs=[-1.0, -2.0],
+                     versions=[0, 0]),
+        Heartbeat(policy_version=0, batch_size=1, free_groups=3, free_seqs=9),
+        AckWeights(version=4),
+        FetchWeights(version=2),
+    ]
+    frames = []
+    for i in range(n):
+        base = [bytes(f) for f in encode(rng.choice(valid), session=rng.randrange(2**62, 2**63),
+                                         seq=rng.randrange(1000))]
+        header = bytearray(base[0])
+        kind = i % 4
+        if kind == 0:
+            frames.append([rng.randbytes(rng.randrange(0, 64))])
+        elif kind == 1:
+            frames.append([bytes(header[: rng.randrange(len(header))])])
+        elif kind == 2:
+            header[rng.randrange(len(header))] ^= 1 << rng.randrange(8)
+            frames.append([bytes(header)])
+        else:
+            frames.append(base)  # well-formed, but from a stranger
+    return frames
+
+
+async def test_ten_thousand_bad_frames_never_stop_the_client(tiny_checkpoint, tmp_path):
+    """A peer that sends 10,000 random or corrupted messages and never reads a reply: each one is
+    refused (counted and logged), and a real generator is served normally afterwards."""
+    model = tiny_checkpoint("llama")
+    n = 10_000
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    async with RolloutClient(heartbeat_timeout_s=5) as client:
+        ctx = zmq.asyncio.Context()
+        stranger = make_socket(ctx, zmq.DEALER, connect=client.endpoint, identity=b"stranger", hwm=100)
+        try:
+            with generator_process(client.endpoint, model, tmp_path / "gen.log"):
+                await client.wait_for_generators(1, timeout=60)
+                for frames in client_fuzz_frames(random.Random(0), n):
+                    await stranger.send_multipart(frames)
+                with anyio.fail_after(60):
+                    while client.protocol_errors < n:
+                        await anyio.sleep(0.05)
+                await client.submit([5, 6, 7], 2, greedy)
+                group = await client.next_finished(timeout=60)
+        finally:
+            close_socket(stranger)
+            ctx.term()
+    assert client.protocol_errors == n
+    assert [len(s.token_ids) for s in group.samples] == [6, 6]
+    assert "stranger" not in client.coordinator.generators

@@ -394,7 +394,7 @@ def fuzz_frames(rng: random.Random, n: int) -> list[list[bytes]]:
 async def test_random_frames_are_refused_and_the_generator_keeps_serving(tiny_checkpoint, tmp_path: Path) -> None:
     model = tiny_checkpoint("llama")
     log = tmp_path / "gen.log"
-    n = 2000
+    n = 10_000
     sampling = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     async with fake_trainer() as trainer:
         with generator_process(trainer.endpoint, model, log) as proc:

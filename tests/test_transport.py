@@ -138,12 +138,15 @@ async def test_slow_trainer_with_small_hwm_gets_every_message():
 
         tg.start_soon(produce)
         got = []
+        in_flight = []  # chunks the producer sent that the trainer has not consumed yet
         with anyio.fail_after(30):
             for i in range(n):
                 if i % 10 == 0:
                     await anyio.sleep(0.01)  # a slow consumer
                 got.append(await trainer.recv())
+                in_flight.append(gen._state(b"").next_seq - len(got))
         assert [r.seq for r in got] == list(range(n))
+        assert max(in_flight) <= 3  # memory stays bounded: never more than the window is buffered
         assert [r.msg.token_ids[0] for r in got] == list(range(n))
         tg.cancel_scope.cancel()
 
