@@ -18,7 +18,7 @@ $(BIN)/.installed: pyproject.toml
 setup: $(BIN)/.installed
 
 run: setup
-	$(BIN)/specroll generate
+	$(BIN)/specroll launch examples/gsm8k_smollm2.toml
 
 test: setup
 	$(BIN)/pytest -q
