@@ -529,6 +529,18 @@ class SyncRolloutClient:
         """See :meth:`RolloutClient.publish_weights`."""
         self._portal.call(self.client.publish_weights, named_tensors, version, dtype)
 
+    def pop_finished(self, limit: int | None = None) -> list[Group]:
+        """See :meth:`RolloutClient.pop_finished`."""
+        return self._portal.call(self.client.pop_finished, limit)
+
+    @property
+    def num_finished(self) -> int:
+        return self.client.num_finished
+
+    def abort(self, group_id: str) -> None:
+        """See :meth:`RolloutClient.abort`."""
+        self._portal.call(self.client.abort, group_id)
+
     def wait_for_generators(self, count: int, timeout: float | None = None) -> None:
         """See :meth:`RolloutClient.wait_for_generators`."""
         self._portal.call(self.client.wait_for_generators, count, timeout)

@@ -147,7 +147,8 @@ class TrainerConfig(_Section):
     normalize_std: bool = True
     """Divide group-centred rewards by the group's standard deviation (GRPO). Default true."""
     checkpoint_every: int = 0
-    """Save a checkpoint (weights, optimizer, step) every this many steps; 0 (default) never does."""
+    """Save a checkpoint (weights, optimizer, step) every this many steps; 0 (default): only at the end
+    of the run. A trainer started on a run directory with a checkpoint resumes from it."""
     weights_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of published weights on the wire; ``bfloat16`` halves the bytes. Default ``float32``."""
     max_groups_in_flight: int = 8

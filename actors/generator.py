@@ -220,6 +220,8 @@ class GeneratorActor:
         self._wake, self._outbox_changed = _Wakeup(), _Wakeup()
         self._welcomed = anyio.Event()
         self._announced: WeightsAvailable | None = None
+        self._trainer_said_dead = False
+        """The trainer announced its exit (``Dead``) and has not said anything since."""
         self._fetch: _Fetch | None = None
         self._largest_group = 1
         self._stopping = False
@@ -328,8 +330,11 @@ class GeneratorActor:
             if self._connected:
                 self._last_alive = now
             elif now - self._last_alive > timeout:
-                self.stop(EXIT_TRAINER_LOST, f"no connection to and no message from the trainer at "
-                          f"{self.settings.connect} for {timeout} s", graceful=False)
+                if self._trainer_said_dead:  # it ended cleanly (a finished run) and did not come back
+                    self.stop(EXIT_OK, f"the trainer ended and did not come back within {timeout} s", graceful=False)
+                else:
+                    self.stop(EXIT_TRAINER_LOST, f"no connection to and no message from the trainer at "
+                              f"{self.settings.connect} for {timeout} s", graceful=False)
 
     # ---- sending ----------------------------------------------------------------------------
 
@@ -396,6 +401,8 @@ class GeneratorActor:
 
     async def _dispatch(self, r: Received[ToGenerator]) -> None:
         msg = r.msg
+        if not isinstance(msg, Dead):
+            self._trainer_said_dead = False
         if r.first and self._welcomed.is_set():
             log.info("a new trainer session (seq %d): the trainer restarted or a stray peer wrote", r.seq)
         match msg:
@@ -441,6 +448,7 @@ class GeneratorActor:
                     self._send_hello()  # the trainer restarted and does not know us: register again
             case Dead():
                 log.warning("the trainer %s is exiting (%s); waiting for it to come back", msg.actor_id, msg.reason)
+                self._trainer_said_dead = True
                 self._connected = False
                 self._last_alive = time.monotonic()
             case _:
@@ -725,6 +733,14 @@ _FLAGS: dict[str, str] = {
 }
 
 
+def _endpoint(text: str) -> str:
+    """argparse type: a ZeroMQ endpoint to connect to."""
+    transport, sep, address = text.partition("://")
+    if not sep or transport not in ("tcp", "ipc") or not address:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected tcp://HOST:PORT (or ipc://PATH)")
+    return text
+
+
 def parse_args(argv: Sequence[str] | None = None) -> GeneratorSettings:
     """Command-line arguments → settings.
 
@@ -739,7 +755,7 @@ def parse_args(argv: Sequence[str] | None = None) -> GeneratorSettings:
 
     p = argparse.ArgumentParser(prog="python -m specroll.actors.generator",
                                 description="Run one generator actor connected to a trainer.")
-    p.add_argument("--connect", required=True, help="trainer endpoint, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--connect", required=True, type=_endpoint, help="trainer endpoint, e.g. tcp://127.0.0.1:5555")
     p.add_argument("--config", default=None, metavar="FILE",
                    help="run config TOML (e.g. RUN_DIR/config.toml); explicit flags override its values")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

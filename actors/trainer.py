@@ -158,6 +158,26 @@ def _load(config: RunConfig) -> _Setup:
     return _Setup(model, ckpt.tokenizer, optimizer, cycle, state, path)
 
 
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Keep the metrics of steps up to ``step`` (the checkpoint resumed from): the steps a killed
+    trainer ran past its checkpoint are trained again, so their lines are replaced, not repeated."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by the kill
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) != len(lines):
+        log.info("metrics: dropping %d lines of steps after the checkpoint's step %d", len(lines) - len(kept), step)
+        _write_atomic(path, "".join(kept))
+
+
 def _write_atomic(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -215,10 +235,12 @@ class Trainer:
                 log.info("the checkpoint is already at step %d of %d: nothing to train", self.step, self.config.steps)
                 return
             await self._publish_after_resume()
+            _truncate_metrics(self.run_dir / METRICS_FILENAME, self.step)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._feed)
+            # disable=None: no bar when stderr is a log file (the launcher prints a line per step instead)
             with tqdm(total=self.config.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                      file=sys.stderr) as bar:
+                      file=sys.stderr, disable=None) as bar:
                 while self.step < self.config.steps:
                     await self._one_step(bar)
             if self._last_checkpoint != self.step:
@@ -322,7 +344,8 @@ class Trainer:
             f.write(json.dumps(metrics) + "\n")
         accept = metrics["acceptance_length"]
         bar.set_postfix_str(f"v{self.version} reward {metrics['reward_mean']:.3f} "
-                            f"{metrics['gen_tokens_per_s']:.0f} tok/s lag<={result.max_lag} "
+                            + (f"{metrics['gen_tokens_per_s']:.0f} tok/s " if metrics["gen_tokens_per_s"] is not None
+                               else "") + f"lag<={result.max_lag} "
                             f"masked {result.tokens_masked_stale}"
                             + (f" accept {accept:.2f}" if accept is not None else ""), refresh=False)
         bar.update(1)
@@ -347,12 +370,14 @@ class Trainer:
 
     # ---- metrics ---------------------------------------------------------------------------
 
-    def _generation_rate(self) -> float:
-        """Tokens/s of all live generators, each from its last two distinct ``Stats`` messages."""
+    def _generation_rate(self) -> float | None:
+        """Tokens/s of all live generators, each from its last two distinct ``Stats`` messages
+        (None before any generator sent its first)."""
         total = 0.0
-        for actor, s in self.client.generator_stats.items():
-            if actor not in self.client.coordinator.generators:
-                continue
+        live = [(a, s) for a, s in self.client.generator_stats.items() if a in self.client.coordinator.generators]
+        if not live:
+            return None
+        for actor, s in live:
             clock = s.busy_s + s.idle_s
             prev = self._gen_rate.get(actor)
             if prev is None or clock < prev[1] or s.num_tokens < prev[0]:  # first stats, or it restarted
@@ -488,3 +513,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -1,5 +1,5 @@
 """A foreign training loop (its own model, loss, optimizer) driving specroll generators through the
-embedding API. Start generators anywhere with `specroll generator --model M --connect tcp://HOST:PORT`;
+embedding API. Start generators anywhere: `python -m specroll.actors.generator --model M --connect tcp://H:P`;
 this script starts one itself:  python examples/external_trainer.py [--model smollm2-135m] [--steps 2]
 """
 

@@ -424,3 +424,17 @@ async def test_exits_nonzero_when_the_trainer_goes_away(tiny_checkpoint, tmp_pat
             assert proc.poll() is None
         assert await wait_exit(proc) == 3
     assert "no connection to and no message from the trainer" in log.read_text()
+
+
+async def test_exits_zero_after_a_trainer_that_said_dead(tiny_checkpoint, tmp_path: Path) -> None:
+    """A trainer that announced its exit (a finished run) and does not come back: a clean end, not an error."""
+    model = tiny_checkpoint("llama")
+    log = tmp_path / "gen.log"
+    with contextlib.ExitStack() as stack:
+        async with fake_trainer() as trainer:
+            proc = stack.enter_context(generator_process(trainer.endpoint, model, log, "--trainer-timeout-s", "1.5"))
+            await trainer.handshake()
+            await trainer.send(Dead(actor_id="trainer", reason="finished"))
+            await anyio.sleep(0.3)
+        assert await wait_exit(proc) == 0
+    assert "the trainer ended and did not come back" in log.read_text()

@@ -236,3 +236,48 @@ def test_generator_config_errors_exit_2_with_one_line(tmp_path: Path) -> None:
     assert "generator.kv_policy='sometimes'" in subprocess.run(
         [sys.executable, "-m", "specroll.actors.cli", "generator", "--config", str(config), "--connect",
          "tcp://127.0.0.1:9"], capture_output=True, text=True, timeout=60).stderr
+
+
+def test_missing_inputs_and_a_taken_port_exit_2_before_anything_starts(tmp_path: Path, tiny_checkpoint) -> None:
+    import socket
+
+    model = tiny_checkpoint()
+    config = write_config(tmp_path, model)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = [
+            (["--set", f'task.prompts="{tmp_path / "nope.jsonl"}"'], "task.prompts"),
+            (["--set", f'model.name="{tmp_path / "no-model"}"'], "model.name"),
+            (["--set", f"network.trainer_port={port}"], f"network.trainer_port={port}"),
+        ]
+        for extra, key in cases:
+            code, _, err = finish(launch(tmp_path, config, *extra))
+            assert code == 2 and key in err and err.count("\n") == 1, err
+            assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+def test_a_run_dir_in_use_is_refused_and_a_finished_run_starts_nothing(tmp_path: Path, tiny_checkpoint) -> None:
+    config = write_config(tmp_path, tiny_checkpoint(), steps=3)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "launch.lock").write_text(str(os.getpid()))  # a live launcher holds it
+    code, _, err = finish(launch(tmp_path, config))
+    assert code == 2 and "in use by the launcher with pid" in err, err
+    (run_dir / "launch.lock").write_text("999999999")  # a stale lock is taken over...
+    (run_dir / "checkpoint").mkdir()
+    (run_dir / "checkpoint" / "trainer_state.json").write_text('{"step": 3}')  # ...and the run is already done
+    before = children_of(os.getpid())
+    code, _, err = finish(launch(tmp_path, config))
+    assert code == 0 and "nothing to train" in err and not (run_dir / "pids.json").exists(), err
+    assert children_of(os.getpid()) <= before
+
+
+def test_resume_replaces_the_metrics_of_steps_after_the_checkpoint(tmp_path: Path) -> None:
+    from specroll.actors.trainer import _truncate_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(f'{{"step": {s}}}\n' for s in (1, 2, 3, 4)) + '{"step": 5, "cut')  # killed mid-line
+    _truncate_metrics(path, 2)
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'

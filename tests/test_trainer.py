@@ -232,8 +232,10 @@ async def _kill_and_resume(model: Path, tmp_path: Path) -> None:
     resumed = re.search(r"resuming from \S+: step (\d+), policy version (\d+)", log2)
     assert resumed is not None and int(resumed[1]) == saved < len(before)
     lines = metrics(run)
-    after = lines[len(before):]
-    assert [m["step"] for m in after] == list(range(saved + 1, STEPS + 1))
+    assert lines[:saved] == before[:saved]  # the lines of steps after the checkpoint were replaced
+    after = lines[saved:]
+    assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
+    lines = before + after  # every step the two incarnations trained, in order
     # the restored weights were published above what the generators served (the killed trainer's last)
     assert after[0]["trained_version"] == before[-1]["policy_version"] + 1
     versions = [m["policy_version"] for m in lines]
