@@ -184,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return trainer_main(_with_sets(args, ["--config", args.config]))
     if args.command == "generator":
-        from specroll.actors.generator import main as generator_main
+        from specroll.actors.generator_cli import main as generator_main
 
         actor = ["--actor-id", args.actor_id] if args.actor_id else []
         return generator_main(_with_sets(args, ["--config", args.config, "--connect", args.connect, *actor]))

@@ -398,7 +398,8 @@ def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = 
                startup_timeout_s: float = 300.0, grace_s: float = 15.0) -> int:
     """``specroll launch``: validate the config (one error line and exit 2, nothing started), run."""
     from specroll.actors.config import ConfigError, load_config
-    from specroll.actors.generator import GeneratorSettings, settings_from_config
+    from specroll.actors.generator import GeneratorSettings
+    from specroll.actors.generator_cli import settings_from_config
 
     try:
         config = load_config(config_path, overrides)

@@ -210,7 +210,7 @@ def test_ctrl_c_tears_down_the_run(tmp_path: Path, tiny_checkpoint) -> None:
 
 
 def test_generator_settings_from_config_with_flag_overrides(tmp_path: Path) -> None:
-    from specroll.actors.generator import parse_args
+    from specroll.actors.generator_cli import parse_args
 
     config = tmp_path / "run.toml"
     config.write_text('[model]\nname = "some/model"\n[generator]\nstream_every_steps = 3\nkv_policy = "recompute"\n'
