@@ -90,6 +90,39 @@ def _add_init_drafter(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="initialisation seed")
 
 
+def _add_drafter(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("drafter", help="EAGLE drafter tools: 'drafter train'",
+                       description="Tools for EAGLE drafters.")
+    dsub = p.add_subparsers(dest="drafter_command", required=True, metavar="SUBCOMMAND")
+    t = dsub.add_parser(
+        "train",
+        help="train an EAGLE drafter offline from saved rollouts",
+        description="Train an EAGLE drafter for --model on the rollouts of a 'specroll generate' JSONL file "
+        "(EAGLE-3's training-time test: soft cross-entropy to the model's next-token distribution over the "
+        "draft vocabulary, several unrolled draft steps), warm-started from --init or freshly initialised, "
+        "and save it to --out.",
+    )
+    t.add_argument("--rollouts", required=True, metavar="ROLLOUTS.jsonl",
+                   help="JSONL with 'prompt_token_ids' and 'token_ids' per line ('specroll generate --out')")
+    t.add_argument("--model", required=True, help="target model the rollouts came from")
+    t.add_argument("--out", required=True, help="directory to write config.json and model.safetensors into")
+    t.add_argument("--init", default=None, help="drafter directory to warm-start from (default: a fresh head)")
+    t.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default: %(default)s)")
+    t.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
+    t.add_argument("--batch", type=positive_int, default=8, help="windows per step (default: %(default)s)")
+    t.add_argument("--window", type=positive_int, default=512,
+                   help="tokens per training window (default: %(default)s)")
+    t.add_argument("--ttt-steps", type=positive_int, default=3,
+                   help="unrolled draft steps of the training-time test (default: %(default)s)")
+    t.add_argument("--features", choices=["last", "eagle3"], default="eagle3",
+                   help="taps of a fresh head, as in init-drafter (default: %(default)s)")
+    t.add_argument("--draft-vocab-size", type=positive_int, default=None,
+                   help="draft vocabulary of a fresh head (default: 8192, or the whole vocabulary when smaller)")
+    t.add_argument("--seed", type=int, default=0, help="initialisation and sampling seed")
+    t.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    t.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+
+
 def positive_float(text: str) -> float:
     """argparse type: a positive finite number, with a message naming the bad value."""
     try:
@@ -156,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     _add_init_drafter(sub)
+    _add_drafter(sub)
     _add_launch(sub)
     _add_trainer(sub)
     _add_generator(sub)
@@ -195,12 +229,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from specroll.actors.generate import run_generate as run
     elif args.command == "init-drafter":
         from specroll.actors.init_drafter import run_init_drafter as run
+    elif args.command == "drafter":
+        from specroll.actors.drafter_train import run_drafter_train as run
     else:
         raise AssertionError(f"unhandled command {args.command!r}")
     try:
         run(args)
     except GenerateError as exc:
-        print(f"specroll {args.command}: error: {exc}", file=sys.stderr)
+        name = f"{args.command} {args.drafter_command}" if args.command == "drafter" else args.command
+        print(f"specroll {name}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"specroll {args.command}: interrupted; nothing written", file=sys.stderr)

@@ -203,6 +203,59 @@ class EagleHead(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         return self.layer(x, cos, sin, kv_cache, backend)
 
+    def forward_dense(
+        self,
+        embeds: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        past: list[tuple[torch.Tensor, torch.Tensor]],
+        from_target: bool,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One unrolled step of EAGLE-3's training-time test over a padded batch, differentiable.
+
+        Row t of step i stands for draft i from the last verified position t: it sits at position
+        ``t + i`` and attends, as :meth:`forward` does at inference, to the step-0 keys of rows
+        ``0..t`` (computed from target features) and to its own row's keys of steps ``1..i`` (the
+        earlier drafts) — causal over step 0, diagonal over later steps (arXiv 2503.01840 §3.3;
+        ``cache_hidden`` in SafeAILab/EAGLE ``traineagle3/cnets.py``). Same parameters as :meth:`forward`.
+        Rows are right-padded; padded rows see only keys before them, so mask them out of any loss.
+
+        Args:
+            embeds: ``[B, T, H]`` target embeddings of the input tokens.
+            features: ``[B, T, n_taps·H]`` target taps (``from_target``, step 0) or ``[B, T, H]`` the
+                previous step's outputs.
+            positions: int64 ``[B, T]`` RoPE positions.
+            past: ``(k, v)`` of the earlier steps, each ``[B, T, H_kv, D]`` (empty at step 0).
+            from_target: whether ``features`` are target taps (fused first when several).
+
+        Returns:
+            ``[B, T, H]`` pre-norm outputs, and this step's ``(k, v)`` to append to ``past``.
+        """
+        if from_target and self.fuse is not None:
+            features = self.fuse(features)
+        x = self.fc(torch.cat([embeds, features], dim=-1))  # [B, T, H]
+        b, t, _ = x.shape
+        cos, sin = self.rotary.cos_sin(positions.flatten(), x.dtype)
+        cos, sin = cos.view(b, t, 1, -1), sin.view(b, t, 1, -1)  # [B, T, 1, D]
+        attn = self.layer.self_attn
+        q, k, v = attn.project(self.layer.input_layernorm(x), cos, sin)  # [B, T, H(_kv), D]
+        steps = [*past, (k, v)]
+        rep = attn.num_heads // attn.num_kv_heads  # GQA: key/value head j serves query heads j·rep..
+        keys = [kk.repeat_interleave(rep, dim=2) for kk, _ in steps]  # [B, T, Hq, D]
+        values = [vv.repeat_interleave(rep, dim=2) for _, vv in steps]
+        scale = attn.head_dim ** -0.5
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()  # [T, T] key j <= query t
+        s0 = torch.einsum("bthd,bshd->bhts", q, keys[0]) * scale  # [B, Hq, T, T] step-0 keys
+        s0 = s0.masked_fill(~causal, float("-inf"))
+        diag = [torch.einsum("bthd,bthd->bht", q, kk)[..., None] * scale for kk in keys[1:]]  # [B, Hq, T, 1]
+        probs = torch.softmax(torch.cat([s0, *diag], dim=-1).float(), dim=-1).to(q.dtype)  # [B, Hq, T, T+i]
+        o = torch.einsum("bhts,bshd->bthd", probs[..., :t], values[0])  # [B, T, Hq, D]
+        for j, vv in enumerate(values[1:]):
+            o = o + probs[..., t + j].transpose(1, 2)[..., None] * vv
+        x = x + attn.o_proj(o.flatten(2))
+        x = x + self.layer.mlp(self.layer.post_attention_layernorm(x))
+        return x, (k, v)
+
     def draft_logits(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
         """float32 ``[T, draft_vocab_size]`` logits from pre-norm outputs ``[T, H]`` and the target's
         LM-head rows of the draft vocabulary ``[draft_vocab_size, H]``."""

@@ -1,0 +1,122 @@
+"""``specroll drafter train``: train an EAGLE drafter offline from saved rollouts.
+
+Reads the JSONL ``specroll generate`` writes (each line's ``prompt_token_ids`` and ``token_ids``),
+warm-starts from ``--init`` (a drafter directory) or initialises a head as ``specroll init-drafter``
+does (draft vocabulary: the rollouts' most frequent tokens, end-of-sequence tokens always in), runs
+:func:`specroll.drafter.train.train_drafter` — the code path an online drafter trainer shares — and
+saves the head to ``--out`` (each file written atomically by ``EagleHead.save``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from specroll.actors.generate import GenerateError
+
+
+def read_rollouts(path: str) -> list[tuple[list[int], int]]:
+    """``(prompt + response token ids, prompt length)`` of each line of a rollouts JSONL file.
+
+    Raises:
+        GenerateError: a missing or unreadable file, a malformed line (named by number), or no rollouts.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise GenerateError(f"--rollouts {path}: {'not a file' if p.exists() else 'does not exist'}; "
+                            "expected the JSONL 'specroll generate' writes")
+    rollouts = []
+    try:
+        lines = p.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise GenerateError(f"--rollouts {path}: cannot read it ({exc})") from None
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            prompt, response = row["prompt_token_ids"], row["token_ids"]
+            if not all(isinstance(t, int) and t >= 0 for t in [*prompt, *response]):
+                raise ValueError("token ids must be non-negative integers")
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise GenerateError(f"--rollouts {path}:{n}: expected a JSON object with integer lists "
+                                f"'prompt_token_ids' and 'token_ids' ({type(exc).__name__}: {exc})") from None
+        if response:
+            rollouts.append((list(prompt) + list(response), len(prompt)))
+    if not rollouts:
+        raise GenerateError(f"--rollouts {path}: no rollout with response tokens")
+    return rollouts
+
+
+def run_drafter_train(args: argparse.Namespace) -> None:
+    """Train a drafter for ``args.model`` on ``args.rollouts`` and save it to ``args.out``.
+
+    Raises:
+        GenerateError: bad paths, files, model, or a drafter (``--init``) made for another target;
+            nothing is written then.
+    """
+    import torch
+
+    from specroll.drafter.eagle_head import (
+        DrafterError,
+        EagleConfig,
+        EagleHead,
+        build_draft_vocab,
+        eagle3_feature_layers,
+    )
+    from specroll.drafter.train import Rollout, train_drafter
+    from specroll.engine.checkpoint import CheckpointError, load_checkpoint
+    from specroll.engine.model import CausalLM
+
+    out = Path(args.out)
+    if not args.out.strip():
+        raise GenerateError("--out is empty; expected the directory to write the drafter into")
+    if out.exists() and not out.is_dir():
+        raise GenerateError(f"--out {out} exists and is not a directory")
+    rows = read_rollouts(args.rollouts)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        checkpoint = load_checkpoint(args.model)
+    except CheckpointError as exc:
+        raise GenerateError(str(exc)) from None
+    config = checkpoint.config
+    bad = [n for n, (ids, _) in enumerate(rows, start=1) if max(ids) >= config.vocab_size]
+    if bad:
+        raise GenerateError(f"--rollouts {args.rollouts}:{bad[0]}: token ids outside the vocabulary of "
+                            f"{args.model} ({config.vocab_size} tokens); were these rollouts made with it?")
+    if args.init is not None:
+        try:
+            head = EagleHead.load(args.init)
+            head.check_target(config, f"--init {args.init}")
+        except DrafterError as exc:
+            raise GenerateError(str(exc)) from None
+    else:
+        vocab = config.vocab_size
+        size = args.draft_vocab_size if args.draft_vocab_size is not None else min(8192, vocab)
+        if size > vocab:
+            raise GenerateError(f"--draft-vocab-size {size} exceeds the vocabulary of {args.model} ({vocab} tokens)")
+        counts = torch.zeros(vocab, dtype=torch.float64)  # [V] occurrences in the rollouts
+        for ids, _ in rows:
+            counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab)
+        eos = [t for t in set(checkpoint.tokenizer.eos_token_ids) | set(config.eos_token_ids) if 0 <= t < vocab]
+        counts[eos] = float("inf")
+        layers = (config.num_layers,) if args.features == "last" else eagle3_feature_layers(config.num_layers)
+        head = EagleHead.init(EagleConfig.for_target(config, layers, size), build_draft_vocab(counts, size),
+                              seed=args.seed)
+    device = torch.device(args.device)
+    model = CausalLM(config)
+    model.load_weights(checkpoint.weights)
+    model.to(device).eval().requires_grad_(False)
+    head.float()
+    history = train_drafter(head, model, [Rollout(ids, n) for ids, n in rows], steps=args.steps, lr=args.lr,
+                            batch=args.batch, window=args.window, ttt_steps=args.ttt_steps, seed=args.seed,
+                            log_every=max(1, args.steps // 10))
+    try:
+        head.save(out)
+    except OSError as exc:
+        raise GenerateError(f"cannot write the drafter to {out}: {exc.strerror or exc}") from None
+    first, last = history[0], history[-1]
+    print(f"drafter trained on {len(rows)} rollouts for {args.steps} steps: loss {first['loss']:.3f} -> "
+          f"{last['loss']:.3f}, top-1 agreement (step 0) {first['top1_0']:.3f} -> {last['top1_0']:.3f} -> {out}")

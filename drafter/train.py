@@ -1,0 +1,289 @@
+"""Training an EAGLE head on a target's rollouts: features, the training-time-test loss, a loop.
+
+For a rollout ``x_0 .. x_{L-1}`` the frozen target gives, at every position t, its taps ``f_t`` and
+its next-token distribution ``p_t`` (over ``x_{t+1}``), restricted to the draft vocabulary and
+renormalised (EAGLE-3's ``target_p = softmax(target_logits[..., t2d])``). The head is unrolled for
+k steps (EAGLE-3's training-time test, arXiv 2503.01840 §3.3):
+
+    step 0, row t:  h⁰_t = head(f_t,       embed(x_{t+1}))   at position t,      predicts x_{t+2} ~ p_{t+1}
+    step i, row t:  hⁱ_t = head(hⁱ⁻¹_t,    embed(x_{t+1+i})) at position t + i,  predicts x_{t+2+i} ~ p_{t+1+i}
+
+so step i trains the head on its own features, as it drafts at test time; the loss is
+``Σ_i 0.8^i · softCE(p_{t+1+i}, q_i(t))`` averaged over rows whose predicted token is a response
+token (TLT, arXiv 2511.16665, trains on response tokens only). There is no hidden-state regression
+term (EAGLE-3 has none; TLT's EAGLE-1 heads add a SmoothL1 one). Unlike EAGLE-3, rows whose target
+argmax lies outside the draft vocabulary are not masked: the teacher is the renormalised restriction.
+
+Pure and synchronous (no I/O): the offline CLI (``specroll drafter train``) and a future online
+drafter-trainer actor share :func:`train_drafter` and :class:`RolloutBuffer`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specroll.drafter.eagle_head import EagleHead
+from specroll.engine.model import CausalLM
+
+STEP_WEIGHT = 0.8
+"""Weight ratio of successive unrolled steps (EAGLE-3 ``main.py``: ``ploss_weight = 0.8**i``)."""
+
+
+@torch.no_grad()
+def target_features(
+    model: CausalLM, token_ids: torch.Tensor, mask: torch.Tensor, feature_layers: Sequence[int],
+    draft_to_target: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's taps and teacher distributions over right-padded rows, densely and without grad.
+
+    The taps are those :meth:`CausalLM.forward` returns (tap ``i < num_layers``: the residual
+    stream entering layer i; tap ``num_layers``: the final normed hidden state), computed with the
+    same modules as :meth:`CausalLM.score`.
+
+    Args:
+        model: the target.
+        token_ids: int64 ``[B, T]`` rows, right-padded.
+        mask: bool ``[B, T]``, True at real tokens.
+        feature_layers: the head's taps.
+        draft_to_target: int64 ``[Vd]`` target ids of the draft vocabulary.
+
+    Returns:
+        features ``[B, T, len(feature_layers)·H]`` (model dtype); float32 teacher log-probabilities
+        ``[B, T, Vd]`` of token t + 1 restricted to the draft vocabulary and renormalised; int64
+        ``[B, T]`` the target's greedy next token over its full vocabulary.
+    """
+    b, t = token_ids.shape
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]
+    x = model.model.embed_tokens(token_ids)  # [B, T, H]
+    cos, sin = model.rotary.cos_sin(positions.flatten(), x.dtype)
+    cos, sin = cos.view(b, t, 1, -1), sin.view(b, t, 1, -1)
+    idx = torch.arange(t, device=token_ids.device)
+    attn_mask = ((idx[None, :] <= idx[:, None]) & mask[:, None, :]) | torch.eye(t, dtype=torch.bool, device=idx.device)
+    taps: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(model.model.layers):
+        taps[i] = x
+        x = layer.forward_dense(x, cos, sin, attn_mask[:, None])
+    hidden = model.model.norm(x)  # [B, T, H]
+    taps[len(model.model.layers)] = hidden
+    logits = F.linear(hidden, model.lm_head_weight).float()  # [B, T, V]
+    teacher = logits[..., draft_to_target.to(logits.device)].log_softmax(-1)  # [B, T, Vd]
+    return torch.cat([taps[i] for i in feature_layers], dim=-1), teacher, logits.argmax(-1)
+
+
+def _shift(x: torch.Tensor, i: int, fill: float | int = 0) -> torch.Tensor:
+    """``x[:, t + i]`` at row t (``fill`` past the end): ``[B, T, ...]`` → same shape."""
+    if i == 0:
+        return x
+    pad = torch.full_like(x[:, :i], fill)
+    return torch.cat([x[:, i:], pad], dim=1)
+
+
+def unroll(
+    head: EagleHead, target_model: CausalLM, token_ids: torch.Tensor, features: torch.Tensor, steps: int,
+) -> list[torch.Tensor]:
+    """The head's float32 draft logits ``[B, T, Vd]`` of each unrolled step (module docstring):
+    row t of step i is the i-th draft from the last verified position t, fed the true tokens."""
+    b, t = token_ids.shape
+    embed = target_model.model.embed_tokens.weight.detach()
+    head_weight = target_model.lm_head_weight.detach().index_select(0, head.draft_to_target.to(embed.device))
+    base = torch.arange(t, device=token_ids.device).expand(b, t)  # [B, T]
+    past: list[tuple[torch.Tensor, torch.Tensor]] = []
+    hidden, out = features, []
+    for i in range(steps):
+        embeds = F.embedding(_shift(token_ids, i + 1), embed)  # [B, T, H]: x_{t+1+i}
+        hidden, kv = head.forward_dense(embeds, hidden, base + i, past, from_target=i == 0)
+        past.append(kv)
+        out.append(head.draft_logits(hidden, head_weight))  # [B, T, Vd]
+    return out
+
+
+def response_mask(mask: torch.Tensor, prompt_lens: torch.Tensor, step: int) -> torch.Tensor:
+    """bool ``[B, T]``: row t of step ``step`` predicts a response token ``x_{t+2+step}`` that exists
+    (its input ``x_{t+1+step}`` and teacher ``p_{t+1+step}`` too)."""
+    t = mask.shape[1]
+    pos = torch.arange(t, device=mask.device)[None, :] + 2 + step  # [1, T] predicted position
+    return _shift(mask, step + 2, False) & (pos >= prompt_lens[:, None])
+
+
+def ttt_loss(
+    head: EagleHead, target_model: CausalLM, token_ids: torch.Tensor, mask: torch.Tensor, prompt_lens: torch.Tensor,
+    features: torch.Tensor, teacher: torch.Tensor, steps: int = 3,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """EAGLE-3's training-time-test loss (module docstring) over a right-padded batch.
+
+    Args:
+        head, target_model: the head being trained and its frozen target.
+        token_ids: int64 ``[B, T]``; mask: bool ``[B, T]``; prompt_lens: int64 ``[B]``.
+        features, teacher: from :func:`target_features` for these rows.
+        steps: unrolled draft steps k.
+
+    Returns:
+        The scalar loss (``Σ_i 0.8^i · mean soft CE of step i``), and metrics ``loss``, ``ce_i``,
+        ``kl_i`` (``ce_i`` less the teacher's entropy: KL(p ‖ q), 0 at a perfect head) and ``top1_i``
+        (the head's argmax equals the teacher's on step i's rows: an acceptance proxy).
+    """
+    logits = unroll(head, target_model, token_ids, features, steps)
+    loss = torch.zeros((), device=token_ids.device)
+    metrics: dict[str, float] = {}
+    for i, q in enumerate(logits):
+        rows = response_mask(mask, prompt_lens, i)  # [B, T]
+        p = _shift(teacher, i + 1)  # [B, T, Vd] teacher p_{t+1+i}
+        ce = -(p.exp() * q.log_softmax(-1)).sum(-1)  # [B, T]
+        n = rows.sum().clamp(min=1)
+        ce_i = (ce * rows).sum() / n
+        loss = loss + STEP_WEIGHT**i * ce_i
+        metrics[f"ce_{i}"] = ce_i.item()
+        entropy = -(p.exp() * p).sum(-1)  # [B, T]: the CE floor, so ce − entropy = KL(p ‖ q)
+        metrics[f"kl_{i}"] = ce_i.item() - ((entropy * rows).sum() / n).item()
+        metrics[f"top1_{i}"] = (((q.argmax(-1) == p.argmax(-1)) & rows).sum() / n).item()
+    metrics["loss"] = loss.item()
+    return loss, metrics
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One finished rollout: prompt and response token ids, concatenated."""
+
+    token_ids: list[int]
+    prompt_len: int
+    policy_version: int = 0
+
+
+class RolloutBuffer:
+    """A bounded replay buffer of recent rollouts (oldest dropped first), sampled uniformly.
+
+    Args:
+        capacity: rollouts kept.
+    """
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._items: deque[Rollout] = deque(maxlen=capacity)
+
+    def add(self, rollout: Rollout) -> None:
+        """Keep ``rollout``, dropping the oldest when full."""
+        self._items.append(rollout)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def sample(self, n: int, rng: random.Random) -> list[Rollout]:
+        """``n`` rollouts drawn uniformly with replacement."""
+        return [self._items[rng.randrange(len(self._items))] for _ in range(n)]
+
+
+def make_batch(rollouts: Sequence[Rollout], window: int, rng: random.Random | None = None,
+               device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded windows of at most ``window`` tokens covering response tokens.
+
+    A rollout longer than ``window`` gives a window starting at a random point (deterministic
+    ``rng``) at or before its response, so that the window ends in the response; its prompt length
+    is counted from the window start. Returns int64 ``token_ids [B, W]``, bool ``mask [B, W]``,
+    int64 ``prompt_lens [B]``.
+    """
+    rows, lens = [], []
+    for r in rollouts:
+        start = 0
+        if len(r.token_ids) > window:
+            hi = len(r.token_ids) - window
+            lo = min(max(0, r.prompt_len - 2), hi)
+            start = rng.randint(lo, hi) if rng is not None else lo
+        rows.append(r.token_ids[start : start + window])
+        lens.append(max(0, r.prompt_len - start))
+    w = max(len(r) for r in rows)
+    token_ids = torch.zeros(len(rows), w, dtype=torch.long)
+    mask = torch.zeros(len(rows), w, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        token_ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[b, : len(r)] = True
+    return token_ids.to(device), mask.to(device), torch.tensor(lens, dtype=torch.long, device=device)
+
+
+def train_drafter(
+    head: EagleHead, target_model: CausalLM, rollouts: RolloutBuffer | Sequence[Rollout], *, steps: int,
+    lr: float = 1e-3, batch: int = 8, window: int = 256, ttt_steps: int = 3, seed: int = 0,
+    weight_decay: float = 0.0, log_every: int = 1,
+) -> list[dict[str, float]]:
+    """Train ``head`` in place with AdamW on the TTT loss of windows of ``rollouts``.
+
+    The target is frozen (only the head's parameters get gradients; features and teachers are
+    recomputed under no_grad for each batch, so a target whose weights move stays current). A
+    rollout longer than ``window`` is cut to a window (:func:`make_batch`), so its features and
+    teachers see only the window's context.
+
+    Returns:
+        The metrics of every ``log_every``-th step (:func:`ttt_loss`'s, plus ``step``).
+    """
+    buffer = rollouts if isinstance(rollouts, RolloutBuffer) else _buffer_of(rollouts)
+    if len(buffer) == 0:
+        raise ValueError("train_drafter: no rollouts to train on")
+    rng = random.Random(seed)
+    device = target_model.lm_head_weight.device
+    head.to(device=device).train()
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
+    history = []
+    for step in range(steps):
+        token_ids, mask, prompt_lens = make_batch(buffer.sample(batch, rng), window, rng, device)
+        features, teacher, _ = target_features(target_model, token_ids, mask, head.config.feature_layers,
+                                               head.draft_to_target)
+        loss, metrics = ttt_loss(head, target_model, token_ids, mask, prompt_lens, features, teacher, ttt_steps)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        if step % log_every == 0 or step == steps - 1:
+            history.append({"step": float(step), **metrics})
+    head.eval()
+    return history
+
+
+def _buffer_of(rollouts: Sequence[Rollout]) -> RolloutBuffer:
+    buffer = RolloutBuffer(max(1, len(rollouts)))
+    for r in rollouts:
+        buffer.add(r)
+    return buffer
+
+
+@torch.no_grad()
+def expected_acceptance_length(head: EagleHead, target_model: CausalLM, rollouts: Sequence[Rollout],
+                               k: int) -> float:
+    """Mean tokens emitted per verification step (1 + accepted drafts, at most k + 1) of greedy
+    chain drafting under greedy verification, from every last-verified position in the responses.
+
+    Measured without the engine, exactly: from the verified prefix ``x_{≤t+1}`` the head drafts
+    ``d_1..d_k`` greedily and the target accepts ``d_j`` while ``d_1..d_j`` equal the target's greedy
+    continuation ``g_1..g_j``. Along the rollout, ``g_j`` is the target's argmax after ``x_{≤t+j}``,
+    which equals ``x_{t+1+j}`` wherever the rollout follows the target's greedy choice; there the
+    drafts are fed the same tokens as in :func:`unroll`. So draft j counts as accepted when, for
+    all j' ≤ j, the head's argmax equals ``x_{t+1+j'}`` *and* the target's argmax does too. Exact
+    on the target's greedy rollouts, except that drafts past the rollout's end are not counted; on
+    sampled rollouts it undercounts (stops where the rollout leaves the greedy path). Every position
+    whose step 0 predicts a response token counts once, whereas the engine drafts only from the
+    positions it stops at, so its ``spec_stats.acceptance_length`` differs somewhat.
+    """
+    head.eval()
+    buffer = list(rollouts)
+    total, count = 0.0, 0
+    for i in range(0, len(buffer), 8):
+        token_ids, mask, prompt_lens = make_batch(buffer[i : i + 8], window=1 << 30,
+                                                  device=target_model.lm_head_weight.device)
+        features, _, greedy = target_features(target_model, token_ids, mask, head.config.feature_layers,
+                                              head.draft_to_target)
+        logits = unroll(head, target_model, token_ids, features, k)
+        d2t = head.draft_to_target.to(token_ids.device)
+        alive = response_mask(mask, prompt_lens, 0)  # [B, T] rows that draft
+        rows = alive.clone()
+        accepted = torch.zeros_like(token_ids)
+        for j, q in enumerate(logits):
+            nxt = _shift(token_ids, j + 2)  # x_{t+2+j}: the draft j's slot
+            alive = alive & response_mask(mask, prompt_lens, j) & (d2t[q.argmax(-1)] == nxt)
+            alive = alive & (_shift(greedy, j + 1) == nxt)  # the target's greedy choice there
+            accepted += alive.long()
+        total += float((accepted + 1)[rows].sum())
+        count += int(rows.sum())
+    return total / max(count, 1)
