@@ -23,9 +23,7 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import math
-import os
 import re
-import tempfile
 import tomllib
 import typing
 from collections.abc import Sequence
@@ -536,18 +534,9 @@ def write_resolved(config: RunConfig, run_dir: str | Path | None = None) -> Path
     """
     directory = Path(config.run_dir if run_dir is None else run_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    target = directory / CONFIG_FILENAME
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{CONFIG_FILENAME}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(dump_config(config))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    from specroll.actors.files import write_text_atomic
+
+    return write_text_atomic(directory / CONFIG_FILENAME, dump_config(config))
 
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")

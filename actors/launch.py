@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from specroll.actors.files import write_text_atomic
+
 if TYPE_CHECKING:
     from specroll.actors.config import RunConfig
 
@@ -111,12 +113,6 @@ def tail(path: Path, lines: int = 20, max_bytes: int = 16384) -> str:
     except OSError:
         return ""
     return "\n".join("  " + line for line in text.rstrip("\n").splitlines()[-lines:])
-
-
-def _write_json_atomic(path: Path, data: object) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 def _pdeathsig_preexec() -> Callable[[], None] | None:
@@ -286,8 +282,8 @@ class Launcher:
             )
         proc = RoleProcess(name, popen, log_path)
         self.processes.append(proc)
-        _write_json_atomic(self.run_dir / PIDS_FILENAME, {
-            "launcher": os.getpid(), "processes": {p.name: p.pid for p in self.processes}})
+        pids = {"launcher": os.getpid(), "processes": {p.name: p.pid for p in self.processes}}
+        write_text_atomic(self.run_dir / PIDS_FILENAME, json.dumps(pids, indent=1) + "\n")
         self.say(f"started {name} (pid {proc.pid}), log: {log_path}")
         return proc
 

@@ -37,11 +37,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import random
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -56,6 +54,7 @@ from tqdm import tqdm
 from specroll.actors.client import RolloutClient
 from specroll.actors.config import ConfigError, RunConfig, load_config, write_resolved
 from specroll.actors.coordinator import Group
+from specroll.actors.files import write_text_atomic
 from specroll.actors.grpo_step import StepResult, build_batch, train_step
 from specroll.actors.tasks import RewardFn, builtin_prompts, format_question, get_reward, load_prompts
 from specroll.actors.trainer_checkpoint import (
@@ -175,20 +174,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
             kept.append(line if line.endswith("\n") else line + "\n")
     if len(kept) != len(lines):
         log.info("metrics: dropping %d lines of steps after the checkpoint's step %d", len(lines) - len(kept), step)
-        _write_atomic(path, "".join(kept))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        write_text_atomic(path, "".join(kept))
 
 
 def _bind_address(config: RunConfig) -> str:
@@ -459,7 +445,7 @@ async def _run(config: RunConfig) -> int:
                            allow_public=net.allow_public)
     code = EXIT_OK
     async with client:  # closing it sends Dead to every connected generator
-        _write_atomic(run_dir / ENDPOINT_FILENAME, client.endpoint)
+        write_text_atomic(run_dir / ENDPOINT_FILENAME, client.endpoint)
         log.info("trainer listening on %s; loading %s", client.endpoint, config.model.name)
         async with anyio.create_task_group() as tg:
 
