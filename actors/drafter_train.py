@@ -3,7 +3,7 @@
 Reads the JSONL ``specroll generate`` writes (each line's ``prompt_token_ids`` and ``token_ids``),
 warm-starts from ``--init`` (a drafter directory) or initialises a head as ``specroll init-drafter``
 does (draft vocabulary: the rollouts' most frequent tokens, end-of-sequence tokens always in), runs
-:func:`specroll.drafter.train.train_drafter` — the code path an online drafter trainer shares — and
+:class:`specroll.drafter.learner.DrafterLearner` — the online drafter trainer's own code path — and
 saves the head to ``--out`` (each file written atomically by ``EagleHead.save``).
 """
 
@@ -58,14 +58,8 @@ def run_drafter_train(args: argparse.Namespace) -> None:
     """
     import torch
 
-    from specroll.drafter.eagle_head import (
-        DrafterError,
-        EagleConfig,
-        EagleHead,
-        build_draft_vocab,
-        eagle3_feature_layers,
-    )
-    from specroll.drafter.train import Rollout, train_drafter
+    from specroll.drafter.eagle_head import DrafterError, EagleHead
+    from specroll.drafter.learner import DrafterLearner, LearnerConfig
     from specroll.engine.checkpoint import CheckpointError, load_checkpoint
     from specroll.engine.model import CausalLM
 
@@ -86,33 +80,35 @@ def run_drafter_train(args: argparse.Namespace) -> None:
     if bad:
         raise GenerateError(f"--rollouts {args.rollouts}:{bad[0]}: token ids outside the vocabulary of "
                             f"{args.model} ({config.vocab_size} tokens); were these rollouts made with it?")
+    model = CausalLM(config)
+    model.load_weights(checkpoint.weights)
+    model.to(torch.device(args.device)).eval().requires_grad_(False)
+    head = None
     if args.init is not None:
         try:
             head = EagleHead.load(args.init)
             head.check_target(config, f"--init {args.init}")
         except DrafterError as exc:
             raise GenerateError(str(exc)) from None
-    else:
-        vocab = config.vocab_size
-        size = args.draft_vocab_size if args.draft_vocab_size is not None else min(8192, vocab)
-        if size > vocab:
-            raise GenerateError(f"--draft-vocab-size {size} exceeds the vocabulary of {args.model} ({vocab} tokens)")
-        counts = torch.zeros(vocab, dtype=torch.float64)  # [V] occurrences in the rollouts
-        for ids, _ in rows:
-            counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab)
-        eos = [t for t in set(checkpoint.tokenizer.eos_token_ids) | set(config.eos_token_ids) if 0 <= t < vocab]
-        counts[eos] = float("inf")
-        layers = (config.num_layers,) if args.features == "last" else eagle3_feature_layers(config.num_layers)
-        head = EagleHead.init(EagleConfig.for_target(config, layers, size), build_draft_vocab(counts, size),
-                              seed=args.seed)
-    device = torch.device(args.device)
-    model = CausalLM(config)
-    model.load_weights(checkpoint.weights)
-    model.to(device).eval().requires_grad_(False)
-    head.float()
-    history = train_drafter(head, model, [Rollout(ids, n) for ids, n in rows], steps=args.steps, lr=args.lr,
-                            batch=args.batch, window=args.window, ttt_steps=args.ttt_steps, seed=args.seed,
-                            log_every=max(1, args.steps // 10))
+    elif args.draft_vocab_size is not None and args.draft_vocab_size > config.vocab_size:
+        raise GenerateError(f"--draft-vocab-size {args.draft_vocab_size} exceeds the vocabulary of {args.model} "
+                            f"({config.vocab_size} tokens)")
+    try:
+        learner_config = LearnerConfig(
+            lr=args.lr, batch=args.batch, window=args.window, ttt_steps=args.ttt_steps, seed=args.seed,
+            buffer_rollouts=len(rows), min_rollouts=1, max_context=max(1024, args.window), features=args.features,
+            draft_vocab_size=args.draft_vocab_size if args.draft_vocab_size is not None else 8192,
+        )
+    except ValueError as exc:
+        raise GenerateError(str(exc)) from None
+    eos = set(checkpoint.tokenizer.eos_token_ids) | set(config.eos_token_ids)
+    learner = DrafterLearner(model, learner_config, head=head, eos_token_ids=sorted(eos))
+    for ids, n in rows:
+        learner.add_rollout(ids, n)
+    log_every = max(1, args.steps // 10)
+    history = [m for i in range(args.steps) if (m := learner.step()) and (i % log_every == 0 or i == args.steps - 1)]
+    assert learner.head is not None
+    head = learner.head
     try:
         head.save(out)
     except OSError as exc:

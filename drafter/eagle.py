@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specroll.drafter.eagle_head import EagleHead
+from specroll.drafter.eagle_head import DrafterError, EagleHead
 from specroll.engine.attention import allocate_kv_cache, kv_bytes_per_page
 from specroll.engine.batch import build_metadata
 from specroll.engine.block_manager import BlockManager, PageKey, page_keys
@@ -112,6 +112,25 @@ class EagleProposer:
         d2t = self.head.draft_to_target.to(weight.device)
         self._head_weight = weight.detach().index_select(0, d2t)  # [draft_vocab, H]
         self._d2t = d2t
+
+    def load_head(self, head: EagleHead) -> None:
+        """Serve ``head``'s weights from the next draft on (a new drafter version, same shape).
+
+        The weights are copied into the served head, so live requests keep their head K/V and
+        features: K/V computed by the previous version stays until they finish, which can cost
+        acceptance but never correctness (verification is lossless for any draft).
+
+        Raises:
+            DrafterError: ``head`` has another config (build a new proposer for it) or another target.
+        """
+        if head.config != self.head.config:
+            raise DrafterError(f"{self.source}: a new version with another shape ({head.config}) cannot be "
+                               f"loaded in place of {self.head.config}")
+        if self._target is not None:
+            head.check_target(self._target.config, self.source)
+        self.head.load_state_dict(head.state_dict())  # copies into the served tensors (device, dtype kept)
+        if self._target is not None:
+            self.attach(self._target)  # the draft vocabulary may have changed: re-take the LM-head rows
 
     # ---- features -------------------------------------------------------------------------
 

@@ -19,9 +19,10 @@ A drafter is a directory holding ``config.json`` (:class:`EagleConfig`) and ``mo
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import msgspec
@@ -310,33 +311,64 @@ class EagleHead(nn.Module):
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
         except (OSError, safetensors.SafetensorError) as exc:
             raise DrafterError(f"drafter {weights_path}: not a readable safetensors file ({exc})") from None
+        return cls.from_tensors(config, tensors, f"drafter {weights_path}")
+
+    @classmethod
+    def from_tensors(cls, config: EagleConfig, tensors: Mapping[str, torch.Tensor],
+                     source: str = "drafter") -> EagleHead:
+        """A head from its config and state dict (a file's, or one received over the wire).
+
+        Raises:
+            DrafterError: missing or unexpected tensors, a shape the config does not give, a wrong
+                dtype kind, or NaN/infinite values; the message starts with ``source``.
+        """
         expected = {name: tuple(t.shape) for name, t in cls._shapes(config).items()}
         missing = sorted(set(expected) - set(tensors))
         unexpected = sorted(set(tensors) - set(expected))
         if missing or unexpected:
-            raise DrafterError(f"drafter {weights_path}: missing tensors {missing[:4]}, unexpected tensors "
-                               f"{unexpected[:4]} for the head {config_path.name} describes")
+            raise DrafterError(f"{source}: missing tensors {missing[:4]}, unexpected tensors "
+                               f"{unexpected[:4]} for the head its config describes")
         for name, shape in expected.items():
             if tuple(tensors[name].shape) != shape:
-                raise DrafterError(f"drafter {weights_path}: {name} has shape {tuple(tensors[name].shape)}, "
-                                   f"{config_path.name} makes it {shape}")
+                raise DrafterError(f"{source}: {name} has shape {tuple(tensors[name].shape)}, "
+                                   f"its config makes it {shape}")
             wanted = "integer" if name == "draft_to_target" else "floating-point"
             if tensors[name].is_floating_point() != (wanted == "floating-point"):
-                raise DrafterError(f"drafter {weights_path}: {name} has dtype {tensors[name].dtype}, expected {wanted}")
+                raise DrafterError(f"{source}: {name} has dtype {tensors[name].dtype}, expected {wanted}")
             if wanted == "floating-point" and not torch.isfinite(tensors[name]).all():
-                raise DrafterError(f"drafter {weights_path}: {name} holds NaN or infinite values")
+                raise DrafterError(f"{source}: {name} holds NaN or infinite values")
         try:
-            head = cls(config, tensors["draft_to_target"])
+            head = cls(config, tensors["draft_to_target"].long())
         except ValueError as exc:
-            raise DrafterError(f"drafter {weights_path}: {exc}") from None
-        head.load_state_dict(tensors)
+            raise DrafterError(f"{source}: {exc}") from None
+        head.load_state_dict({name: t for name, t in tensors.items() if name != "draft_to_target"}, strict=False)
         return head
+
+    def wire_tensors(self) -> dict[str, torch.Tensor]:
+        """The state dict as it travels and is checksummed: float32 weights and the int64
+        ``draft_to_target``, on the CPU, contiguous."""
+        return {name: t.detach().to("cpu", torch.float32 if t.is_floating_point() else torch.int64).contiguous()
+                for name, t in self.state_dict().items()}
 
 
     @staticmethod
     def _shapes(config: EagleConfig) -> dict[str, torch.Tensor]:
         """The state dict a head with ``config`` has (built once on the CPU: a few million numbers)."""
         return dict(EagleHead(config, torch.arange(config.draft_vocab_size)).state_dict())
+
+
+def head_checksum(tensors: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 (hex) over a head's tensors in name order: each name, dtype, shape and raw bytes.
+
+    The drafter trainer publishes it with a version; a generator recomputes it on what it received
+    and serves the head only when the two agree.
+    """
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
 
 
 def _write_atomic(target: Path, write: Callable[[str], object]) -> None:

@@ -14,14 +14,13 @@ token (TLT, arXiv 2511.16665, trains on response tokens only). There is no hidde
 term (EAGLE-3 has none; TLT's EAGLE-1 heads add a SmoothL1 one). Unlike EAGLE-3, rows whose target
 argmax lies outside the draft vocabulary are not masked: the teacher is the renormalised restriction.
 
-Pure and synchronous (no I/O): the offline CLI (``specroll drafter train``) and a future online
-drafter-trainer actor share :func:`train_drafter` and :class:`RolloutBuffer`.
+Pure and synchronous (no I/O): :class:`specroll.drafter.learner.DrafterLearner` runs these for the
+online drafter trainer and, through :func:`train_drafter`, for the offline ``specroll drafter train``.
 """
 
 from __future__ import annotations
 
 import random
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,8 +37,8 @@ STEP_WEIGHT = 0.8
 @torch.no_grad()
 def target_features(
     model: CausalLM, token_ids: torch.Tensor, mask: torch.Tensor, feature_layers: Sequence[int],
-    draft_to_target: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    draft_to_target: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The target's taps and teacher distributions over right-padded rows, densely and without grad.
 
     The taps are those :meth:`CausalLM.forward` returns (tap ``i < num_layers``: the residual
@@ -51,12 +50,13 @@ def target_features(
         token_ids: int64 ``[B, T]`` rows, right-padded.
         mask: bool ``[B, T]``, True at real tokens.
         feature_layers: the head's taps.
-        draft_to_target: int64 ``[Vd]`` target ids of the draft vocabulary.
+        draft_to_target: int64 ``[Vd]`` target ids of the draft vocabulary; ``None``: the taps only.
 
     Returns:
         features ``[B, T, len(feature_layers)·H]`` (model dtype); float32 teacher log-probabilities
         ``[B, T, Vd]`` of token t + 1 restricted to the draft vocabulary and renormalised; int64
-        ``[B, T]`` the target's greedy next token over its full vocabulary.
+        ``[B, T]`` the target's greedy next token over its full vocabulary (both ``None`` without
+        ``draft_to_target``: the LM head is then not run).
     """
     b, t = token_ids.shape
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]
@@ -71,9 +71,12 @@ def target_features(
         x = layer.forward_dense(x, cos, sin, attn_mask[:, None])
     hidden = model.model.norm(x)  # [B, T, H]
     taps[len(model.model.layers)] = hidden
+    features = torch.cat([taps[i] for i in feature_layers], dim=-1)
+    if draft_to_target is None:
+        return features, None, None
     logits = F.linear(hidden, model.lm_head_weight).float()  # [B, T, V]
     teacher = logits[..., draft_to_target.to(logits.device)].log_softmax(-1)  # [B, T, Vd]
-    return torch.cat([taps[i] for i in feature_layers], dim=-1), teacher, logits.argmax(-1)
+    return features, teacher, logits.argmax(-1)
 
 
 def _shift(x: torch.Tensor, i: int, fill: float | int = 0) -> torch.Tensor:
@@ -155,44 +158,26 @@ class Rollout:
     policy_version: int = 0
 
 
-class RolloutBuffer:
-    """A bounded replay buffer of recent rollouts (oldest dropped first), sampled uniformly.
-
-    Args:
-        capacity: rollouts kept.
-    """
-
-    def __init__(self, capacity: int = 4096) -> None:
-        self._items: deque[Rollout] = deque(maxlen=capacity)
-
-    def add(self, rollout: Rollout) -> None:
-        """Keep ``rollout``, dropping the oldest when full."""
-        self._items.append(rollout)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def sample(self, n: int, rng: random.Random) -> list[Rollout]:
-        """``n`` rollouts drawn uniformly with replacement."""
-        return [self._items[rng.randrange(len(self._items))] for _ in range(n)]
+def window_start(rollout: Rollout, window: int, rng: random.Random | None = None) -> int:
+    """Where a window of at most ``window`` tokens of ``rollout`` starts: 0 for a rollout that fits,
+    else a random point (deterministic ``rng``; the earliest without one) at or before its response,
+    so that the window ends in the response."""
+    if len(rollout.token_ids) <= window:
+        return 0
+    hi = len(rollout.token_ids) - window
+    lo = min(max(0, rollout.prompt_len - 2), hi)
+    return rng.randint(lo, hi) if rng is not None else lo
 
 
 def make_batch(rollouts: Sequence[Rollout], window: int, rng: random.Random | None = None,
                device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded windows of at most ``window`` tokens covering response tokens.
-
-    A rollout longer than ``window`` gives a window starting at a random point (deterministic
-    ``rng``) at or before its response, so that the window ends in the response; its prompt length
-    is counted from the window start. Returns int64 ``token_ids [B, W]``, bool ``mask [B, W]``,
-    int64 ``prompt_lens [B]``.
+    """Right-padded windows (:func:`window_start`) of ``rollouts``; a window's prompt length is
+    counted from its start. Returns int64 ``token_ids [B, W]``, bool ``mask [B, W]``, int64
+    ``prompt_lens [B]``.
     """
     rows, lens = [], []
     for r in rollouts:
-        start = 0
-        if len(r.token_ids) > window:
-            hi = len(r.token_ids) - window
-            lo = min(max(0, r.prompt_len - 2), hi)
-            start = rng.randint(lo, hi) if rng is not None else lo
+        start = window_start(r, window, rng)
         rows.append(r.token_ids[start : start + window])
         lens.append(max(0, r.prompt_len - start))
     w = max(len(r) for r in rows)
@@ -205,48 +190,38 @@ def make_batch(rollouts: Sequence[Rollout], window: int, rng: random.Random | No
 
 
 def train_drafter(
-    head: EagleHead, target_model: CausalLM, rollouts: RolloutBuffer | Sequence[Rollout], *, steps: int,
+    head: EagleHead, target_model: CausalLM, rollouts: Sequence[Rollout], *, steps: int,
     lr: float = 1e-3, batch: int = 8, window: int = 256, ttt_steps: int = 3, seed: int = 0,
     weight_decay: float = 0.0, log_every: int = 1,
 ) -> list[dict[str, float]]:
-    """Train ``head`` in place with AdamW on the TTT loss of windows of ``rollouts``.
+    """Train ``head`` in place for ``steps`` AdamW steps on windows of ``rollouts``: the online
+    drafter trainer's own loop (:class:`specroll.drafter.learner.DrafterLearner`) over a fixed set.
 
-    The target is frozen (only the head's parameters get gradients; features and teachers are
-    recomputed under no_grad for each batch, so a target whose weights move stays current). A
-    rollout longer than ``window`` is cut to a window (:func:`make_batch`), so its features and
-    teachers see only the window's context.
+    The target is frozen; its features are computed once per rollout (whole rollout, up to
+    ``max(1024, window)`` tokens) and teachers come from its current LM head.
 
     Returns:
-        The metrics of every ``log_every``-th step (:func:`ttt_loss`'s, plus ``step``).
+        The metrics of every ``log_every``-th step and of the last (:func:`ttt_loss`'s, plus ``step``).
+
+    Raises:
+        ValueError: no rollouts, or a setting out of range.
+        DrafterError: ``head`` was made for another target.
     """
-    buffer = rollouts if isinstance(rollouts, RolloutBuffer) else _buffer_of(rollouts)
-    if len(buffer) == 0:
+    from specroll.drafter.learner import DrafterLearner, LearnerConfig
+
+    if not rollouts:
         raise ValueError("train_drafter: no rollouts to train on")
-    rng = random.Random(seed)
-    device = target_model.lm_head_weight.device
-    head.to(device=device).train()
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
+    config = LearnerConfig(lr=lr, weight_decay=weight_decay, batch=batch, window=window, ttt_steps=ttt_steps,
+                           buffer_rollouts=len(rollouts), min_rollouts=1, max_context=max(1024, window), seed=seed)
+    learner = DrafterLearner(target_model, config, head=head)
+    for r in rollouts:
+        learner.add_rollout(r.token_ids, r.prompt_len, r.policy_version)
     history = []
     for step in range(steps):
-        token_ids, mask, prompt_lens = make_batch(buffer.sample(batch, rng), window, rng, device)
-        features, teacher, _ = target_features(target_model, token_ids, mask, head.config.feature_layers,
-                                               head.draft_to_target)
-        loss, metrics = ttt_loss(head, target_model, token_ids, mask, prompt_lens, features, teacher, ttt_steps)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
+        metrics = learner.step()
         if step % log_every == 0 or step == steps - 1:
-            history.append({"step": float(step), **metrics})
-    head.eval()
+            history.append({**metrics, "step": float(step)})
     return history
-
-
-def _buffer_of(rollouts: Sequence[Rollout]) -> RolloutBuffer:
-    buffer = RolloutBuffer(max(1, len(rollouts)))
-    for r in rollouts:
-        buffer.add(r)
-    return buffer
 
 
 @torch.no_grad()

@@ -128,25 +128,44 @@ class Engine:
         self.weight_version = 0
         self._weight_shapes = expected_weight_shapes(ckpt.config)
         self._requests: dict[str, Sequence] = {}
-        self.proposer = proposer
         self.spec_stats = SpeculativeStats()
         """Speculative-decoding counters summed over every step so far."""
         self.last_step_stats = SpeculativeStats()
         """The last step's counters (k chosen, drafted, accepted, draft and verify time)."""
         self._feature_layers: tuple[int, ...] = ()
         self._bandit: DraftLengthBandit | None = None
+        self.proposer: Proposer | None = None
+        if proposer is not None:
+            self.set_proposer(proposer)
+        self._arrivals = itertools.count()
+
+    def set_proposer(self, proposer: Proposer | None) -> None:
+        """Draft with ``proposer`` from the next step on (``None``: plain decoding); between steps only.
+
+        The proposer is checked against the model before anything changes. Live requests keep
+        decoding; a learned drafter sees only their positions computed from now on, so it drafts
+        for them only if it can recover their earlier features (``EagleProposer`` does for cached
+        prompt pages) — output stays lossless either way.
+
+        Raises:
+            DrafterError: a drafter made for another target (the engine keeps its proposer).
+            ValueError: the proposer taps a layer the model does not have (likewise).
+        """
         if proposer is not None:
             proposer.attach(self.model)  # a drafter checks it fits this model first, naming its file
-            bad = [i for i in proposer.feature_layers if not 0 <= i <= ckpt.config.num_layers]
+            layers = self.model_config.num_layers
+            bad = [i for i in proposer.feature_layers if not 0 <= i <= layers]
             if bad:
-                raise ValueError(
-                    f"the proposer taps layers {bad}; the model has {ckpt.config.num_layers} layers, "
-                    f"expected taps in [0, {ckpt.config.num_layers}]"
-                )
-            self._feature_layers = tuple(proposer.feature_layers)
-            if config.draft_length == "adaptive":
-                self._bandit = DraftLengthBandit(config.num_draft_tokens, seed=config.seed)
-        self._arrivals = itertools.count()
+                raise ValueError(f"the proposer taps layers {bad}; the model has {layers} layers, "
+                                 f"expected taps in [0, {layers}]")
+        if self.proposer is not None:
+            for request_id in self._requests:
+                self.proposer.finish(request_id)
+        self.proposer = proposer
+        self._feature_layers = tuple(proposer.feature_layers) if proposer is not None else ()
+        self._bandit = None
+        if proposer is not None and self.config.draft_length == "adaptive":
+            self._bandit = DraftLengthBandit(self.config.num_draft_tokens, seed=self.config.seed)
 
     # ---- requests -------------------------------------------------------------------------
 

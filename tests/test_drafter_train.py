@@ -11,10 +11,10 @@ from conftest import hf_tiny_config, write_tiny_tokenizer
 
 from specroll.actors.cli import main
 from specroll.drafter.eagle import EagleProposer
+from specroll.drafter.learner import DrafterLearner, LearnerConfig
 from specroll.drafter.eagle_head import EagleConfig, EagleHead, build_draft_vocab, eagle3_feature_layers
 from specroll.drafter.train import (
     Rollout,
-    RolloutBuffer,
     expected_acceptance_length,
     target_features,
     train_drafter,
@@ -187,14 +187,12 @@ def test_saved_trained_head_loads_and_speeds_up_the_engine(setup, tmp_path):
     assert results["trained"][0] > results["untrained"][0] + 0.25
 
 
-def test_rollout_buffer_is_bounded():
-    buffer = RolloutBuffer(capacity=3)
+def test_replay_buffer_is_bounded_and_keeps_the_newest(setup):
+    learner = DrafterLearner(setup["target"], LearnerConfig(buffer_rollouts=3, min_rollouts=1))
     for i in range(5):
-        buffer.add(Rollout([i, i + 1], 1))
-    assert len(buffer) == 3
-    import random
-
-    assert {r.token_ids[0] for r in buffer.sample(50, random.Random(0))} == {2, 3, 4}
+        learner.add_rollout([i + 3, i + 4, i + 5], 1)
+    assert learner.num_rollouts == 3
+    assert [e.rollout.token_ids[0] for e in learner._buffer] == [5, 6, 7]
 
 
 def test_ttt_loss_masks_prompt_tokens(setup):

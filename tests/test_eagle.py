@@ -229,7 +229,7 @@ def test_malformed_drafter_files_are_refused_naming_the_file(tiny_checkpoint, tm
     wrong_shape = tmp_path / "wrong_shape"
     make_head(config).save(wrong_shape)
     (wrong_shape / "config.json").write_text(json.dumps({**raw, "intermediate_size": 64}))
-    cases[wrong_shape] = r"layer.mlp.gate_up_proj.weight has shape \(256, 64\), config.json makes it \(128, 64\)"
+    cases[wrong_shape] = r"layer.mlp.gate_up_proj.weight has shape \(256, 64\), its config makes it \(128, 64\)"
     non_finite = tmp_path / "non_finite"
     head = make_head(config)
     with torch.no_grad():
