@@ -91,9 +91,17 @@ def _add_init_drafter(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_drafter(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("drafter", help="EAGLE drafter tools: 'drafter train'",
-                       description="Tools for EAGLE drafters.")
+    p = sub.add_parser("drafter", help="EAGLE drafters: 'drafter train' (offline), 'drafter serve' (online)",
+                       description="Train EAGLE drafters offline or run the online drafter trainer.")
     dsub = p.add_subparsers(dest="drafter_command", required=True, metavar="SUBCOMMAND")
+    from specroll.actors.drafter_cli import add_arguments
+
+    add_arguments(dsub.add_parser(
+        "serve", help="run the drafter trainer actor (connects to a trainer)",
+        description="Train the EAGLE drafter online on the trainer's finished rollouts when the generators have "
+        "idle capacity and publish drafter versions to them (the generators need generator.speculative = "
+        "'eagle' or 'auto').",
+    ))
     t = dsub.add_parser(
         "train",
         help="train an EAGLE drafter offline from saved rollouts",
@@ -217,6 +225,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("specroll trainer: error: specroll.actors.trainer is not in this install", file=sys.stderr)
             return 2
         return trainer_main(_with_sets(args, ["--config", args.config]))
+    if args.command == "drafter" and args.drafter_command == "serve":
+        from specroll.actors.drafter_cli import main as drafter_main
+
+        actor = ["--actor-id", args.actor_id] if args.actor_id else []
+        config = ["--config", args.config] if args.config else []
+        return drafter_main(_with_sets(args, [*config, "--connect", args.connect, "--log-level", args.log_level,
+                                              *actor]))
     if args.command == "generator":
         from specroll.actors.generator_cli import main as generator_main
 

@@ -13,6 +13,10 @@ same way::
 
 :class:`SyncRolloutClient` wraps it for code without an event loop.
 
+Drafter trainers connect to the same endpoint (``Hello(role="drafter")``); the client feeds them
+finished rollouts and the generators' load, and relays their drafter versions to the generators
+(:class:`~specroll.actors.drafter_relay.DrafterRelay`, :attr:`RolloutClient.drafters`).
+
 Inside, three tasks share one :class:`~specroll.protocol.channel.Channel`: a receive loop (which
 never waits on a send: replies go through an outgoing queue, so credit grants are always read), a
 sender, and a ticker that dispatches queued groups by free capacity and declares generators dead
@@ -35,17 +39,21 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from specroll.actors.coordinator import ChunkError, Group, RolloutCoordinator
+from specroll.actors.drafter_relay import DrafterRelay
 from specroll.protocol.channel import DEFAULT_WINDOW, Channel, SequenceError
 from specroll.protocol.codec import ProtocolError, pack_tensors
 from specroll.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
+    AckDrafter,
     AckWeights,
     Dead,
     Error,
+    FetchDrafter,
     FetchWeights,
     Heartbeat,
     Hello,
+    PublishDrafter,
     Refuse,
     RolloutChunk,
     Stats,
@@ -118,6 +126,12 @@ class RolloutClient:
         self.protocol_errors = 0
         """Messages refused: malformed, out of sequence, from a peer without a handshake, or chunks
         that cannot be merged (each logged, and answered with ``Error`` where credit allows)."""
+        self.drafters = DrafterRelay(self._queue)
+        """Drafter trainers, the current drafter version and acceptance per (drafter, policy) version."""
+        self.drafter_policy_versions: dict[str, int] = {}
+        """Policy version each drafter trainer acknowledged holding."""
+        self._load: dict[str, tuple[int, int]] = {}
+        """Each generator's live batch and its capacity in sequences (last heartbeat)."""
         self._last_seen: dict[str, float] = {}
         self._capacity_known: set[str] = set()
         self._finished_event = anyio.Event()
@@ -163,7 +177,7 @@ class RolloutClient:
         """Tell connected generators the coordinator is gone, stop the tasks, close the socket."""
         if self._tg is None:
             return
-        for actor in list(self.coordinator.generators):
+        for actor in [*self.coordinator.generators, *self.drafters.drafters]:
             self._queue(actor, Dead(actor_id=self.actor_id, reason="client closed"))
         with anyio.move_on_after(0.5):
             while any(box.statistics().current_buffer_used for box in self._outboxes.values()):
@@ -275,8 +289,13 @@ class RolloutClient:
         announce = WeightsAvailable(version=version, dtype=dtype, num_chunks=len(groups),
                                     params=[TensorSpec(name=n, shape=tuple(t.shape)) for n, t in snapshot])
         self._weights = (announce, chunks)
-        for actor in self.coordinator.generators:
+        for actor in [*self.coordinator.generators, *self.drafters.drafters]:
             self._queue(actor, announce)
+
+    def pause_drafter(self, paused: bool = True) -> None:
+        """Ask drafter trainers to stop training between their steps (``False``: go on); they hear it
+        within about half a second (:class:`~specroll.protocol.messages.Capacity`)."""
+        self.drafters.paused = paused
 
     async def wait_for_version(self, version: int, count: int | None = None, timeout: float | None = None) -> None:
         """Wait until ``count`` generators (default: all connected) acknowledged ``version`` or later.
@@ -299,7 +318,7 @@ class RolloutClient:
     def _queue(self, actor: str, msg: Any, tensors: list[torch.Tensor] | None = None) -> None:
         """Send to a generator through its own outbox and sender task, in order: a generator that
         grants no credit (slow, or gone) holds up its own messages only."""
-        if actor not in self.coordinator.generators:
+        if actor not in self.coordinator.generators and actor not in self.drafters.drafters:
             self._reply(actor, msg)
             return
         box = self._outboxes.get(actor)
@@ -347,8 +366,13 @@ class RolloutClient:
                     log.info("generator %s is unreachable; dropping %s", actor, type(msg).__name__)
 
     async def _tick_loop(self) -> None:
+        last_capacity = 0.0
         while True:
             now = time.monotonic()
+            if now - last_capacity >= 0.5:
+                last_capacity = now
+                loads = [self._load[a] for a in self.coordinator.generators if a in self._load]
+                self.drafters.tick(sum(live for live, _ in loads), sum(cap for _, cap in loads))
             for actor, seen in list(self._last_seen.items()):
                 if now - seen > self.heartbeat_timeout_s:
                     self._generator_gone(actor, f"silent for {now - seen:.1f} s")
@@ -360,20 +384,33 @@ class RolloutClient:
             self._queue(actor, msg)
 
     def _generator_gone(self, actor: str, why: str) -> None:
+        """A generator or drafter trainer died or left: forget it (a generator's groups resume elsewhere)."""
+        if actor in self.drafters.drafters:
+            self.drafters.remove(actor)
+            self.drafter_policy_versions.pop(actor, None)
+            self._forget(actor)
+            log.warning("drafter trainer %s is gone (%s); generators keep the drafter they serve", actor, why)
+            return
         if actor not in self.coordinator.generators:
             return
+        self.drafters.remove(actor)
+        self._load.pop(actor, None)
         orphans = self.coordinator.remove_generator(actor)
-        self._last_seen.pop(actor, None)
         self._capacity_known.discard(actor)
         self.generator_versions.pop(actor, None)
         self.dead_generators.append(actor)
+        self._forget(actor)
+        log.warning("generator %s is gone (%s); %d groups resume elsewhere", actor, why, len(orphans))
+        self._dispatch()
+
+    def _forget(self, actor: str) -> None:
+        """Drop a gone peer's liveness, outbox and channel state."""
+        self._last_seen.pop(actor, None)
         box = self._outboxes.pop(actor, None)
         if box is not None:
             box.close()
         if self._channel is not None:
             self._channel.forget(actor.encode())
-        log.warning("generator %s is gone (%s); %d groups resume elsewhere", actor, why, len(orphans))
-        self._dispatch()
 
     async def _receive_loop(self) -> None:
         assert self._channel is not None
@@ -395,15 +432,18 @@ class RolloutClient:
                 continue
             actor = (received.peer or b"").decode(errors="replace")
             try:
-                self._handle(actor, received.msg, received.first)
+                self._handle(actor, received.msg, received.tensors)
             except ChunkError as e:
                 self.protocol_errors += 1
                 log.warning("chunk from %s refused: %s", actor, e)
                 self._queue(actor, Error(code="bad_request", message=str(e)[:500], seq=received.seq))
 
-    def _handle(self, actor: str, msg: Any, first: bool) -> None:
+    def _handle(self, actor: str, msg: Any, tensors: dict[str, torch.Tensor]) -> None:
         if isinstance(msg, Hello):
             self._on_hello(actor, msg)
+            return
+        if actor in self.drafters.drafters:
+            self._handle_drafter(actor, msg, tensors)
             return
         if actor not in self.coordinator.generators:
             if not isinstance(msg, Dead):
@@ -417,13 +457,17 @@ class RolloutClient:
                 if self._foreign(msg.group_id):
                     self._on_foreign_chunk(actor, msg.group_id)
                     return
-                if self.coordinator.on_chunk(actor, msg) is not None:
+                finished = self.coordinator.on_chunk(actor, msg)
+                self.drafters.on_chunk(msg)
+                if finished is not None:
+                    self.drafters.on_group_finished(finished)
                     self._finished_event.set()
                     self._finished_event = anyio.Event()
                 if self.on_chunk is not None:
                     self.on_chunk(actor, msg)
             case Heartbeat():
                 self.coordinator.on_heartbeat(actor, msg.free_groups, msg.policy_version)
+                self._load[actor] = (msg.batch_size, msg.batch_size + msg.free_seqs)
                 self._capacity_known.add(actor)
                 self._dispatch()
             case FetchWeights():
@@ -438,6 +482,35 @@ class RolloutClient:
                 log.warning("generator %s reports %s: %s", actor, msg.code, msg.message)
             case Dead():
                 self._generator_gone(actor, f"it exited ({msg.reason or 'no reason given'})")
+            case FetchDrafter():
+                self.drafters.on_fetch(actor, msg)
+            case AckDrafter():
+                self.drafters.on_ack(actor, msg)
+            case _:
+                self.protocol_errors += 1
+                self._queue(actor, Error(code="bad_request", message=f"{type(msg).__name__} is not for a generator "
+                                                                     "to send"))
+
+    def _handle_drafter(self, actor: str, msg: Any, tensors: dict[str, torch.Tensor]) -> None:
+        self._last_seen[actor] = time.monotonic()
+        match msg:
+            case PublishDrafter():
+                self.drafters.on_publish(actor, msg, tensors)
+                self.drafters.announce_to(list(self.coordinator.generators))
+            case FetchWeights():
+                self._on_fetch(actor, msg.version)
+            case AckWeights():
+                self.drafter_policy_versions[actor] = msg.version
+            case Heartbeat() | Stats():
+                pass
+            case Error():
+                log.warning("drafter trainer %s reports %s: %s", actor, msg.code, msg.message)
+            case Dead():
+                self._generator_gone(actor, f"it exited ({msg.reason or 'no reason given'})")
+            case _:
+                self.protocol_errors += 1
+                self._queue(actor, Error(code="bad_request", message=f"{type(msg).__name__} is not for a drafter "
+                                                                     "trainer to send"))
 
     def _foreign(self, group_id: str) -> bool:
         """True for a group this client never issued (e.g. one of a crashed earlier incarnation)."""
@@ -463,8 +536,17 @@ class RolloutClient:
             self._queue(actor, Refuse(reason=f"protocol version {msg.protocol_version}, this trainer speaks "
                                              f"{PROTOCOL_VERSION}; run the same specroll version on both"))
             return
-        if msg.role != "generator":
-            self._queue(actor, Refuse(reason=f"role {msg.role!r}: this endpoint serves generators"))
+        if msg.role not in ("generator", "drafter"):
+            self._queue(actor, Refuse(reason=f"role {msg.role!r}: this endpoint serves 'generator' and 'drafter'"))
+            return
+        if msg.role == "drafter":
+            if actor in self.drafters.drafters:
+                self._generator_gone(actor, "it said Hello again")
+            self.drafters.add_drafter(actor)
+            self._last_seen[actor] = time.monotonic()
+            self._queue(actor, Welcome(protocol_version=PROTOCOL_VERSION, actor_id=self.actor_id))
+            if self._weights is not None:
+                self._queue(actor, self._weights[0])
             return
         if actor in self.coordinator.generators:  # it restarted under the same id: its groups are gone
             self._generator_gone(actor, "it said Hello again")
@@ -473,6 +555,7 @@ class RolloutClient:
         self._queue(actor, Welcome(protocol_version=PROTOCOL_VERSION, actor_id=self.actor_id))
         if self._weights is not None:
             self._queue(actor, self._weights[0])
+        self.drafters.on_generator_hello(actor)
 
     def _on_fetch(self, actor: str, version: int) -> None:
         if self._weights is None or self._weights[0].version != version:

@@ -215,27 +215,66 @@ class GeneratorConfig(_Section):
 
 
 class DrafterConfig(_Section):
-    """The drafter trainer: trains an EAGLE-style drafter online on the rollouts (``[drafter]``)."""
+    """The drafter trainer: trains an EAGLE-style drafter online on the rollouts (``[drafter]``).
+
+    It learns the current policy from finished rollouts while generators have idle capacity and
+    publishes drafter versions, which generators with ``generator.speculative = "eagle"`` (or
+    ``"auto"``) hot-swap between steps (``specroll.actors.drafter_actor``)."""
 
     enabled: bool = False
     """Start the drafter trainer and publish drafter versions to the generators. Default false."""
     path: str | None = None
     """Initial drafter directory (``config.json`` + ``model.safetensors``, as ``specroll init-drafter``
-    writes); ``None`` (default) initialises one from the target."""
-    learning_rate: float = 1e-4
-    """AdamW learning rate of the drafter. Default 1e-4."""
+    or ``specroll drafter train`` write): the warm start, served from the first step; ``None``
+    (default): cold start, the first version is built from the first rollouts."""
+    learning_rate: float = 1e-3
+    """AdamW learning rate of the drafter. Default 1e-3."""
     window_rollouts: int = 256
-    """Most recent finished rollouts the drafter trains on. Default 256."""
+    """Replay buffer: the most recent finished rollouts the drafter trains on. Default 256."""
     publish_every_steps: int = 20
     """Drafter training steps between published drafter versions. Default 20."""
+    batch: int = 4
+    """Windows per drafter training step. Default 4."""
+    window_tokens: int = 128
+    """Tokens per training window (ending in the response). Default 128."""
+    ttt_steps: int = 3
+    """Unrolled draft steps of EAGLE-3's training-time-test loss. Default 3."""
+    min_rollouts: int = 8
+    """Rollouts needed before a cold start's first step. Default 8."""
+    draft_vocab_size: int = 4096
+    """Draft vocabulary of a cold-started drafter (the rollouts' most frequent tokens). Default 4096."""
+    features: Literal["eagle3", "last"] = "eagle3"
+    """Target taps of a cold-started drafter: ``eagle3`` (low, mid, high layers; default) or ``last``."""
+    num_threads: int = 1
+    """Core budget: torch intra-op threads of the drafter trainer. Default 1."""
+    duty_cycle: float = 0.5
+    """Most fraction of wall time spent in training steps, in (0, 1]. Default 0.5."""
+    train_below: float = 1.0
+    """Train only while the generators' live batch is at most this fraction of their capacity
+    (1.0, the default, trains whenever the duty cycle allows; 0.25 trains in the tail phase only)."""
+    pause_during_train_step: bool = False
+    """Pause the drafter trainer while the trainer takes its own optimizer step (both on one
+    machine's cores). Default false."""
+    acceptance_floor: float = 0.0
+    """Warn when the acceptance length under a new policy version falls below this (a drafter not
+    keeping up, or not updated); 0 (default) never warns."""
+    kv_cache_gb: float = 0.25
+    """Memory of each generator for the drafter's own K/V, in GiB. Default 0.25."""
 
     def __post_init__(self) -> None:
+        _check_literals(self)
         _require(self.path is None or bool(self.path), "path", self.path, "a directory or unset")
         _require(self.learning_rate > 0 and math.isfinite(self.learning_rate), "learning_rate",
                  self.learning_rate, "a positive finite number")
-        _require(self.window_rollouts >= 1, "window_rollouts", self.window_rollouts, "a positive integer")
-        _require(self.publish_every_steps >= 1, "publish_every_steps", self.publish_every_steps,
-                 "a positive integer")
+        for name in ("window_rollouts", "publish_every_steps", "batch", "window_tokens", "ttt_steps", "min_rollouts",
+                     "draft_vocab_size", "num_threads"):
+            _require(getattr(self, name) >= 1, name, getattr(self, name), "a positive integer")
+        _require(0 < self.duty_cycle <= 1, "duty_cycle", self.duty_cycle, "a number in (0, 1]")
+        _require(0 <= self.train_below <= 1, "train_below", self.train_below, "a number in [0, 1]")
+        _require(self.acceptance_floor >= 0 and math.isfinite(self.acceptance_floor), "acceptance_floor",
+                 self.acceptance_floor, "a finite number >= 0 (0 never warns)")
+        _require(self.kv_cache_gb > 0 and math.isfinite(self.kv_cache_gb), "kv_cache_gb", self.kv_cache_gb,
+                 "a positive number of GiB")
 
 
 class NetworkConfig(_Section):

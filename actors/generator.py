@@ -50,7 +50,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from specroll.actors.generator_drafter import DrafterSlot, ReadyDrafter, check_drafter
 from specroll.actors.rollout_stream import DraftCounter, SampleStream
+from specroll.drafter.eagle_head import DrafterError
 from specroll.engine.config import EngineConfig
 from specroll.engine.engine import Engine
 from specroll.engine.sequence import StepOutput
@@ -59,11 +61,15 @@ from specroll.protocol.codec import ProtocolError
 from specroll.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
+    AckDrafter,
     AckWeights,
     Credit,
     Dead,
+    DrafterAvailable,
+    DrafterWeights,
     Error,
     ErrorCode,
+    FetchDrafter,
     FetchWeights,
     Heartbeat,
     Hello,
@@ -85,7 +91,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("specroll.generator")
 
 KvPolicy = Literal["keep", "recompute"]
-Speculative = Literal["off", "suffix"]
+Speculative = Literal["off", "suffix", "eagle"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -108,7 +114,13 @@ class GeneratorSettings:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weight and KV dtype of the engine."""
     speculative: Speculative = "off"
-    """``suffix``: model-free drafts (``drafter/suffix.py``) verified losslessly; ``off``: plain decoding."""
+    """``suffix``: model-free drafts (``drafter/suffix.py``) verified losslessly; ``eagle``: a learned
+    EAGLE head (``drafter``, and every version the drafter trainer publishes); ``off``: plain decoding."""
+    drafter: str | None = None
+    """With ``eagle``: a drafter directory to serve from the start (version 0); ``None``: decode
+    plainly until the drafter trainer's first version arrives."""
+    drafter_kv_cache_gb: float = 0.25
+    """Memory for the EAGLE head's own K/V, in GiB."""
     num_draft_tokens: int = 4
     """Drafts per sequence and step when speculating."""
     stream_every: int = 4
@@ -152,8 +164,13 @@ class GeneratorSettings:
                 raise ValueError(f"{name}={getattr(self, name)}, expected a positive number of seconds")
         if self.kv_policy not in ("keep", "recompute"):
             raise ValueError(f"kv_policy={self.kv_policy!r}, expected 'keep' or 'recompute'")
-        if self.speculative not in ("off", "suffix"):
-            raise ValueError(f"speculative={self.speculative!r}, expected 'off' or 'suffix'")
+        if self.speculative not in ("off", "suffix", "eagle"):
+            raise ValueError(f"speculative={self.speculative!r}, expected 'off', 'suffix' or 'eagle'")
+        if self.drafter is not None and self.speculative != "eagle":
+            raise ValueError(f"drafter={self.drafter!r} needs speculative='eagle' (got {self.speculative!r})")
+
+
+_Outbound = RolloutChunk | FetchWeights | AckWeights | FetchDrafter | AckDrafter | Stats | Hello | Error
 
 
 @dataclass
@@ -208,13 +225,18 @@ class GeneratorActor:
         self.engine = engine
         self.channel = channel
         self.draft_counter = draft_counter
+        self.drafter = DrafterSlot(engine, draft_counter, settings.drafter_kv_cache_gb, settings.seed)
+        """The learned drafter served (``speculative="eagle"``) and its version."""
+        self._drafter_fetch = 0
+        """Drafter version being fetched (0: none)."""
+        self._drafter_announced = 0
         self._streams: dict[str, SampleStream] = {}
         """request id → stream of every live sample."""
         self._groups: dict[str, dict[int, SampleStream]] = {}
         """group id → its live samples by index."""
-        self._inbox: deque[SubmitGroup | Abort | _ApplyWeights] = deque()
+        self._inbox: deque[SubmitGroup | Abort | _ApplyWeights | ReadyDrafter] = deque()
         """Engine work for the step loop, in arrival order."""
-        self._outbox: deque[RolloutChunk | FetchWeights | AckWeights | Stats | Hello | Error] = deque()
+        self._outbox: deque[_Outbound] = deque()
         self._sending = False
         self._wake, self._outbox_changed = _Wakeup(), _Wakeup()
         self._welcomed = anyio.Event()
@@ -252,9 +274,7 @@ class GeneratorActor:
                 tg.start_soon(self._tick)
                 await self._step_loop()
                 with anyio.move_on_after(self.settings.linger_s):  # graceful stop: flush what was emitted
-                    for stream in self._streams.values():
-                        if stream.token_ids:
-                            self._put(stream.take_chunk(speculative=self.draft_counter is not None))
+                    self._flush_streams()
                     self._put(self._stats())
                     while self._outbox or self._sending:
                         await self._outbox_changed.wait()
@@ -292,7 +312,12 @@ class GeneratorActor:
     def _send_hello(self) -> None:
         self._last_hello = time.monotonic()
         self._put(Hello(protocol_version=PROTOCOL_VERSION, role="generator", actor_id=self.settings.actor_id,
-                        capabilities=("resume", "bf16-weights", *(("speculative",) if self.draft_counter else ()))))
+                        capabilities=("resume", "bf16-weights",
+                                      *(("speculative",) if self._speculative else ()))))
+
+    @property
+    def _speculative(self) -> bool:
+        return self.draft_counter is not None or self.settings.speculative == "eagle"
 
     async def _watch_signals(self) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -337,7 +362,7 @@ class GeneratorActor:
 
     # ---- sending ----------------------------------------------------------------------------
 
-    def _put(self, msg: RolloutChunk | FetchWeights | AckWeights | Stats | Hello | Error) -> None:
+    def _put(self, msg: _Outbound) -> None:
         self._outbox.append(msg)
         self._outbox_changed.notify()
 
@@ -375,11 +400,12 @@ class GeneratorActor:
 
     def _stats(self) -> Stats:
         spec = None
-        if self.draft_counter is not None:
+        if self._speculative:
             s = self.engine.spec_stats
-            spec = SpecStats(num_drafted=s.num_drafted, num_accepted=s.num_accepted, num_draft_steps=s.num_draft_steps)
+            spec = SpecStats(num_drafted=s.num_drafted, num_accepted=s.num_accepted, num_draft_steps=s.num_draft_steps,
+                             drafter_version=self.drafter.version)
         return Stats(policy_version=self.engine.weight_version, num_steps=self._num_steps, num_tokens=self._num_tokens,
-                     busy_s=self._busy_s, idle_s=self._idle_s, spec=spec)
+                     busy_s=self._busy_s, idle_s=self._idle_s, spec=spec, drafter_version=self.drafter.version)
 
     # ---- receiving --------------------------------------------------------------------------
 
@@ -439,6 +465,11 @@ class GeneratorActor:
                 self._maybe_fetch()
             case WeightsChunk():
                 await self._on_weights_chunk(msg, r)
+            case DrafterAvailable():
+                self._drafter_announced = max(self._drafter_announced, msg.version)
+                self._maybe_fetch_drafter()
+            case DrafterWeights():
+                await self._on_drafter_weights(msg, r)
             case Credit():
                 pass  # consumed by the channel; never handed out
             case Error():
@@ -461,6 +492,31 @@ class GeneratorActor:
         self._fetch = _Fetch(a.version, a.num_chunks, frozenset(p.name for p in a.params))
         log.info("fetching policy version %d (%d chunks)", a.version, a.num_chunks)
         self._put(FetchWeights(version=a.version))
+
+    def _maybe_fetch_drafter(self) -> None:
+        """Fetch the newest announced drafter version when speculating with a learned drafter."""
+        v = self._drafter_announced
+        if self.settings.speculative != "eagle" or self._drafter_fetch or v <= self.drafter.version:
+            return
+        self._drafter_fetch = v
+        log.info("fetching drafter version %d", v)
+        self._put(FetchDrafter(version=v))
+
+    async def _on_drafter_weights(self, msg: DrafterWeights, r: Received[ToGenerator]) -> None:
+        if msg.version != self._drafter_fetch:
+            await self._refuse("bad_request", f"drafter version {msg.version} was not fetched "
+                               f"(fetching {self._drafter_fetch or None})", r.seq)
+            return
+        try:
+            ready = await anyio.to_thread.run_sync(check_drafter, msg, r.tensors, self.engine)
+        except DrafterError as e:
+            log.error("%s; still serving drafter version %d", e, self.drafter.version)
+            self._put(AckDrafter(version=msg.version, checksum="", refused=str(e)[:500]))
+            self._drafter_fetch = 0
+            self._drafter_announced = self.drafter.version  # wait for a newer announcement
+            return
+        self._inbox.append(ready)
+        self._wake.notify()
 
     def _forget_announcement(self, version: int) -> None:
         """A fetch of ``version`` failed: do not fetch it again until it is announced again."""
@@ -526,7 +582,6 @@ class GeneratorActor:
             self._on_outputs(outputs)
 
     def _on_outputs(self, outputs: Sequence[StepOutput]) -> None:
-        speculative = self.draft_counter is not None
         drafted = self.draft_counter.drafted if self.draft_counter is not None else {}
         for out in outputs:
             stream = self._streams[out.request_id]
@@ -541,11 +596,11 @@ class GeneratorActor:
             if stream.token_ids:
                 stream.steps_waiting += 1
                 if stream.steps_waiting >= self.settings.stream_every:
-                    self._put(stream.take_chunk(speculative=speculative))
+                    self._put(self._chunk(stream))
 
     def _finish(self, stream: SampleStream, reason: Literal["stop", "length", "abort"]) -> None:
         """Send the sample's final chunk and forget it (and its group once every sample finished)."""
-        self._put(stream.take_chunk(reason, speculative=self.draft_counter is not None))
+        self._put(self._chunk(stream, reason))
         self._streams.pop(stream.request_id, None)
         if self.draft_counter is not None:
             self.draft_counter.max_len.pop(stream.request_id, None)
@@ -565,6 +620,8 @@ class GeneratorActor:
                     await self._abort(op)
                 case _ApplyWeights():
                     await self._apply_weights(op)
+                case ReadyDrafter():
+                    self._apply_drafter(op)
                 case _:
                     assert_never(op)
 
@@ -626,7 +683,35 @@ class GeneratorActor:
             assert stream.engine_base + len(done.token_ids) == stream.num_response_tokens, stream.request_id
             self._finish(stream, "abort")
 
+    def _flush_streams(self) -> None:
+        """Send every live sample's unsent tokens now: before a swap, so that each chunk's tokens
+        come from one policy version and its drafts from one drafter version."""
+        for stream in self._streams.values():
+            if stream.token_ids:
+                self._put(self._chunk(stream))
+
+    def _chunk(self, stream: SampleStream, reason: Literal["stop", "length", "abort"] | None = None) -> RolloutChunk:
+        return stream.take_chunk(reason, speculative=self._speculative, drafter_version=self.drafter.version)
+
+    def _apply_drafter(self, ready: ReadyDrafter) -> None:
+        self._flush_streams()
+        max_len = {stream.request_id: min(self.engine.max_model_len,
+                                          len(stream.prompt_token_ids) + stream.sampling.max_tokens)
+                   for stream in self._streams.values()}
+        try:
+            self.draft_counter = self.drafter.apply(ready, max_len)
+        except (DrafterError, ValueError) as e:
+            log.error("drafter version %d refused by the engine: %s; still serving drafter version %d",
+                      ready.version, e, self.drafter.version)
+            self._put(AckDrafter(version=ready.version, checksum=ready.checksum, refused=str(e)[:500]))
+        else:
+            log.info("serving drafter version %d (checksum %s...)", ready.version, ready.checksum[:12])
+            self._put(AckDrafter(version=ready.version, checksum=ready.checksum))
+        self._drafter_fetch = 0
+        self._maybe_fetch_drafter()
+
     async def _apply_weights(self, op: _ApplyWeights) -> None:
+        self._flush_streams()
         try:
             await anyio.to_thread.run_sync(self.engine.update_weights, op.tensors, op.version)
         except ValueError as e:
@@ -664,6 +749,7 @@ def build_engine(settings: GeneratorSettings) -> tuple[Engine, DraftCounter | No
 
     Raises:
         CheckpointError, ValueError: the model cannot be loaded or a setting is out of range.
+        DrafterError: ``settings.drafter`` holds no drafter, or one made for another model.
     """
     config = EngineConfig(
         model=settings.model, backend=settings.backend, device=settings.device, dtype=settings.dtype,
@@ -676,6 +762,11 @@ def build_engine(settings: GeneratorSettings) -> tuple[Engine, DraftCounter | No
         from specroll.drafter.suffix import SuffixProposer
 
         counter = DraftCounter(SuffixProposer())
+    elif settings.drafter is not None:
+        from specroll.drafter.eagle import EagleProposer
+
+        counter = DraftCounter(EagleProposer(settings.drafter, kv_cache_memory_gb=settings.drafter_kv_cache_gb,
+                                             page_size=config.page_size, seed=settings.seed))
     return Engine(config, proposer=counter), counter
 
 

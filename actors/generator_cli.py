@@ -23,19 +23,14 @@ def settings_from_config(config: RunConfig, connect: str, actor_id: str = "") ->
 
     ``[generator.engine]`` gives the engine (its ``model`` is the config's ``model.name``),
     ``[generator]`` the streaming, heartbeat, KV policy and speculation, ``[network]`` the credit
-    window and the trainer timeout (``heartbeat_timeout_s``). ``speculative = "auto"`` without a
-    drafter means ``suffix``.
-
-    Raises:
-        ValueError: the config asks for what this generator cannot do (an EAGLE drafter).
+    window and the trainer timeout (``heartbeat_timeout_s``), ``[drafter]`` the warm-start drafter
+    and its K/V memory. ``speculative = "auto"`` means ``eagle`` with a drafter (``drafter.enabled``
+    or ``drafter.path``), else ``suffix``.
     """
     engine, gen = config.generator.engine, config.generator
     speculative = gen.speculative
-    if speculative == "auto" and not config.drafter.enabled and config.drafter.path is None:
-        speculative = "suffix"
-    if speculative not in ("off", "suffix"):
-        raise ValueError(f"generator.speculative={gen.speculative!r} with a drafter: the generator actor "
-                         "serves 'off' or 'suffix' (EAGLE drafts are not wired into it yet)")
+    if speculative == "auto":
+        speculative = "eagle" if config.drafter.enabled or config.drafter.path is not None else "suffix"
     return dict(
         connect=connect, model=engine.model, actor_id=actor_id, max_num_seqs=engine.max_num_seqs,
         dtype=engine.dtype, speculative=speculative, num_draft_tokens=engine.num_draft_tokens,
@@ -43,13 +38,15 @@ def settings_from_config(config: RunConfig, connect: str, actor_id: str = "") ->
         seed=engine.seed, trainer_timeout_s=config.network.heartbeat_timeout_s, kv_cache_gb=engine.kv_cache_memory_gb,
         max_model_len=engine.max_model_len, device=engine.device, backend=engine.backend,
         num_threads=engine.num_threads, window=config.network.window,
+        drafter=config.drafter.path if speculative == "eagle" else None, drafter_kv_cache_gb=config.drafter.kv_cache_gb,
     )
 
 
 # command-line flag -> GeneratorSettings field; every flag defaults to None = "not given"
 _FLAGS: dict[str, str] = {
     "model": "model", "actor_id": "actor_id", "max_num_seqs": "max_num_seqs", "dtype": "dtype",
-    "speculative": "speculative", "num_draft_tokens": "num_draft_tokens", "stream_every": "stream_every",
+    "speculative": "speculative", "drafter": "drafter", "num_draft_tokens": "num_draft_tokens",
+    "stream_every": "stream_every",
     "heartbeat_s": "heartbeat_s", "stats_s": "stats_s", "kv_policy": "kv_policy", "seed": "seed",
     "trainer_timeout_s": "trainer_timeout_s", "linger_s": "linger_s", "kv_cache_gb": "kv_cache_gb",
     "max_model_len": "max_model_len", "device": "device", "backend": "backend", "threads": "num_threads",
@@ -88,7 +85,10 @@ def parse_args(argv: Sequence[str] | None = None) -> GeneratorSettings:
     p.add_argument("--actor-id", default=None, help="unique id (default: generator-<uuid4 hex>)")
     p.add_argument("--max-num-seqs", type=int, default=None, help=default("max_num_seqs"))
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None, help=default("dtype"))
-    p.add_argument("--speculative", choices=["off", "suffix"], default=None, help=default("speculative"))
+    p.add_argument("--speculative", choices=["off", "suffix", "eagle"], default=None, help=default("speculative"))
+    p.add_argument("--drafter", default=None, metavar="DIR",
+                   help="with --speculative eagle: a drafter directory served from the start (default: none, "
+                        "wait for the drafter trainer's versions)")
     p.add_argument("--num-draft-tokens", type=int, default=None, help=default("num_draft_tokens"))
     p.add_argument("--stream-every", type=int, default=None,
                    help=f"engine steps between chunks at most {default('stream_every')}")

@@ -55,6 +55,9 @@ __all__ = [
 
 TRAINER_MODULE = "specroll.actors.trainer"
 GENERATOR_MODULE = "specroll.actors.generator"
+DRAFTER_MODULE = "specroll.actors.drafter_cli"
+DRAFTER_ROLE = "drafter"
+"""The drafter trainer's role name: not essential, so its death is reported and the run goes on."""
 ENDPOINT_FILENAME = "trainer.endpoint"
 """The trainer writes its bound endpoint (``tcp://HOST:PORT``) to ``RUN_DIR/trainer.endpoint``."""
 PIDS_FILENAME = "pids.json"
@@ -154,7 +157,8 @@ def _exit_code(proc: RoleProcess) -> int | None:
 
 
 PROGRESS_FIELDS = ("policy_version", "reward_mean", "accuracy", "loss", "gen_tokens_per_s", "max_lag",
-                   "tokens_masked_stale", "samples_dropped_stale", "acceptance_length", "step_s", "wait_s")
+                   "tokens_masked_stale", "samples_dropped_stale", "acceptance_length", "acceptance_length_window",
+                   "drafter_version", "step_s", "wait_s")
 """Fields of a metrics record shown in the launcher's progress line, when present (in this order)."""
 
 
@@ -211,6 +215,8 @@ class Launcher:
     _signal: int | None = field(default=None, init=False, repr=False)
     _hurry: bool = field(default=False, init=False, repr=False)
     _metrics_offset: int = field(default=0, init=False, repr=False)
+    _reported: set[str] = field(default_factory=set, init=False, repr=False)
+    """Non-essential processes whose exit was already reported."""
 
     @property
     def run_dir(self) -> Path:
@@ -244,6 +250,9 @@ class Launcher:
             for i in range(self.config.generator.count):
                 self._spawn(f"generator-{i}", [GENERATOR_MODULE, "--config", str(config_path), "--connect", endpoint,
                                                "--actor-id", f"generator-{i}"])
+            if self.config.drafter.enabled:
+                self._spawn(DRAFTER_ROLE, [DRAFTER_MODULE, "--config", str(config_path), "--connect", endpoint,
+                                           "--actor-id", "drafter-0"])
             return self._watch(trainer)
         except LaunchError as e:
             self.say(f"error: {e}")
@@ -323,7 +332,12 @@ class Launcher:
                 raise self._died(trainer, code)
             for proc in self.processes:
                 code = _exit_code(proc)
-                if code is not None:
+                if code is not None and proc.name == DRAFTER_ROLE:
+                    if proc.name not in self._reported:
+                        self._reported.add(proc.name)
+                        self.say(f"warning: the drafter trainer (pid {proc.pid}) {describe_exit(code)}; generation "
+                                 f"and training go on with the last drafter version (see {proc.log_path})")
+                elif code is not None:
                     raise self._died(proc, code)
             time.sleep(self.poll_s)
 
@@ -403,10 +417,6 @@ def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = 
         GeneratorSettings(**settings_from_config(config, connect="tcp://127.0.0.1:1"))  # type: ignore[arg-type]
     except (ConfigError, ValueError) as e:
         print(f"specroll launch: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    if config.drafter.enabled:
-        print("specroll launch: error: drafter.enabled=true, expected false: the drafter trainer actor is not "
-              "built yet", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         done = preflight(config)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from specroll.engine.model import CausalLM
 from specroll.engine.proposal import DraftInput, FeatureUpdate, Proposal, Proposer
 from specroll.protocol.messages import FinishReason, RolloutChunk, SpecStats
@@ -77,13 +79,15 @@ class SampleStream:
                                   num_accepted=self.spec.num_accepted + accepted,
                                   num_draft_steps=self.spec.num_draft_steps + 1)
 
-    def take_chunk(self, finish_reason: FinishReason | None = None, *, speculative: bool = False) -> RolloutChunk:
-        """A chunk of every unsent token (final when ``finish_reason`` is given); resets the buffer."""
+    def take_chunk(self, finish_reason: FinishReason | None = None, *, speculative: bool = False,
+                   drafter_version: int = 0) -> RolloutChunk:
+        """A chunk of every unsent token (final when ``finish_reason`` is given); resets the buffer.
+        With ``speculative`` it carries the counters of its steps, tagged with ``drafter_version``."""
         chunk = RolloutChunk(
             group_id=self.group_id, sample_index=self.index, offset=self.sent,
             token_ids=self.token_ids, logprobs=self.logprobs, versions=self.versions,
             finished=finish_reason is not None, finish_reason=finish_reason,
-            spec=self.spec if speculative else None,
+            spec=msgspec.structs.replace(self.spec, drafter_version=drafter_version) if speculative else None,
         )
         self.sent += len(self.token_ids)
         self.token_ids, self.logprobs, self.versions = [], [], []

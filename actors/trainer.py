@@ -318,7 +318,14 @@ class Trainer:
         start = time.monotonic()
         await self._overtake(groups)
         trained_version = self.version
-        rewards, result = await anyio.to_thread.run_sync(self._train, groups, trained_version)
+        pause = self.config.drafter.pause_during_train_step
+        if pause:
+            self.client.pause_drafter(True)
+        try:
+            rewards, result = await anyio.to_thread.run_sync(self._train, groups, trained_version)
+        finally:
+            if pause:
+                self.client.pause_drafter(False)
         self.step += 1
         self.version += 1
         await self._publish()
@@ -405,6 +412,7 @@ class Trainer:
             "response_tokens_mean": sum(lengths) / len(lengths),
             "gen_tokens_per_s": self._generation_rate(),
             "acceptance_length": self._acceptance_length(),
+            **self.client.drafters.report(self.config.drafter.acceptance_floor),
             "generators_alive": len(self.client.coordinator.generators),
             "generators_dead": len(self.client.dead_generators),
             "generator_versions": dict(self.client.generator_versions),

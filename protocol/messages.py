@@ -4,6 +4,11 @@ Every message is a frozen msgspec ``Struct`` tagged by its ``type`` field; the m
 cross one direction of a channel form one tagged union, and a peer decodes with its inbound union
 only, so a message sent the wrong way is refused at decode.
 
+The trainer is the hub: generators and the drafter trainer both connect to its ROUTER. Drafter
+versions travel drafter trainer → trainer (:class:`PublishDrafter`) → generators
+(:class:`DrafterAvailable`, :class:`FetchDrafter`, :class:`DrafterWeights`, :class:`AckDrafter`), so a
+generator needs one connection and an embedding client relays drafters the same way.
+
 Channel trainer ↔ generator (the trainer's ROUTER binds, each generator's DEALER connects):
 
 ============================  ===================  =============================================
@@ -24,6 +29,20 @@ message                       direction            purpose
 :class:`Credit`               both                 flow control (see ``protocol/channel.py``)
 :class:`Error`                both                 a message was refused, and why
 :class:`Dead`                 both                 the sender is exiting (sent with a short linger)
+:class:`DrafterAvailable`     trainer → generator  a new drafter version can be fetched
+:class:`FetchDrafter`         generator → trainer  send me that drafter version
+:class:`DrafterWeights`       trainer → generator  the whole drafter version, tensors as frames
+:class:`AckDrafter`           generator → trainer  the drafter version is served (or refused)
+============================  ===================  =============================================
+
+Channel trainer ↔ drafter trainer (the drafter trainer's DEALER connects to the same ROUTER; it
+says ``Hello(role="drafter")``, fetches policy weights as a generator does, and sends
+``Heartbeat``, ``Credit``, ``Error``, ``Dead`` as a generator does):
+
+============================  ===================  =============================================
+:class:`FinishedRollouts`     trainer → drafter    token ids of finished rollouts to learn from
+:class:`Capacity`             trainer → drafter    the generators' live load; pause or go on
+:class:`PublishDrafter`       drafter → trainer    a new drafter version, tensors as frames
 ============================  ===================  =============================================
 
 Compatibility: fields are added only at the end, with defaults, and every change bumps
@@ -40,7 +59,7 @@ import msgspec
 
 from specroll.protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Bumped on every change to a message; peers of different versions refuse each other."""
 
 WireDtype = Literal["float32", "bfloat16", "float16", "int64", "int32", "uint8", "bool"]
@@ -156,6 +175,10 @@ class SpecStats(_Struct):
     """Draft tokens accepted."""
     num_draft_steps: NonNegative = 0
     """Steps that verified at least one draft."""
+    drafter_version: NonNegative = 0
+    """The drafter version that proposed these drafts (0: a model-free or locally loaded drafter).
+    A generator sends the chunks of every live sample before it swaps drafters, so one chunk's
+    drafts all come from one version."""
 
 
 class RolloutChunk(_Message, tag="rollout_chunk"):
@@ -255,6 +278,88 @@ class AckWeights(_Message, tag="ack_weights"):
     version: NonNegative
 
 
+# ---- drafters --------------------------------------------------------------------------------
+
+
+class RolloutTokens(_Struct):
+    """One finished rollout as the drafter trainer needs it: token ids only."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    """Response token ids."""
+    policy_version: int
+    """The newest policy version among its tokens."""
+
+
+class FinishedRollouts(_Message, tag="finished_rollouts"):
+    """Rollouts of groups that just finished (the drafter trainer's training data)."""
+
+    rollouts: list[RolloutTokens]
+
+
+class Capacity(_Message, tag="capacity"):
+    """The generators' load, sent to the drafter trainer about twice a second: it trains when
+    there is idle capacity (the tail phase) and stops between its steps when ``pause``."""
+
+    live_seqs: NonNegative
+    """Sequences decoding in all generators' live batches (their last heartbeats)."""
+    max_seqs: NonNegative
+    """Sequences all generators could decode at once."""
+    pause: bool = False
+    """Stop training until a ``Capacity`` without it (e.g. the trainer's own step needs the cores)."""
+
+
+class PublishDrafter(_Message, tag="publish_drafter"):
+    """A new drafter version; ``tensors`` point at the frames after the header (float32 weights,
+    the int64 ``draft_to_target``)."""
+
+    version: Annotated[int, msgspec.Meta(ge=1)]
+    """Drafter version: 1, 2, ... per drafter trainer incarnation, above every earlier one."""
+    policy_version: int
+    """The policy version it was trained against."""
+    config: str
+    """The head's config as JSON (``EagleConfig``, the drafter directory's ``config.json``)."""
+    checksum: str
+    """SHA-256 of the tensors (``specroll.drafter.eagle_head.head_checksum``)."""
+    tensors: tuple[TensorRef, ...]
+    train_steps: NonNegative = 0
+    """Optimizer steps the drafter trainer had taken."""
+
+
+class DrafterAvailable(_Message, tag="drafter_available"):
+    """Drafter ``version`` is published; a generator that speculates with a learned drafter
+    fetches it with :class:`FetchDrafter`."""
+
+    version: Annotated[int, msgspec.Meta(ge=1)]
+    policy_version: int
+    checksum: str
+
+
+class FetchDrafter(_Message, tag="fetch_drafter"):
+    """Send me drafter version ``version`` (answered by one :class:`DrafterWeights`)."""
+
+    version: Annotated[int, msgspec.Meta(ge=1)]
+
+
+class DrafterWeights(_Message, tag="drafter_weights"):
+    """A whole drafter version (a few MB: one message); applied between steps."""
+
+    version: Annotated[int, msgspec.Meta(ge=1)]
+    policy_version: int
+    config: str
+    checksum: str
+    tensors: tuple[TensorRef, ...]
+
+
+class AckDrafter(_Message, tag="ack_drafter"):
+    """The generator now serves drafter ``version`` and computed ``checksum`` over what it received;
+    with ``refused`` set it did not load it (and says why) and keeps what it served before."""
+
+    version: Annotated[int, msgspec.Meta(ge=1)]
+    checksum: str
+    refused: str = ""
+
+
 # ---- liveness, stats, control -----------------------------------------------------------------
 
 
@@ -284,6 +389,8 @@ class Stats(_Message, tag="stats"):
     idle_s: float
     """Seconds with nothing to decode."""
     spec: SpecStats | None = None
+    drafter_version: NonNegative = 0
+    """Drafter version served now (0: none received)."""
 
 
 class Credit(_Message, tag="credit"):
@@ -311,10 +418,15 @@ class Dead(_Message, tag="dead"):
     reason: str = ""
 
 
-ToTrainer = Hello | RolloutChunk | FetchWeights | AckWeights | Heartbeat | Stats | Credit | Error | Dead
-"""What a trainer (coordinator) receives from a generator."""
-ToGenerator = Welcome | Refuse | SubmitGroup | Abort | WeightsAvailable | WeightsChunk | Credit | Error | Dead
+ToTrainer = (Hello | RolloutChunk | FetchWeights | AckWeights | Heartbeat | Stats | Credit | Error | Dead
+             | FetchDrafter | AckDrafter | PublishDrafter)
+"""What a trainer (coordinator) receives from a generator or the drafter trainer."""
+ToGenerator = (Welcome | Refuse | SubmitGroup | Abort | WeightsAvailable | WeightsChunk | Credit | Error | Dead
+               | DrafterAvailable | DrafterWeights)
 """What a generator receives from the trainer."""
+ToDrafter = (Welcome | Refuse | WeightsAvailable | WeightsChunk | FinishedRollouts | Capacity | Credit | Error
+             | Dead)
+"""What the drafter trainer receives from the trainer."""
 
 CONTROL_MESSAGES: tuple[type, ...] = (Credit, Heartbeat, Dead)
 """Not numbered and sent without waiting for credit (``protocol/channel.py``): flow control itself,

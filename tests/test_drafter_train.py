@@ -11,8 +11,8 @@ from conftest import hf_tiny_config, write_tiny_tokenizer
 
 from specroll.actors.cli import main
 from specroll.drafter.eagle import EagleProposer
-from specroll.drafter.learner import DrafterLearner, LearnerConfig
 from specroll.drafter.eagle_head import EagleConfig, EagleHead, build_draft_vocab, eagle3_feature_layers
+from specroll.drafter.learner import DrafterLearner, LearnerConfig
 from specroll.drafter.train import (
     Rollout,
     expected_acceptance_length,

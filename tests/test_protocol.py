@@ -14,20 +14,29 @@ from specroll.protocol.codec import ProtocolError, decode, encode, pack_tensors
 from specroll.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
+    AckDrafter,
     AckWeights,
+    Capacity,
     Credit,
     Dead,
+    DrafterAvailable,
+    DrafterWeights,
     Error,
+    FetchDrafter,
     FetchWeights,
+    FinishedRollouts,
     Heartbeat,
     Hello,
+    PublishDrafter,
     Refuse,
     RolloutChunk,
+    RolloutTokens,
     SampleResume,
     SpecStats,
     Stats,
     SubmitGroup,
     TensorSpec,
+    ToDrafter,
     ToGenerator,
     ToTrainer,
     WeightsAvailable,
@@ -51,6 +60,12 @@ TO_TRAINER = [
     Credit(limit=128),
     Error(code="malformed", message="bad header", seq=7),
     Dead(actor_id="gen-0", reason="SIGTERM"),
+    FetchDrafter(version=2),
+    AckDrafter(version=2, checksum="ab" * 32),
+    AckDrafter(version=3, checksum="", refused="made for another target"),
+    PublishDrafter(version=2, policy_version=5, config="{}", checksum="cd" * 32, tensors=(), train_steps=40),
+    RolloutChunk(group_id="g", sample_index=0, offset=3, token_ids=[1], logprobs=[-1.0], versions=[2],
+                 spec=SpecStats(num_drafted=4, num_accepted=1, num_draft_steps=1, drafter_version=7)),
 ]  # fmt: skip
 TO_GENERATOR = [
     Welcome(protocol_version=PROTOCOL_VERSION, actor_id="trainer"),
@@ -63,6 +78,13 @@ TO_GENERATOR = [
     Credit(limit=3),
     Error(code="unknown_group", message="no group 'x'"),
     Dead(actor_id="trainer"),
+    DrafterAvailable(version=2, policy_version=5, checksum="cd" * 32),
+    DrafterWeights(version=2, policy_version=5, config="{}", checksum="cd" * 32, tensors=()),
+]
+TO_DRAFTER = [
+    FinishedRollouts(rollouts=[RolloutTokens(prompt_token_ids=[1, 2], token_ids=[3, 4, 5], policy_version=6)]),
+    Capacity(live_seqs=3, max_seqs=128),
+    Capacity(live_seqs=0, max_seqs=0, pause=True),
 ]
 
 
@@ -72,12 +94,16 @@ def _header(msg: object, session: int = 1, seq: int = 0) -> bytes:
 
 
 def test_every_message_type_is_exercised():
-    sent = {type(m) for m in TO_TRAINER} | {type(m) for m in TO_GENERATOR}
-    assert sent == set(typing.get_args(ToTrainer)) | set(typing.get_args(ToGenerator))
+    sent = {type(m) for m in TO_TRAINER} | {type(m) for m in TO_GENERATOR} | {type(m) for m in TO_DRAFTER}
+    unions = (ToTrainer, ToGenerator, ToDrafter)
+    assert sent == {t for union in unions for t in typing.get_args(union)}
 
 
 @pytest.mark.parametrize(
-    ("msg", "union"), [(m, ToTrainer) for m in TO_TRAINER] + [(m, ToGenerator) for m in TO_GENERATOR], ids=repr
+    ("msg", "union"),
+    [(m, ToTrainer) for m in TO_TRAINER] + [(m, ToGenerator) for m in TO_GENERATOR]
+    + [(m, ToDrafter) for m in TO_DRAFTER],
+    ids=repr,
 )
 def test_message_round_trip(msg, union):
     frames = encode(msg, session=11, seq=42)

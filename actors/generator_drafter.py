@@ -1,0 +1,101 @@
+"""A generator's learned drafter: which version it serves, and how a new one is checked and swapped in.
+
+With ``speculative = "eagle"`` a generator drafts with an EAGLE head: one loaded from a file at
+start (``drafter``, served as version 0) and/or the versions the drafter trainer publishes through
+the trainer. A received version is checked before the step loop sees it — its checksum recomputed
+over the received bytes must equal the published one, and the head must fit the target's
+vocabulary, width and depth — and a refused one changes nothing: the generator keeps serving what
+it served (no speculation, if nothing). An accepted version is swapped in between engine steps:
+copied into the served head when the shape is unchanged (live requests keep their draft state),
+else served by a new proposer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+from specroll.actors.rollout_stream import DraftCounter
+from specroll.drafter.eagle import EagleProposer
+from specroll.drafter.eagle_head import DrafterError, EagleConfig, EagleHead, head_checksum
+from specroll.engine.engine import Engine
+from specroll.protocol.messages import DrafterWeights
+
+log = logging.getLogger("specroll.generator")
+
+
+@dataclass
+class ReadyDrafter:
+    """A checked drafter version, queued for the step loop."""
+
+    version: int
+    checksum: str
+    head: EagleHead
+
+
+def check_drafter(msg: DrafterWeights, tensors: dict[str, torch.Tensor], engine: Engine) -> ReadyDrafter:
+    """Build the head a :class:`DrafterWeights` carries, checked against its checksum and the target.
+
+    Raises:
+        DrafterError: a checksum mismatch, a malformed config or tensors, or a head made for another
+            target (vocabulary, hidden size, depth); the message names the version and the values.
+    """
+    source = f"drafter version {msg.version}"
+    got = head_checksum(tensors)
+    if got != msg.checksum:
+        raise DrafterError(f"{source}: checksum of the received tensors {got[:16]}... differs from the published "
+                           f"{msg.checksum[:16]}...")
+    try:
+        config = msgspec.json.decode(msg.config, type=EagleConfig)
+    except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
+        raise DrafterError(f"{source}: malformed config ({exc})") from None
+    head = EagleHead.from_tensors(config, tensors, source)
+    head.check_target(engine.model_config, source)
+    return ReadyDrafter(msg.version, got, head)
+
+
+class DrafterSlot:
+    """The drafter a generator's engine serves, and its version (module docstring).
+
+    Args:
+        engine: the generator's engine; only the step loop calls :meth:`apply`.
+        counter: the engine's proposer (a :class:`DraftCounter`), or ``None`` before any drafter.
+        kv_cache_memory_gb: memory for a new proposer's head K/V.
+        seed: draft-sampling seed of a new proposer.
+    """
+
+    def __init__(self, engine: Engine, counter: DraftCounter | None, kv_cache_memory_gb: float = 0.25,
+                 seed: int = 0) -> None:
+        self.engine = engine
+        self.counter = counter
+        self.version = 0
+        """Drafter version served (0: a drafter loaded at start, or none)."""
+        self.checksum = ""
+        self.kv_cache_memory_gb = kv_cache_memory_gb
+        self.seed = seed
+
+    def apply(self, ready: ReadyDrafter, max_len: dict[str, int]) -> DraftCounter:
+        """Serve ``ready`` from the next step on; returns the (possibly new) draft counter.
+
+        Args:
+            max_len: live request id → its token cap, for a new counter's draft counting.
+
+        Raises:
+            DrafterError: the engine refused it (nothing changed then).
+        """
+        inner = self.counter.inner if self.counter is not None else None
+        if isinstance(inner, EagleProposer) and inner.head.config == ready.head.config:
+            inner.load_head(ready.head)
+        else:
+            proposer = EagleProposer(ready.head, sample_drafts=True, kv_cache_memory_gb=self.kv_cache_memory_gb,
+                                     page_size=self.engine.config.page_size, seed=self.seed)
+            counter = DraftCounter(proposer)
+            counter.max_len.update(max_len)
+            self.engine.set_proposer(counter)
+            self.counter = counter
+        self.version, self.checksum = ready.version, ready.checksum
+        assert self.counter is not None
+        return self.counter

@@ -1,0 +1,241 @@
+"""Online drafter training end to end: a RolloutClient in the test, a generator process speculating
+with ``eagle``, and a drafter-trainer process (``python -m specroll.actors.drafter_cli``), all on a
+tiny random checkpoint over real sockets. Every process is killed and reaped on the way out."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+import torch
+from conftest import generator_process, write_tiny_checkpoint
+
+from specroll.actors.client import RolloutClient
+from specroll.actors.config import DrafterConfig, ModelSection, RunConfig, write_resolved
+from specroll.actors.drafter_actor import DrafterActor, DrafterSettings
+from specroll.drafter.eagle import EagleProposer
+from specroll.drafter.eagle_head import EagleConfig, EagleHead, head_checksum
+from specroll.drafter.learner import DrafterLearner, LearnerConfig
+from specroll.engine.checkpoint import load_checkpoint
+from specroll.engine.config import EngineConfig
+from specroll.engine.driver import run_to_completion
+from specroll.engine.engine import Engine
+from specroll.engine.model import CausalLM
+from specroll.protocol.codec import pack_tensors
+from specroll.protocol.messages import Capacity, PublishDrafter, RolloutChunk
+from specroll.protocol.sampling import SamplingParams
+
+pytestmark = pytest.mark.anyio
+
+SAMPLING = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("drafter-actor") / "tiny"
+    path.mkdir()
+    write_tiny_checkpoint(path)
+    return path
+
+
+@contextlib.contextmanager
+def drafter_process(endpoint: str, config: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    cmd = [sys.executable, "-m", "specroll.actors.drafter_cli", "--connect", endpoint, "--config", str(config),
+           "--actor-id", "drafter-0"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def run_config(model: Path, run_dir: Path) -> Path:
+    drafter = DrafterConfig(enabled=True, min_rollouts=4, publish_every_steps=3, batch=4, window_tokens=32,
+                            draft_vocab_size=128, duty_cycle=1.0, num_threads=1)
+    config = RunConfig(run_dir=str(run_dir), model=ModelSection(name=str(model)), drafter=drafter)
+    return write_resolved(config)
+
+
+async def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await anyio.sleep(0.05)
+
+
+async def test_drafter_versions_reach_the_generator_and_survive_the_drafter_trainer(model, tmp_path):
+    chunks: list[tuple[RolloutChunk, int]] = []
+    client = RolloutClient(heartbeat_timeout_s=20.0)
+
+    def on_chunk(actor: str, chunk: RolloutChunk) -> None:
+        served = client.drafters.generator_drafters.get(actor, (0, ""))[0]
+        chunks.append((chunk, served))
+
+    client.on_chunk = on_chunk
+    config = run_config(model, tmp_path / "run")
+    async with client:
+        with generator_process(client.endpoint, model, tmp_path / "gen.log", "--speculative", "eagle"), \
+                drafter_process(client.endpoint, config, tmp_path / "drafter.log") as drafter:
+            await client.wait_for_generators(1, timeout=60)
+            await wait_until(lambda: client.drafters.drafters, 60, "the drafter trainer's Hello")
+            prompts = [[5 + i, 17, 33, 2 * i + 40] for i in range(40)]
+            for p in prompts[:8]:
+                await client.submit(p, 2, SAMPLING)
+            for _ in range(8):
+                await client.next_finished(timeout=60)
+            # the drafter trainer cold-starts from these rollouts and publishes; the generator serves it
+            await wait_until(lambda: client.drafters.generator_drafters.get("gen-0", (0, ""))[0] >= 1, 120,
+                             "the generator to serve drafter version 1")
+            served, checksum = client.drafters.generator_drafters["gen-0"]
+            assert checksum == client.drafters.published.checksum or client.drafters.published.version > served
+            assert client.drafters.checksums_match()
+            # chunks after the ack are drafted by the new version (the generator flushes before a swap)
+            start = len(chunks)
+            for p in prompts[8:16]:
+                await client.submit(p, 2, SAMPLING)
+            for _ in range(8):
+                await client.next_finished(timeout=60)
+            later = chunks[start:]
+            assert all(c.spec is not None and c.spec.drafter_version >= v for c, v in later)
+            assert any(c.spec.num_draft_steps > 0 and c.spec.drafter_version >= 1 for c, _ in later)
+            assert any(d >= 1 for d, _ in client.drafters.acceptance())
+            # a policy update reaches the drafter trainer, which acknowledges it
+            target = CausalLM(load_checkpoint(str(model)).config)
+            target.load_weights(load_checkpoint(str(model)).weights)
+            await client.publish_weights(dict(target.hf_weights()), version=1, dtype="float32")
+            await wait_until(lambda: client.drafter_policy_versions.get("drafter-0") == 1, 60,
+                             "the drafter trainer to take policy version 1")
+            await client.wait_for_version(1, timeout=60)
+            # killing the drafter trainer stops neither generation nor the served drafter
+            os.killpg(drafter.pid, signal.SIGKILL)
+            drafter.wait(timeout=30)
+            before = client.drafters.generator_drafters["gen-0"]
+            for p in prompts[16:24]:
+                await client.submit(p, 2, SAMPLING)
+            for _ in range(8):
+                group = await client.next_finished(timeout=60)
+                assert all(len(s.token_ids) == SAMPLING.max_tokens for s in group.samples)
+            assert client.drafters.generator_drafters["gen-0"] == before
+    log = (tmp_path / "drafter.log").read_text()
+    assert "published drafter version 1" in log, log[-2000:]
+
+
+async def test_a_drafter_for_another_target_is_refused_and_generation_goes_on(model, tmp_path):
+    other = EagleConfig(target_vocab_size=999, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=2,
+                        head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, feature_layers=(2,), draft_vocab_size=64,
+                        target_num_layers=2)
+    head = EagleHead.init(other, torch.arange(64))
+    tensors = head.wire_tensors()
+    refs, frames = pack_tensors(sorted(tensors.items()))
+    publish = PublishDrafter(version=1, policy_version=0, config=msgspec_json(other), checksum=head_checksum(tensors),
+                             tensors=refs)
+    async with RolloutClient(heartbeat_timeout_s=20.0) as client:
+        with generator_process(client.endpoint, model, tmp_path / "gen.log", "--speculative", "eagle"):
+            await client.wait_for_generators(1, timeout=60)
+            client.drafters.on_publish("test", publish, {r.name: t for r, t in zip(refs, frames, strict=True)})
+            client.drafters.announce_to(["gen-0"])
+            await wait_until(lambda: "gen-0" in client.drafters.refusals, 60, "the generator's refusal")
+            assert "vocabulary 999, hidden size 32" in client.drafters.refusals["gen-0"]
+            await client.submit([5, 6, 7], 2, SAMPLING)
+            group = await client.next_finished(timeout=60)
+            assert all(len(s.token_ids) == SAMPLING.max_tokens for s in group.samples)
+            assert "gen-0" not in client.drafters.generator_drafters
+
+
+def msgspec_json(config: EagleConfig) -> str:
+    return msgspec.json.encode(config).decode()
+
+
+def test_a_policy_update_never_changes_the_drafters_bytes(model):
+    """Engine.update_weights re-reads the LM-head rows but leaves the head's own tensors alone."""
+    ckpt = load_checkpoint(str(model))
+    head = EagleHead.init(EagleConfig.for_target(ckpt.config, (2,), 64), torch.arange(64))
+    engine = Engine(EngineConfig(model=str(model), dtype="float32", kv_cache_memory_gb=0.01, max_model_len=128),
+                    proposer=EagleProposer(head, kv_cache_memory_gb=0.01))
+    before = head_checksum(engine.proposer.head.wire_tensors())
+    weights = {n: t + 0.01 for n, t in ckpt.weights.items()}
+    engine.update_weights(weights, version=1)
+    engine.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=8), "r")
+    run_to_completion(engine)
+    assert head_checksum(engine.proposer.head.wire_tensors()) == before
+
+
+def test_hot_swap_keeps_the_served_head_object_and_takes_the_new_bytes(model):
+    ckpt = load_checkpoint(str(model))
+    config = EagleConfig.for_target(ckpt.config, (2,), 64)
+    proposer = EagleProposer(EagleHead.init(config, torch.arange(64), seed=0), kv_cache_memory_gb=0.01)
+    engine = Engine(EngineConfig(model=str(model), dtype="float32", kv_cache_memory_gb=0.01, max_model_len=128),
+                    proposer=proposer)
+    served = proposer.head
+    new = EagleHead.init(config, torch.arange(64, 128), seed=1)
+    proposer.load_head(new)
+    assert proposer.head is served
+    assert head_checksum(served.wire_tensors()) == head_checksum(new.wire_tensors())
+    assert torch.equal(proposer._d2t.cpu(), torch.arange(64, 128))
+    engine.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=8), "r")
+    assert len(run_to_completion(engine)["r"].token_ids) == 8
+
+
+def test_learner_versions_checksums_and_policy_refresh(model):
+    ckpt = load_checkpoint(str(model))
+    target = CausalLM(ckpt.config)
+    target.load_weights(ckpt.weights)
+    learner = DrafterLearner(target, LearnerConfig(min_rollouts=2, batch=2, window=16, draft_vocab_size=32),
+                             eos_token_ids=[2])
+    assert not learner.ready
+    learner.add_rollout([5, 6, 7, 8, 9, 10], 3)
+    learner.add_rollout([5, 6, 11, 12, 13, 14], 3)
+    assert learner.ready
+    learner.step()
+    first = learner.snapshot()
+    assert (first.version, first.train_steps) == (1, 1)
+    assert 2 in learner.head.draft_to_target.tolist()  # end of sequence is always draftable
+    assert first.checksum == head_checksum(first.tensors)
+    entries = list(learner._buffer)
+    learner._refresh(entries, learner.head)
+    cached = [e.features.clone() for e in entries]
+    learner.set_policy({n: t * 1.5 for n, t in ckpt.weights.items()}, version=4)
+    learner.step()
+    second = learner.snapshot()
+    assert (second.version, second.policy_version) == (2, 4)
+    assert second.checksum != first.checksum
+    learner._refresh(entries, learner.head)  # stale features are recomputed under the new policy
+    assert all(e.policy_version == 4 and not torch.equal(e.features, c) for e, c in zip(entries, cached, strict=True))
+
+
+@pytest.mark.parametrize(("capacity", "below", "expected"), [
+    (Capacity(live_seqs=0, max_seqs=0), 0.25, True),  # no load reported: idle
+    (Capacity(live_seqs=2, max_seqs=16), 0.25, True),
+    (Capacity(live_seqs=12, max_seqs=16), 0.25, False),  # busy: wait for the tail
+    (Capacity(live_seqs=12, max_seqs=16), 1.0, True),
+    (Capacity(live_seqs=0, max_seqs=16, pause=True), 1.0, False),  # asked to pause
+])
+def test_schedule_trains_on_idle_capacity_and_pauses_when_asked(model, capacity, below, expected):
+    ckpt = load_checkpoint(str(model))
+    target = CausalLM(ckpt.config)
+    target.load_weights(ckpt.weights)
+    learner = DrafterLearner(target, LearnerConfig(min_rollouts=1))
+    learner.add_rollout([5, 6, 7, 8], 2)
+    actor = DrafterActor(DrafterSettings(connect="tcp://127.0.0.1:1", model=str(model), train_below=below),
+                         learner, channel=None)  # type: ignore[arg-type]
+    actor.capacity = capacity
+    assert actor.may_train() is expected
