@@ -122,7 +122,9 @@ class GeneratorSettings:
     drafter_kv_cache_gb: float = 0.25
     """Memory for the EAGLE head's own K/V, in GiB."""
     num_draft_tokens: int = 4
-    """Drafts per sequence and step when speculating."""
+    """Drafts per sequence and step when speculating (K)."""
+    draft_length: Literal["fixed", "adaptive"] = "fixed"
+    """``fixed``: K drafts every step; ``adaptive``: k in [0, K] chosen each step from measured tokens/s."""
     stream_every: int = 4
     """A sample with unsent tokens gets a chunk at least every this many engine steps."""
     heartbeat_s: float = 1.0
@@ -755,7 +757,7 @@ def build_engine(settings: GeneratorSettings) -> tuple[Engine, DraftCounter | No
         model=settings.model, backend=settings.backend, device=settings.device, dtype=settings.dtype,
         kv_cache_memory_gb=settings.kv_cache_gb, max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs, seed=settings.seed, num_threads=settings.num_threads,
-        num_draft_tokens=settings.num_draft_tokens,
+        num_draft_tokens=settings.num_draft_tokens, draft_length=settings.draft_length,
     )
     counter = None
     if settings.speculative == "suffix":

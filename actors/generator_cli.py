@@ -34,6 +34,7 @@ def settings_from_config(config: RunConfig, connect: str, actor_id: str = "") ->
     return dict(
         connect=connect, model=engine.model, actor_id=actor_id, max_num_seqs=engine.max_num_seqs,
         dtype=engine.dtype, speculative=speculative, num_draft_tokens=engine.num_draft_tokens,
+        draft_length=engine.draft_length,
         stream_every=gen.stream_every_steps, heartbeat_s=gen.heartbeat_s, kv_policy=gen.kv_policy,
         seed=engine.seed, trainer_timeout_s=config.network.heartbeat_timeout_s, kv_cache_gb=engine.kv_cache_memory_gb,
         max_model_len=engine.max_model_len, device=engine.device, backend=engine.backend,

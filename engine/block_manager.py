@@ -127,6 +127,12 @@ class BlockManager:
         seq.last_page_hash = 0
         seq.prefix_cacheable = True  # whatever it recomputes uses one weight version
 
+    def forget_cached(self) -> None:
+        """Drop every prefix-cache key: pages in use stay with their sequences, free pages become
+        plain free pages, and nothing is shared until pages are keyed again."""
+        self._key_of_page.clear()
+        self._page_of_key.clear()
+
     def cache_full_pages(self, seq: Sequence, version: int) -> None:
         """Key ``seq``'s newly full pages whose K/V is computed, so later requests share them.
 

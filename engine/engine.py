@@ -144,8 +144,9 @@ class Engine:
 
         The proposer is checked against the model before anything changes. Live requests keep
         decoding; a learned drafter sees only their positions computed from now on, so it drafts
-        for them only if it can recover their earlier features (``EagleProposer`` does for cached
-        prompt pages) — output stays lossless either way.
+        for them only if it can recover their earlier features — output stays lossless either way.
+        A proposer that taps features starts the prefix cache afresh: it never saw the features of
+        the cached pages, and a request that took them from the cache could never be drafted.
 
         Raises:
             DrafterError: a drafter made for another target (the engine keeps its proposer).
@@ -163,6 +164,8 @@ class Engine:
                 self.proposer.finish(request_id)
         self.proposer = proposer
         self._feature_layers = tuple(proposer.feature_layers) if proposer is not None else ()
+        if self._feature_layers:
+            self.block_manager.forget_cached()
         self._bandit = None
         if proposer is not None and self.config.draft_length == "adaptive":
             self._bandit = DraftLengthBandit(self.config.num_draft_tokens, seed=self.config.seed)

@@ -239,3 +239,19 @@ def test_schedule_trains_on_idle_capacity_and_pauses_when_asked(model, capacity,
                          learner, channel=None)  # type: ignore[arg-type]
     actor.capacity = capacity
     assert actor.may_train() is expected
+
+
+def test_a_drafter_attached_after_the_prefix_cache_is_warm_still_drafts(model):
+    """Requests that share cached prompt pages with earlier ones get drafts from a drafter that
+    arrived later (it never saw those pages' features; set_proposer restarts the prefix cache)."""
+    ckpt = load_checkpoint(str(model))
+    engine = Engine(EngineConfig(model=str(model), dtype="float32", kv_cache_memory_gb=0.01, max_model_len=128,
+                                 page_size=8))
+    prompt = list(range(5, 30))  # three full pages shared by every request
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=4), "warm")
+    run_to_completion(engine)
+    head = EagleHead.init(EagleConfig.for_target(ckpt.config, (2,), 64), torch.arange(64))
+    engine.set_proposer(EagleProposer(head, sample_drafts=False, kv_cache_memory_gb=0.01, page_size=8))
+    engine.add_request([*prompt, 40], SamplingParams(temperature=0.0, max_tokens=8), "later")
+    run_to_completion(engine)
+    assert engine.spec_stats.num_draft_steps > 0
