@@ -239,6 +239,9 @@ class DrafterConfig(_Section):
     """Tokens per training window (ending in the response). Default 128."""
     ttt_steps: int = 3
     """Unrolled draft steps of EAGLE-3's training-time-test loss. Default 3."""
+    hidden_weight: float = 0.0
+    """Weight of the optional hidden-state regression (SmoothL1 to the target's final hidden state,
+    as TLT adds it); 0 (default, as EAGLE-3) trains on the soft cross-entropy only."""
     min_rollouts: int = 8
     """Rollouts needed before a cold start's first step. Default 8."""
     draft_vocab_size: int = 4096
@@ -269,6 +272,8 @@ class DrafterConfig(_Section):
         for name in ("window_rollouts", "publish_every_steps", "batch", "window_tokens", "ttt_steps", "min_rollouts",
                      "draft_vocab_size", "num_threads"):
             _require(getattr(self, name) >= 1, name, getattr(self, name), "a positive integer")
+        _require(self.hidden_weight >= 0 and math.isfinite(self.hidden_weight), "hidden_weight", self.hidden_weight,
+                 "a finite number >= 0")
         _require(0 < self.duty_cycle <= 1, "duty_cycle", self.duty_cycle, "a number in (0, 1]")
         _require(0 <= self.train_below <= 1, "train_below", self.train_below, "a number in [0, 1]")
         _require(self.acceptance_floor >= 0 and math.isfinite(self.acceptance_floor), "acceptance_floor",

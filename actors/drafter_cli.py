@@ -29,6 +29,7 @@ def settings_from_config(config: RunConfig, connect: str, actor_id: str = "") ->
     """
     d = config.drafter
     learner = LearnerConfig(lr=d.learning_rate, batch=d.batch, window=d.window_tokens, ttt_steps=d.ttt_steps,
+                            hidden_weight=d.hidden_weight,
                             buffer_rollouts=d.window_rollouts, min_rollouts=d.min_rollouts,
                             draft_vocab_size=d.draft_vocab_size, features=d.features, seed=config.seed)
     return DrafterSettings(

@@ -57,6 +57,8 @@ class LearnerConfig:
     """Tokens per window (a window ends in the response)."""
     ttt_steps: int = 3
     """Unrolled draft steps of the training-time-test loss."""
+    hidden_weight: float = 0.0
+    """Weight of the optional hidden-state regression (:func:`ttt_loss`); 0: soft CE only."""
     buffer_rollouts: int = 512
     """Replay buffer capacity in rollouts (oldest dropped first): the recent RL steps."""
     min_rollouts: int = 8
@@ -74,6 +76,8 @@ class LearnerConfig:
                      "draft_vocab_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"drafter {name}={getattr(self, name)}, expected a positive integer")
+        if self.hidden_weight < 0:
+            raise ValueError(f"drafter hidden_weight={self.hidden_weight}, expected >= 0")
         if not self.lr > 0 or self.weight_decay < 0:
             raise ValueError(f"drafter lr={self.lr}, weight_decay={self.weight_decay}: expected lr > 0 and "
                              "weight_decay >= 0")
@@ -211,10 +215,10 @@ class DrafterLearner:
         head, opt = self.head, self.optimizer
         assert head is not None and opt is not None
         entries = [self._buffer[self._rng.randrange(len(self._buffer))] for _ in range(self.config.batch)]
-        token_ids, mask, prompt_lens, features, teacher = self._batch(entries, head)
+        token_ids, mask, prompt_lens, features, final, teacher = self._batch(entries, head)
         head.train()
         loss, metrics = ttt_loss(head, self.target, token_ids, mask, prompt_lens, features, teacher,
-                                 self.config.ttt_steps)
+                                 self.config.ttt_steps, final_hidden=final, hidden_weight=self.config.hidden_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -276,10 +280,10 @@ class DrafterLearner:
                 e.policy_version = self.policy_version
 
     def _batch(self, entries: Sequence[_Entry], head: EagleHead
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Windows of ``entries`` with their cached features and fresh teachers:
-        ``token_ids, mask [B, W]``, ``prompt_lens [B]``, float32 ``features [B, W, F]`` and
-        ``teacher [B, W, Vd]`` (log-probabilities)."""
+        ``token_ids, mask [B, W]``, ``prompt_lens [B]``, ``features [B, W, F]`` and the final hidden
+        states ``[B, W, H]`` (the target's dtype), float32 ``teacher [B, W, Vd]`` (log-probabilities)."""
         self._refresh(entries, head)
         window = self.config.window
         rows = []
@@ -303,6 +307,7 @@ class DrafterLearner:
             prompt_lens[i] = max(0, e.rollout.prompt_len - start)
         dev = self.device
         weight = self.target.lm_head_weight.detach().index_select(0, head.draft_to_target.to(dev))
-        teacher = F.linear(final.to(dev, weight.dtype), weight).float().log_softmax(-1)  # [B, W, Vd]
-        return token_ids.to(dev), mask.to(dev), prompt_lens.to(dev), features.to(dev, weight.dtype), teacher
+        final = final.to(dev, weight.dtype)
+        teacher = F.linear(final, weight).float().log_softmax(-1)  # [B, W, Vd]
+        return token_ids.to(dev), mask.to(dev), prompt_lens.to(dev), features.to(dev, weight.dtype), final, teacher
 

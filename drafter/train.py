@@ -89,9 +89,11 @@ def _shift(x: torch.Tensor, i: int, fill: float | int = 0) -> torch.Tensor:
 
 def unroll(
     head: EagleHead, target_model: CausalLM, token_ids: torch.Tensor, features: torch.Tensor, steps: int,
+    hiddens: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """The head's float32 draft logits ``[B, T, Vd]`` of each unrolled step (module docstring):
-    row t of step i is the i-th draft from the last verified position t, fed the true tokens."""
+    row t of step i is the i-th draft from the last verified position t, fed the true tokens.
+    ``hiddens``, when given, receives each step's normed head output ``[B, T, H]``."""
     b, t = token_ids.shape
     embed = target_model.model.embed_tokens.weight.detach()
     head_weight = target_model.lm_head_weight.detach().index_select(0, head.draft_to_target.to(embed.device))
@@ -102,7 +104,9 @@ def unroll(
         embeds = F.embedding(_shift(token_ids, i + 1), embed)  # [B, T, H]: x_{t+1+i}
         hidden, kv = head.forward_dense(embeds, hidden, base + i, past, from_target=i == 0)
         past.append(kv)
-        out.append(head.draft_logits(hidden, head_weight))  # [B, T, Vd]
+        out.append(head.draft_logits(hidden, head_weight))
+        if hiddens is not None:
+            hiddens.append(head.norm(hidden))  # [B, T, Vd]
     return out
 
 
@@ -116,7 +120,8 @@ def response_mask(mask: torch.Tensor, prompt_lens: torch.Tensor, step: int) -> t
 
 def ttt_loss(
     head: EagleHead, target_model: CausalLM, token_ids: torch.Tensor, mask: torch.Tensor, prompt_lens: torch.Tensor,
-    features: torch.Tensor, teacher: torch.Tensor, steps: int = 3,
+    features: torch.Tensor, teacher: torch.Tensor, steps: int = 3, *, final_hidden: torch.Tensor | None = None,
+    hidden_weight: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """EAGLE-3's training-time-test loss (module docstring) over a right-padded batch.
 
@@ -125,13 +130,26 @@ def ttt_loss(
         token_ids: int64 ``[B, T]``; mask: bool ``[B, T]``; prompt_lens: int64 ``[B]``.
         features, teacher: from :func:`target_features` for these rows.
         steps: unrolled draft steps k.
+        final_hidden: ``[B, T, H]`` the target's final normed hidden states (tap ``num_layers``);
+            needed when ``hidden_weight > 0``.
+        hidden_weight: weight of the optional hidden-state regression: SmoothL1 between step i's
+            normed output and the target's final hidden state at ``t + 1 + i`` (the state whose LM
+            head gives ``p_{t+1+i}``), as TLT's EAGLE heads add it (``0.5·SmoothL1 + 0.5·softCE``);
+            0 (EAGLE-3) leaves it out.
 
     Returns:
-        The scalar loss (``Σ_i 0.8^i · mean soft CE of step i``), and metrics ``loss``, ``ce_i``,
-        ``kl_i`` (``ce_i`` less the teacher's entropy: KL(p ‖ q), 0 at a perfect head) and ``top1_i``
-        (the head's argmax equals the teacher's on step i's rows: an acceptance proxy).
+        The scalar loss (``Σ_i 0.8^i · (mean soft CE + hidden_weight · mean SmoothL1) of step i``),
+        and metrics ``loss``, ``ce_i``, ``kl_i`` (``ce_i`` less the teacher's entropy: KL(p ‖ q), 0
+        at a perfect head), ``top1_i`` (the head's argmax equals the teacher's on step i's rows: an
+        acceptance proxy) and, with the regression, ``hidden_i``.
+
+    Raises:
+        ValueError: ``hidden_weight > 0`` without ``final_hidden``.
     """
-    logits = unroll(head, target_model, token_ids, features, steps)
+    if hidden_weight > 0 and final_hidden is None:
+        raise ValueError("ttt_loss: hidden_weight > 0 needs final_hidden")
+    hiddens: list[torch.Tensor] = []
+    logits = unroll(head, target_model, token_ids, features, steps, hiddens if hidden_weight > 0 else None)
     loss = torch.zeros((), device=token_ids.device)
     metrics: dict[str, float] = {}
     for i, q in enumerate(logits):
@@ -141,6 +159,13 @@ def ttt_loss(
         n = rows.sum().clamp(min=1)
         ce_i = (ce * rows).sum() / n
         loss = loss + STEP_WEIGHT**i * ce_i
+        if hidden_weight > 0:
+            assert final_hidden is not None
+            want = _shift(final_hidden, i + 1).to(hiddens[i].dtype)  # [B, T, H]
+            reg = F.smooth_l1_loss(hiddens[i], want, reduction="none").mean(-1)  # [B, T]
+            hidden_i = (reg * rows).sum() / n
+            loss = loss + STEP_WEIGHT**i * hidden_weight * hidden_i
+            metrics[f"hidden_{i}"] = hidden_i.item()
         metrics[f"ce_{i}"] = ce_i.item()
         entropy = -(p.exp() * p).sum(-1)  # [B, T]: the CE floor, so ce − entropy = KL(p ‖ q)
         metrics[f"kl_{i}"] = ce_i.item() - ((entropy * rows).sum() / n).item()

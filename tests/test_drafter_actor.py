@@ -255,3 +255,32 @@ def test_a_drafter_attached_after_the_prefix_cache_is_warm_still_drafts(model):
     engine.add_request([*prompt, 40], SamplingParams(temperature=0.0, max_tokens=8), "later")
     run_to_completion(engine)
     assert engine.spec_stats.num_draft_steps > 0
+
+
+def test_acceptance_is_reported_per_version_and_a_drop_below_the_floor_warns(caplog):
+    from specroll.actors.drafter_relay import DrafterRelay
+    from specroll.protocol.messages import SpecStats
+
+    relay = DrafterRelay(lambda actor, msg, tensors: None)
+
+    def chunk(drafter: int, policy: int, accepted: int, steps: int) -> RolloutChunk:
+        return RolloutChunk(group_id="g", sample_index=0, offset=0, token_ids=[1], logprobs=[0.0], versions=[policy],
+                            spec=SpecStats(num_drafted=4 * steps, num_accepted=accepted, num_draft_steps=steps,
+                                           drafter_version=drafter))
+
+    relay.on_chunk(chunk(3, 7, 30, 10))
+    relay.on_chunk(chunk(3, 8, 5, 10))
+    with caplog.at_level("WARNING"):
+        report = relay.report(floor=1.8)
+    assert report["acceptance_by_version"] == [
+        {"drafter_version": 3, "policy_version": 7, "acceptance_length": 4.0, "draft_steps": 10},
+        {"drafter_version": 3, "policy_version": 8, "acceptance_length": 1.5, "draft_steps": 10},
+    ]
+    assert report["acceptance_length_window"] == 1 + 35 / 20
+    assert report["acceptance_below_floor"] is True  # the newest policy version (8) is at 1.5 < 1.8
+    assert "below the floor 1.80" in caplog.text
+    relay.on_chunk(chunk(4, 8, 25, 10))
+    report = relay.report(floor=1.8)  # only what arrived since the last report
+    assert report["acceptance_by_version"] == [
+        {"drafter_version": 4, "policy_version": 8, "acceptance_length": 3.5, "draft_steps": 10}]
+    assert report["acceptance_below_floor"] is False

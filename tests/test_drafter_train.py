@@ -205,6 +205,25 @@ def test_ttt_loss_masks_prompt_tokens(setup):
     assert loss.item() == 0.0 and metrics["top1_0"] == 0.0
 
 
+def test_optional_hidden_regression_adds_smooth_l1_to_the_final_hidden_state(setup):
+    target, head = setup["target"], setup["untrained"]
+    ids = torch.tensor([r.token_ids for r in setup["held"][:2]])
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    layers = (*head.config.feature_layers, target.config.num_layers)
+    taps, teacher, _ = target_features(target, ids, mask, layers, head.draft_to_target)
+    h = target.config.hidden_size
+    features, final = taps[..., :-h], taps[..., -h:]
+    prompt_lens = torch.tensor([PROMPT_LEN, PROMPT_LEN])
+    plain, _ = ttt_loss(head, target, ids, mask, prompt_lens, features, teacher, steps=2)
+    with_reg, metrics = ttt_loss(head, target, ids, mask, prompt_lens, features, teacher, steps=2,
+                                 final_hidden=final, hidden_weight=0.5)
+    assert metrics["hidden_0"] > 0 and metrics["hidden_1"] > 0
+    expected = plain + 0.5 * (metrics["hidden_0"] + 0.8 * metrics["hidden_1"])
+    torch.testing.assert_close(with_reg, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="needs final_hidden"):
+        ttt_loss(head, target, ids, mask, prompt_lens, features, teacher, steps=2, hidden_weight=0.5)
+
+
 def write_rollouts(path: Path, rollouts: list[Rollout]) -> None:
     with path.open("w") as f:
         for r in rollouts:

@@ -281,3 +281,36 @@ def test_resume_replaces_the_metrics_of_steps_after_the_checkpoint(tmp_path: Pat
     path.write_text("".join(f'{{"step": {s}}}\n' for s in (1, 2, 3, 4)) + '{"step": 5, "cut')  # killed mid-line
     _truncate_metrics(path, 2)
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+@pytest.mark.slow
+def test_drafter_trainer_publishes_and_its_death_stops_nothing(tmp_path: Path, tiny_checkpoint) -> None:
+    config = write_config(tmp_path, tiny_checkpoint(), steps=40, count=1)
+    config.write_text(config.read_text().replace("[generator]\n", '[generator]\nspeculative = "auto"\n') + """
+[drafter]
+enabled = true
+min_rollouts = 2
+publish_every_steps = 2
+window_tokens = 16
+draft_vocab_size = 64
+duty_cycle = 1.0
+""")
+    before = children_of(os.getpid())
+    proc = launch(tmp_path, config)
+    run_dir = tmp_path / "run"
+    drafter_log = run_dir / "logs" / "drafter.log"
+    served = run_dir / "logs" / "generator-0.log"
+    wait_for(lambda: served.exists() and "serving drafter version 1" in served.read_text(errors="replace"),
+             "the generator to serve drafter version 1", proc)
+    victim = started_pids(run_dir)["drafter"]
+    os.kill(victim, signal.SIGKILL)
+    code, _, err = finish(proc, timeout=300)
+    assert code == 0, err
+    assert f"warning: the drafter trainer (pid {victim}) was killed by SIGKILL" in err, err
+    assert "published drafter version 1" in drafter_log.read_text()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 41))  # training went on to the end
+    assert any(p["drafter_version"] >= 1 and p["draft_steps"] > 0 for r in records for p in r["acceptance_by_version"])
+    assert records[-1]["generator_drafters"]["generator-0"] >= 1 and records[-1]["drafter_checksums_match"]
+    assert (run_dir / "drafter" / "model.safetensors").exists()  # the latest version, for a warm start
+    assert_nothing_left(run_dir, before)
