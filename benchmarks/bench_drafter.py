@@ -27,7 +27,7 @@ tokens sampled from the head (``EagleProposer(sample_drafts=True)``).
    in flight) with speculation off, with the **untrained** head (``EagleHead.init`` with the trained
    head's config and draft vocabulary) and with the **trained** head (the last version). Each row
    gets a fresh engine and proposer, timed from its first step to its last; one short untimed
-   generation with and without a head pays torch's first-call costs first. The figure is emitted
+   generation with each pays torch's first-call costs first. The figure is emitted
    tokens/s at live batch B (over the steps in which all B slots emitted, as in
    ``bench_speculative.py``; the whole-run rate is in the JSON). ``acceptance_length`` is the trained
    head's at batch 1; ``speedup_batchB`` = trained tok/s over off tok/s at batch B.
@@ -38,10 +38,11 @@ tokens sampled from the head (``EagleProposer(sample_drafts=True)``).
    differentiable ``CausalLM.score``. The new weights go to the engine (``update_weights``, policy
    version 1) and to the learner (``set_policy``). The same ``--round-size`` prompts are generated
    with the last drafter before the update (``acceptance_before``) and after it
-   (``acceptance_after``: the drop); then training continues version by version on new-policy
-   rollouts, each version measured on a fresh round (``curve``). ``recovery_versions`` is the number
-   of new versions until acceptance is back to at least 90% of ``acceptance_before``; ``null`` when
-   ``--recovery-versions-max`` versions do not get there.
+   (``acceptance_after``: the drop); then training continues version by version, each version
+   measured on a fresh round (``curve``) whose rollouts join the buffer (the older rollouts stay
+   until pushed out, their features and teachers recomputed under the new policy).
+   ``recovery_versions`` is the number of new versions until acceptance is back to at least 90% of
+   ``acceptance_before``; ``null`` when ``--recovery-versions-max`` versions do not get there.
 
 The issue's targets are printed next to the figures, not asserted: acceptance length >= 2.5 after
 <= 10 minutes of training, speedup >= 1.8x at batch 1, recovery within 2 drafter versions.
@@ -49,11 +50,11 @@ The issue's targets are printed next to the figures, not asserted: acceptance le
 Timing is wall-clock and the machine may be shared: on 2 cores another busy process stalls every
 op of a 2-thread torch, so the 1-minute load average before and after is printed and written.
 
-Usage (the full run takes about 25-30 minutes on 2 CPU cores, 10 of them learner steps)::
+Usage (the full run takes about 30-35 minutes on 2 idle CPU cores, 10 of them learner steps)::
 
     python benchmarks/bench_drafter.py --json bench_drafter.json
 
-and a smoke run of every phase (about 3-4 minutes)::
+and a smoke run of every phase (about 3 minutes)::
 
     python benchmarks/bench_drafter.py --quick --json /tmp/bench_drafter.json
 """
@@ -69,7 +70,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from bench_speculative import DEFAULT_PROMPTS
 from common import int_list
@@ -126,11 +127,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("online training")
     g.add_argument("--train-minutes", type=float, default=10.0,
                    help="learner wall time budget, minutes inside learner.step() (default: %(default)s)")
-    g.add_argument("--round-size", type=_positive_int, default=8,
+    g.add_argument("--round-size", type=_positive_int, default=16,
                    help="rollouts per generation round, all in flight at once (default: %(default)s)")
     g.add_argument("--rollout-max-tokens", type=_positive_int, default=256,
                    help="response tokens at most per training rollout (default: %(default)s)")
-    g.add_argument("--steps-per-version", type=_positive_int, default=25,
+    g.add_argument("--steps-per-version", type=_positive_int, default=50,
                    help="learner steps between drafter versions (default: %(default)s)")
     g.add_argument("--learner-batch", type=_positive_int, default=4,
                    help="windows per learner step (default: %(default)s)")
@@ -139,7 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--learner-lr", type=float, default=1e-3, help="learner AdamW lr (default: %(default)s)")
     g.add_argument("--ttt-steps", type=_positive_int, default=3,
                    help="unrolled draft steps of the learner's loss (default: %(default)s)")
-    g.add_argument("--buffer-rollouts", type=_positive_int, default=64,
+    g.add_argument("--buffer-rollouts", type=_positive_int, default=128,
                    help="learner replay buffer, in rollouts (oldest dropped first) (default: %(default)s)")
     g.add_argument("--draft-vocab-size", type=_positive_int, default=4096,
                    help="draft vocabulary of the cold-started head (default: %(default)s)")
@@ -154,7 +155,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--sft-steps", type=_positive_int, default=20,
                    help="AdamW steps of the policy's fine-tuning on reference solutions (default: %(default)s)")
     s.add_argument("--sft-batch", type=_positive_int, default=4, help="solutions per step (default: %(default)s)")
-    s.add_argument("--sft-lr", type=float, default=2e-4, help="fine-tuning AdamW lr (default: %(default)s)")
+    s.add_argument("--sft-lr", type=float, default=3e-4, help="fine-tuning AdamW lr (default: %(default)s)")
     s.add_argument("--recovery-versions-max", type=_positive_int, default=6,
                    help="new drafter versions at most after the update (default: %(default)s)")
     args = p.parse_args(argv)
@@ -221,14 +222,20 @@ class Round:
     num_accepted: int
 
 
+Phase = Literal["train", "shift"]
+"""Online training, or continued training after the policy update."""
+Drafter = Literal["off", "untrained", "trained"]
+"""A row of the speed table: speculation off, the untrained head, the trained head."""
+DRAFTERS: tuple[Drafter, ...] = ("off", "untrained", "trained")
+
+
 @dataclass
 class Version:
     """A drafter version: how it was made and how it drafted."""
 
     version: int
     """0: no drafter yet (plain decoding)."""
-    phase: str
-    """``train`` (online training) or ``shift`` (after the policy update)."""
+    phase: Phase
     train_steps: int
     """Learner steps taken when it was published."""
     train_seconds: float
@@ -237,6 +244,12 @@ class Version:
     """The learner's metrics averaged over the steps since the previous version."""
     round: Round | None = None
     """The round generated with it (``None`` until measured)."""
+
+    def as_json(self) -> dict[str, object]:
+        return {"version": self.version, "phase": self.phase, "train_steps": self.train_steps,
+                "train_seconds": self.train_seconds, "metrics": self.metrics,
+                "acceptance_length": self.round.acceptance_length if self.round else None,
+                "round": asdict(self.round) if self.round else None}
 
 
 @dataclass
@@ -298,7 +311,7 @@ class OnlineDrafter:
             taken += 1
         return taken
 
-    def publish(self, phase: str, phase_start_s: float) -> Version:
+    def publish(self, phase: Phase, phase_start_s: float) -> Version:
         """Snapshot the learner as a new version and serve it."""
         from specroll.drafter.eagle import EagleProposer
 
@@ -332,10 +345,10 @@ def print_version(v: Version) -> None:
     r = v.round
     assert r is not None
     acc = _fmt(r.acceptance_length)
-    learned = " ".join(f"{k} {v.metrics[k]:.3f}" for k in ("loss", "top1_0", "kl_0") if k in v.metrics)
+    learned = "".join(f" {k} {v.metrics[k]:.3f}" for k in ("loss", "top1_0", "kl_0") if k in v.metrics)
     print(f"  v{v.version:<3} {v.phase:>5} policy {r.policy_version}: acceptance {acc} over {r.num_draft_steps} "
           f"draft steps ({r.tokens} tokens in {r.seconds:.1f} s) | {v.train_steps} steps, "
-          f"{v.train_seconds / 60:.2f} learner min {learned}", flush=True)
+          f"{v.train_seconds / 60:.2f} learner min{learned}", flush=True)
 
 
 def run_online(online: OnlineDrafter, budget_s: float, steps_per_version: int) -> list[Version]:
@@ -355,8 +368,7 @@ def run_online(online: OnlineDrafter, budget_s: float, steps_per_version: int) -
 
 @dataclass
 class Row:
-    drafter: str
-    """``off``, ``untrained`` or ``trained``."""
+    drafter: Drafter
     batch_size: int
     run: RunStats
 
@@ -377,9 +389,10 @@ def speed_table(checkpoint: Checkpoint, args: argparse.Namespace, prompts: list[
 
     trained_head = head_from_snapshot(trained)
     untrained = EagleHead.init(trained_head.config, trained_head.draft_to_target, seed=args.seed)
-    heads = {"off": None, "untrained": untrained.state_dict(), "trained": trained_head.state_dict()}
+    heads: dict[Drafter, dict[str, torch.Tensor] | None] = {
+        "off": None, "untrained": untrained.state_dict(), "trained": trained_head.state_dict()}
 
-    def make_engine(batch_size: int, drafter: str) -> Engine:
+    def make_engine(batch_size: int, drafter: Drafter) -> Engine:
         proposer = None
         state = heads[drafter]
         if state is not None:  # a fresh head and proposer per engine: attach casts the head in place
@@ -391,7 +404,7 @@ def speed_table(checkpoint: Checkpoint, args: argparse.Namespace, prompts: list[
         return Engine(config, checkpoint=checkpoint, proposer=proposer)
 
     warm = SamplingParams(temperature=TEMPERATURE, max_tokens=WARMUP_TOKENS, seed=args.seed, ignore_eos=True)
-    for drafter in ("off", "trained"):
+    for drafter in DRAFTERS:
         timed_run(make_engine(2, drafter), [Request(f"w{i}", f"w{i}", prompts[0], warm) for i in range(2)], 2)
     requests = [Request(f"t{i}", f"t{i}", prompt,
                         SamplingParams(temperature=TEMPERATURE, top_p=1.0, max_tokens=args.max_tokens,
@@ -399,7 +412,7 @@ def speed_table(checkpoint: Checkpoint, args: argparse.Namespace, prompts: list[
                 for i, prompt in enumerate(prompts)]
     rows = []
     for batch_size in args.batch_sizes:
-        for drafter in heads:
+        for drafter in DRAFTERS:
             engine = make_engine(batch_size, drafter)
             _, run = timed_run(engine, requests, batch_size)
             del engine
@@ -471,8 +484,7 @@ class Shift:
         before, after = self.before.acceptance_length, self.after.acceptance_length
         return {"acceptance_before": before, "acceptance_after": after,
                 "threshold": RECOVERY_FRACTION * before if before is not None else None,
-                "curve": [{"version": v.version, "acceptance_length": v.round.acceptance_length if v.round else None,
-                           "train_steps": v.train_steps, "metrics": v.metrics} for v in self.curve],
+                "curve": [v.as_json() for v in self.curve],
                 "recovery_versions": self.recovery_versions, "sft_losses": self.sft_losses,
                 "sft_seconds": self.sft_seconds, "learner_seconds": self.learner_seconds,
                 "before": asdict(self.before), "after": asdict(self.after)}
@@ -515,6 +527,65 @@ def shift_and_recover(online: OnlineDrafter, checkpoint: Checkpoint, args: argpa
     return Shift(losses, sft_seconds, before, after, curve, online.learner_seconds - phase_start, recovered)
 
 
+# ---- results ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Results:
+    versions: list[Version]
+    train_seconds: float
+    """Learner seconds of the online phase."""
+    train_steps: int
+    online_wall_seconds: float
+    """The online phase's wall time, generation included."""
+    rows: list[Row]
+    shift: Shift
+
+    def run(self, drafter: Drafter, batch_size: int) -> RunStats:
+        return next(r.run for r in self.rows if r.drafter == drafter and r.batch_size == batch_size)
+
+    def speedup(self, batch_size: int) -> float:
+        """The trained head's tokens/s at live batch B over speculation off's."""
+        return self.run("trained", batch_size).steady_tok_s / self.run("off", batch_size).steady_tok_s
+
+    def print_summary(self, args: argparse.Namespace) -> None:
+        measured = [v.round.acceptance_length for v in self.versions if v.round and v.round.acceptance_length]
+        print(f"online training: {self.train_seconds / 60:.2f} learner minutes, {self.train_steps} steps, "
+              f"{len(self.versions) - 1} versions, {self.online_wall_seconds / 60:.1f} min wall with generation; "
+              "acceptance per version: " + ", ".join(f"{a:.2f}" for a in measured))
+        print(f"tokens/s at live batch B, T={TEMPERATURE}, k={args.num_draft_tokens}, {args.table_prompts} test "
+              f"prompts, max_tokens {args.max_tokens}; ratio to off")
+        print(f"{'B':>3} | {'off tok/s':>9} | {'untrained tok/s':>15} {'ratio':>6} {'acc len':>7} | "
+              f"{'trained tok/s':>13} {'ratio':>6} {'acc len':>7}")
+        for b in args.batch_sizes:
+            off, un, tr = self.run("off", b), self.run("untrained", b), self.run("trained", b)
+            print(f"{b:>3} | {off.steady_tok_s:>9.1f} | {un.steady_tok_s:>15.1f} "
+                  f"{un.steady_tok_s / off.steady_tok_s:>5.2f}x {un.acceptance_length:>7.2f} | "
+                  f"{tr.steady_tok_s:>13.1f} {tr.steady_tok_s / off.steady_tok_s:>5.2f}x {tr.acceptance_length:>7.2f}")
+        print(f"acceptance_length {self.run('trained', 1).acceptance_length:.2f} "
+              f"(target >= {TARGETS['acceptance_length']} after <= 10 min)")
+        print(f"speedup_batch1 {self.speedup(1):.2f}x (target >= {TARGETS['speedup_batch1']}x), "
+              f"speedup_batch4 {self.speedup(4):.2f}x")
+        shift = self.shift
+        curve = ", ".join(_fmt(v.round.acceptance_length) for v in shift.curve if v.round)
+        print(f"policy shift (fine-tuning loss {shift.sft_losses[0]:.3f} -> {shift.sft_losses[-1]:.3f}): acceptance "
+              f"{_fmt(shift.before.acceptance_length)} before, {_fmt(shift.after.acceptance_length)} after; "
+              f"new versions: {curve}")
+        print(f"recovery_versions {shift.recovery_versions} (to >= {RECOVERY_FRACTION:.0%} of before; "
+              f"target <= {TARGETS['recovery_versions']}; null: not within {args.recovery_versions_max})")
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "acceptance_length": self.run("trained", 1).acceptance_length, "speedup_batch1": self.speedup(1),
+            "speedup_batch4": self.speedup(4), "recovery_versions": self.shift.recovery_versions,
+            "train_minutes": self.train_seconds / 60, "train_steps": self.train_steps,
+            "online_wall_minutes": self.online_wall_seconds / 60, "versions": [v.as_json() for v in self.versions],
+            "table": [r.as_json() for r in self.rows],
+            "speedups": {str(r.batch_size): self.speedup(r.batch_size) for r in self.rows if r.drafter == "off"},
+            "shift": self.shift.as_json(),
+        }
+
+
 # ---- main ------------------------------------------------------------------------------------
 
 
@@ -549,12 +620,8 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
     )
     learner = DrafterLearner(target, learner_config, eos_token_ids=eos)
-    # No prefix caching: the proposer arrives after the first round, and a request that takes its first
-    # pages from pages cached before then gets no target features for them, so it would never be drafted
-    # for. With one sample per prompt only the chat template's system prompt is shared anyway.
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.round_size, seed=args.seed,
-                                 num_threads=args.threads, num_draft_tokens=args.num_draft_tokens,
-                                 enable_prefix_caching=False),
+                                 num_threads=args.threads, num_draft_tokens=args.num_draft_tokens),
                     checkpoint=checkpoint)
     online = OnlineDrafter(engine, learner, train_prompts, args.round_size, args.rollout_max_tokens, args.seed)
 
@@ -574,52 +641,15 @@ def main(argv: list[str] | None = None) -> int:
           f"lr {args.sft_lr}", flush=True)
     shift = shift_and_recover(online, checkpoint, args)
 
-    def row(drafter: str, batch_size: int) -> Row:
-        return next(r for r in rows if r.drafter == drafter and r.batch_size == batch_size)
-
-    speedups = {b: row("trained", b).run.steady_tok_s / row("off", b).run.steady_tok_s for b in args.batch_sizes}
-    acceptance = row("trained", 1).run.acceptance_length
-    measured = [v.round.acceptance_length for v in versions if v.round and v.round.acceptance_length is not None]
-
+    results = Results(versions, train_s, train_steps, online_wall, rows, shift)
     print()
-    print(f"online training: {train_s / 60:.2f} learner minutes, {train_steps} steps, {len(versions) - 1} versions, "
-          f"{online_wall / 60:.1f} min wall with generation; acceptance per version: "
-          + ", ".join(f"{a:.2f}" for a in measured))
-    print(f"tokens/s at live batch B, T={TEMPERATURE}, k={args.num_draft_tokens}, {len(test_prompts)} test prompts, "
-          f"max_tokens {args.max_tokens}; ratio to off")
-    print(f"{'B':>3} | {'off tok/s':>9} | {'untrained tok/s':>15} {'ratio':>6} {'acc len':>7} | "
-          f"{'trained tok/s':>13} {'ratio':>6} {'acc len':>7}")
-    for b in args.batch_sizes:
-        off, un, tr = row("off", b).run, row("untrained", b).run, row("trained", b).run
-        print(f"{b:>3} | {off.steady_tok_s:>9.1f} | {un.steady_tok_s:>15.1f} "
-              f"{un.steady_tok_s / off.steady_tok_s:>5.2f}x {un.acceptance_length:>7.2f} | "
-              f"{tr.steady_tok_s:>13.1f} {tr.steady_tok_s / off.steady_tok_s:>5.2f}x {tr.acceptance_length:>7.2f}")
-    print(f"acceptance_length {acceptance:.2f} (target >= {TARGETS['acceptance_length']} after <= 10 min)")
-    print(f"speedup_batch1 {speedups[1]:.2f}x (target >= {TARGETS['speedup_batch1']}x), "
-          f"speedup_batch4 {speedups[4]:.2f}x")
-    curve = ", ".join(f"{v.round.acceptance_length:.2f}" for v in shift.curve
-                      if v.round and v.round.acceptance_length is not None)
-    print(f"policy shift (fine-tuning loss {shift.sft_losses[0]:.3f} -> {shift.sft_losses[-1]:.3f}): acceptance "
-          f"{_fmt(shift.before.acceptance_length)} before, {_fmt(shift.after.acceptance_length)} after; "
-          f"new versions: {curve}")
-    print(f"recovery_versions {shift.recovery_versions} (to >= {RECOVERY_FRACTION:.0%} of before; "
-          f"target <= {TARGETS['recovery_versions']}; null: not within {args.recovery_versions_max})")
+    results.print_summary(args)
     load_after = os.getloadavg()[0]
     print(f"1-min load average {load_before:.2f} before, {load_after:.2f} after ({os.cpu_count()} CPUs)")
-
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
               if k not in ("questions", "test_questions", "solutions")}
-    report = {
-        "acceptance_length": acceptance, "speedup_batch1": speedups[1], "speedup_batch4": speedups[4],
-        "recovery_versions": shift.recovery_versions, "train_minutes": train_s / 60, "train_steps": train_steps,
-        "online_wall_minutes": online_wall / 60,
-        "versions": [{"version": v.version, "phase": v.phase, "train_steps": v.train_steps,
-                      "train_seconds": v.train_seconds, "metrics": v.metrics,
-                      "round": asdict(v.round) if v.round else None} for v in versions],
-        "table": [r.as_json() for r in rows], "speedups": {str(b): s for b, s in speedups.items()},
-        "shift": shift.as_json(), "config": config, "load_avg": [load_before, load_after], "threads": threads,
-        "dtype": args.dtype, "torch_version": torch.__version__, "targets": TARGETS,
-    }
+    report = {**results.as_json(), "config": config, "load_avg": [load_before, load_after], "threads": threads,
+              "dtype": args.dtype, "torch_version": torch.__version__, "targets": TARGETS}
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
