@@ -101,14 +101,8 @@ def teacher_forced_logits(engine, prompt: list[int], response: list[int]) -> tor
 
 
 @contextlib.contextmanager
-def generator_process(
-    endpoint: str, model: Path, log: Path, *extra: str, actor_id: str = "gen-0", kv_gb: float = 0.02
-) -> Iterator[subprocess.Popen[bytes]]:
-    """``python -m specroll.actors.generator`` in its own process group (float32, 1 thread, fast
-    heartbeats), output to ``log``; the whole group is killed and reaped on the way out."""
-    cmd = [sys.executable, "-m", "specroll.actors.generator", "--connect", endpoint, "--model", str(model),
-           "--actor-id", actor_id, "--dtype", "float32", "--kv-cache-gb", str(kv_gb), "--threads", "1",
-           "--heartbeat-s", "0.2", "--stats-s", "0.5", "--trainer-timeout-s", "30", *extra]
+def actor_process(cmd: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``cmd`` in its own process group, output to ``log``; the whole group is killed and reaped on the way out."""
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -118,3 +112,13 @@ def generator_process(
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+def generator_process(
+    endpoint: str, model: Path, log: Path, *extra: str, actor_id: str = "gen-0", kv_gb: float = 0.02
+) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
+    """``python -m specroll.actors.generator`` as an :func:`actor_process` (float32, 1 thread, fast heartbeats)."""
+    cmd = [sys.executable, "-m", "specroll.actors.generator", "--connect", endpoint, "--model", str(model),
+           "--actor-id", actor_id, "--dtype", "float32", "--kv-cache-gb", str(kv_gb), "--threads", "1",
+           "--heartbeat-s", "0.2", "--stats-s", "0.5", "--trainer-timeout-s", "30", *extra]
+    return actor_process(cmd, log)

@@ -10,14 +10,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
 import msgspec
 import pytest
 import torch
-from conftest import generator_process, write_tiny_checkpoint
+from conftest import actor_process, generator_process, write_tiny_checkpoint
 
 from specroll.actors.client import RolloutClient
 from specroll.actors.config import DrafterConfig, ModelSection, RunConfig, write_resolved
@@ -52,19 +51,11 @@ def model(tmp_path_factory) -> Path:
     return path
 
 
-@contextlib.contextmanager
-def drafter_process(endpoint: str, config: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    cmd = [sys.executable, "-m", "specroll.actors.drafter_cli", "--connect", endpoint, "--config", str(config),
-           "--actor-id", "drafter-0"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+def drafter_process(
+    endpoint: str, config: Path, log: Path
+) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
+    return actor_process([sys.executable, "-m", "specroll.actors.drafter_cli", "--connect", endpoint, "--config",
+                          str(config), "--actor-id", "drafter-0"], log)
 
 
 def run_config(model: Path, run_dir: Path) -> Path:
