@@ -37,6 +37,8 @@ import torch
 import zmq
 import zmq.asyncio
 
+from specroll.actors.actor_exit import EXIT_OK, EXIT_REFUSED, EXIT_TRAINER_LOST, failure, report_exit
+from specroll.actors.weights_fetch import FetchAbandoned, WeightsFetch
 from specroll.drafter.eagle_head import EagleHead
 from specroll.drafter.learner import DrafterLearner, DrafterSnapshot, LearnerConfig
 from specroll.protocol.channel import DEFAULT_WINDOW, Channel, Received, SequenceError
@@ -63,7 +65,6 @@ from specroll.protocol.sockets import close_socket, make_socket
 
 log = logging.getLogger("specroll.drafter")
 
-EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_TRAINER_LOST = 0, 1, 2, 3
 
 
 @dataclass
@@ -110,15 +111,6 @@ class DrafterSettings:
                 raise ValueError(f"{name}={getattr(self, name)}, expected a positive number of seconds")
 
 
-@dataclass
-class _PolicyFetch:
-    version: int
-    num_chunks: int
-    names: frozenset[str]
-    next_index: int = 0
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
 class DrafterActor:
     """Trains ``learner`` on the trainer's rollouts and publishes drafter versions (module docstring).
 
@@ -141,7 +133,7 @@ class DrafterActor:
         """Received, not yet in the learner (added between steps)."""
         self._policy: tuple[int, dict[str, torch.Tensor]] | None = None
         """A complete policy version, not yet in the learner."""
-        self._fetch: _PolicyFetch | None = None
+        self._fetch: WeightsFetch | None = None
         self._announced: WeightsAvailable | None = None
         self._outbox: list[object] = []
         self._outbox_changed = anyio.Event()
@@ -174,15 +166,11 @@ class DrafterActor:
                 if self.learner.head is not None:  # a warm start is served at once
                     await self._publish()
                 await self._train_loop()
-        except Exception as e:
+        except Exception as e:  # an internal failure: reported as the actor's death
             log.exception("drafter trainer %s failed", self.settings.actor_id)
-            self._exit = (EXIT_FAILED, f"internal failure: {type(e).__name__}: {e}")
-        code, reason = self._exit or (EXIT_OK, "stopped")
-        with anyio.move_on_after(self.settings.linger_s, shield=True):
-            await self.channel.send(Dead(actor_id=self.settings.actor_id, reason=reason))
-        log.log(logging.INFO if code == EXIT_OK else logging.ERROR, "drafter trainer %s exits with code %d: %s",
-                self.settings.actor_id, code, reason)
-        return code
+            self._exit = failure(e)
+        return await report_exit(self.channel, self.settings.actor_id, self._exit, self.settings.linger_s, log,
+                                 "drafter trainer")
 
     def stop(self, code: int, reason: str) -> None:
         """End the actor now; the first reason given is the one reported."""
@@ -288,24 +276,24 @@ class DrafterActor:
         have = self._policy[0] if self._policy is not None else self.learner.policy_version
         if a is None or a.version <= have or (self._fetch is not None and self._fetch.version >= a.version):
             return
-        self._fetch = _PolicyFetch(a.version, a.num_chunks, frozenset(p.name for p in a.params))
+        self._fetch = WeightsFetch.announced(a)
         self._put(FetchWeights(version=a.version))
 
     def _on_weights_chunk(self, msg: WeightsChunk, tensors: dict[str, torch.Tensor]) -> None:
         f = self._fetch
-        if f is None or msg.version != f.version or msg.index != f.next_index or msg.num_chunks != f.num_chunks:
-            log.warning("weights chunk %d/%d of version %d not expected; the fetch is dropped", msg.index,
-                        msg.num_chunks, msg.version)
+        if f is None or msg.version != f.version:
+            log.warning("weights chunk %d/%d of version %d was not fetched; ignored", msg.index, msg.num_chunks,
+                        msg.version)
+            return
+        try:
+            complete = f.add(msg, tensors)
+        except FetchAbandoned as e:
+            log.warning("%s; the fetch is dropped (the next announcement starts over)", e)
             self._fetch = None
             return
-        f.tensors.update(tensors)
-        f.next_index += 1
-        if f.next_index == f.num_chunks:
+        if complete is not None:
             self._fetch = None
-            if f.tensors.keys() != f.names:
-                log.warning("policy version %d: received tensors differ from the announced ones; ignored", f.version)
-                return
-            self._policy = (f.version, f.tensors)
+            self._policy = (f.version, complete)
             self._notify()
             self._maybe_fetch()
 

@@ -50,8 +50,10 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from specroll.actors.actor_exit import EXIT_OK, EXIT_REFUSED, EXIT_TRAINER_LOST, failure, report_exit
 from specroll.actors.generator_drafter import DrafterSlot, ReadyDrafter, check_drafter
 from specroll.actors.rollout_stream import DraftCounter, SampleStream
+from specroll.actors.weights_fetch import FetchAbandoned, WeightsFetch
 from specroll.drafter.eagle_head import DrafterError
 from specroll.engine.config import EngineConfig
 from specroll.engine.engine import Engine
@@ -93,10 +95,6 @@ log = logging.getLogger("specroll.generator")
 KvPolicy = Literal["keep", "recompute"]
 Speculative = Literal["off", "suffix", "eagle"]
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_REFUSED = 2
-EXIT_TRAINER_LOST = 3
 
 
 @dataclass
@@ -183,18 +181,6 @@ class _ApplyWeights:
     tensors: dict[str, torch.Tensor]
 
 
-@dataclass
-class _Fetch:
-    """A policy version being fetched: chunks arrive in order."""
-
-    version: int
-    num_chunks: int
-    names: frozenset[str] | None
-    """The announced parameter names (``WeightsAvailable.params``), when it was announced."""
-    next_index: int = 0
-    tensors: dict[str, torch.Tensor] | None = None
-
-
 class _Wakeup:
     """Level-triggered wake-up: :meth:`notify` wakes every task waiting now."""
 
@@ -245,7 +231,7 @@ class GeneratorActor:
         self._announced: WeightsAvailable | None = None
         self._trainer_said_dead = False
         """The trainer announced its exit (``Dead``) and has not said anything since."""
-        self._fetch: _Fetch | None = None
+        self._fetch: WeightsFetch | None = None
         self._largest_group = 1
         self._stopping = False
         self._exit: tuple[int, str] | None = None
@@ -283,13 +269,9 @@ class GeneratorActor:
                 tg.cancel_scope.cancel()
         except Exception as e:  # an internal failure: reported as the actor's death
             log.exception("generator %s failed", self.settings.actor_id)
-            self._exit = (EXIT_FAILED, f"internal failure: {type(e).__name__}: {e}")
-        code, reason = self._exit or (EXIT_OK, "stopped")
-        with anyio.move_on_after(self.settings.linger_s, shield=True):
-            await self.channel.send(Dead(actor_id=self.settings.actor_id, reason=reason))
-        log.log(logging.INFO if code == EXIT_OK else logging.ERROR, "generator %s exits with code %d: %s",
-                self.settings.actor_id, code, reason)
-        return code
+            self._exit = failure(e)
+        return await report_exit(self.channel, self.settings.actor_id, self._exit, self.settings.linger_s, log,
+                                 "generator")
 
     def stop(self, code: int, reason: str, *, graceful: bool) -> None:
         """End the actor: ``graceful`` lets the current step finish and flushes chunks; otherwise
@@ -459,7 +441,7 @@ class GeneratorActor:
             case WeightsAvailable():
                 self._announced = msg
                 f = self._fetch
-                if f is not None and f.version < msg.version and f.next_index < f.num_chunks:
+                if f is not None and f.version < msg.version and not f.complete:
                     # A newer version supersedes a transfer still under way (the trainer moved on or
                     # restarted and will never finish the old one): drop it, fetch the new one.
                     log.info("policy version %d supersedes the unfinished fetch of %d", msg.version, f.version)
@@ -491,7 +473,7 @@ class GeneratorActor:
         a = self._announced
         if a is None or self._fetch is not None or a.version <= self.engine.weight_version:
             return
-        self._fetch = _Fetch(a.version, a.num_chunks, frozenset(p.name for p in a.params))
+        self._fetch = WeightsFetch.announced(a)
         log.info("fetching policy version %d (%d chunks)", a.version, a.num_chunks)
         self._put(FetchWeights(version=a.version))
 
@@ -530,37 +512,20 @@ class GeneratorActor:
         if (f is None or msg.version != f.version) and self._announced is not None \
                 and msg.version < self._announced.version:
             return  # a chunk of a superseded transfer, still in flight: nothing to do with it
-        if f is None or msg.version != f.version or f.next_index >= f.num_chunks:
+        if f is None or msg.version != f.version or f.complete:
             await self._refuse("bad_request", f"weights chunk {msg.index} of version {msg.version} was not fetched "
                                f"(fetching {f.version if f else None})", r.seq)
             return
-        if msg.index != f.next_index or msg.num_chunks != f.num_chunks:
+        try:
+            tensors = f.add(msg, r.tensors)
+        except FetchAbandoned as e:
             self._fetch = None  # the version is unusable; a later WeightsAvailable starts over
             self._forget_announcement(msg.version)
-            await self._refuse("bad_request", f"weights chunk {msg.index}/{msg.num_chunks} of version {msg.version}; "
-                               f"expected chunk {f.next_index}/{f.num_chunks} (fetch abandoned)", r.seq)
+            await self._refuse("bad_request", f"{e} (fetch abandoned)", r.seq)
             return
-        tensors = f.tensors if f.tensors is not None else {}
-        dup = tensors.keys() & r.tensors.keys()
-        if dup:
-            self._fetch = None
-            self._forget_announcement(msg.version)
-            await self._refuse("bad_request", f"version {msg.version} sends tensors {sorted(dup)[:3]} twice", r.seq)
-            return
-        tensors.update(r.tensors)
-        f.tensors, f.next_index = tensors, f.next_index + 1
-        if f.next_index < f.num_chunks:
-            return
-        if f.names is not None and f.names != tensors.keys():
-            self._fetch = None
-            self._forget_announcement(msg.version)
-            await self._refuse("bad_request", f"version {msg.version}: received tensors differ from the announced "
-                               f"ones (missing {sorted(f.names - tensors.keys())[:3]}, "
-                               f"extra {sorted(tensors.keys() - f.names)[:3]})", r.seq)
-            return
-        f.tensors = None  # handed to the step loop
-        self._inbox.append(_ApplyWeights(msg.version, tensors))
-        self._wake.notify()
+        if tensors is not None:  # complete: the step loop applies it (the fetch stays until then)
+            self._inbox.append(_ApplyWeights(msg.version, tensors))
+            self._wake.notify()
 
     # ---- the step loop: the only code touching the engine -----------------------------------
 
