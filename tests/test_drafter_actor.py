@@ -19,10 +19,11 @@ import torch
 from conftest import actor_process, generator_process, write_tiny_checkpoint
 
 from specroll.actors.client import RolloutClient
-from specroll.actors.config import DrafterConfig, ModelSection, RunConfig, write_resolved
+from specroll.actors.config import DrafterConfig, ModelSection, RunConfig
+from specroll.actors.config_dump import write_resolved
 from specroll.actors.drafter_actor import DrafterActor, DrafterSettings
 from specroll.drafter.eagle import EagleProposer
-from specroll.drafter.eagle_head import EagleConfig, EagleHead, head_checksum
+from specroll.drafter.eagle_head import EagleConfig, EagleHead, eagle3_feature_layers, head_checksum
 from specroll.drafter.learner import DrafterLearner, LearnerConfig
 from specroll.engine.checkpoint import load_checkpoint
 from specroll.engine.config import EngineConfig
@@ -99,7 +100,7 @@ async def test_drafter_versions_reach_the_generator_and_survive_the_drafter_trai
             served, checksum = client.drafters.generator_drafters["gen-0"]
             assert checksum == client.drafters.published.checksum or client.drafters.published.version > served
             assert client.drafters.checksums_match()
-            # chunks after the ack are drafted by the new version (the generator flushes before a swap)
+            # chunks after the ack name the new version (the swap test below checks what they count)
             start = len(chunks)
             for p in prompts[8:16]:
                 await client.submit(p, 2, SAMPLING)
@@ -130,20 +131,28 @@ async def test_drafter_versions_reach_the_generator_and_survive_the_drafter_trai
     assert "published drafter version 1" in log, log[-2000:]
 
 
+def publish_head(client: RolloutClient, head: EagleHead, version: int) -> None:
+    """Publish ``head`` as drafter ``version`` through the client's relay (as a drafter trainer would)."""
+    tensors = head.wire_tensors()
+    refs, frames = pack_tensors(sorted(tensors.items()))
+    msg = PublishDrafter(version=version, policy_version=0, config=msgspec.json.encode(head.config).decode(),
+                         checksum=head_checksum(tensors), tensors=refs)
+    client.drafters.on_publish("test", msg, {r.name: t for r, t in zip(refs, frames, strict=True)})
+    client.drafters.announce_to(["gen-0"])
+
+
+def served(client: RolloutClient) -> int:
+    return client.drafters.generator_drafters.get("gen-0", (0, ""))[0]
+
+
 async def test_a_drafter_for_another_target_is_refused_and_generation_goes_on(model, tmp_path):
     other = EagleConfig(target_vocab_size=999, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=2,
                         head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, feature_layers=(2,), draft_vocab_size=64,
                         target_num_layers=2)
-    head = EagleHead.init(other, torch.arange(64))
-    tensors = head.wire_tensors()
-    refs, frames = pack_tensors(sorted(tensors.items()))
-    publish = PublishDrafter(version=1, policy_version=0, config=msgspec_json(other), checksum=head_checksum(tensors),
-                             tensors=refs)
     async with RolloutClient(heartbeat_timeout_s=20.0) as client:
         with generator_process(client.endpoint, model, tmp_path / "gen.log", "--speculative", "eagle"):
             await client.wait_for_generators(1, timeout=60)
-            client.drafters.on_publish("test", publish, {r.name: t for r, t in zip(refs, frames, strict=True)})
-            client.drafters.announce_to(["gen-0"])
+            publish_head(client, EagleHead.init(other, torch.arange(64)), 1)
             await wait_until(lambda: "gen-0" in client.drafters.refusals, 60, "the generator's refusal")
             assert "vocabulary 999, hidden size 32" in client.drafters.refusals["gen-0"]
             await client.submit([5, 6, 7], 2, SAMPLING)
@@ -152,8 +161,42 @@ async def test_a_drafter_for_another_target_is_refused_and_generation_goes_on(mo
             assert "gen-0" not in client.drafters.generator_drafters
 
 
-def msgspec_json(config: EagleConfig) -> str:
-    return msgspec.json.encode(config).decode()
+async def test_a_drafter_swap_splits_live_samples_chunks_by_drafter_version(model, tmp_path):
+    """Each chunk's draft counts come from the one drafter version it names: the generator sends every
+    live sample's pending tokens before a swap. Chunks are only sent at a swap or at the end here
+    (``--stream-every`` huge). Drafter 2 has another shape, so it replaces the proposer and cannot
+    draft for samples that began under drafter 1 (it never saw their features): their chunks after the
+    swap draft nothing, those before it did."""
+    cfg = load_checkpoint(str(model)).config
+    layers = eagle3_feature_layers(cfg.num_layers)
+    first = EagleHead.init(EagleConfig.for_target(cfg, layers, 64), torch.arange(64))
+    second = EagleHead.init(EagleConfig.for_target(cfg, layers, 96), torch.arange(96))
+    chunks: dict[tuple[str, int], list[RolloutChunk]] = {}
+    client = RolloutClient(heartbeat_timeout_s=20.0)
+    client.on_chunk = lambda actor, c: chunks.setdefault((c.group_id, c.sample_index), []).append(c)
+    long = SamplingParams(temperature=1.0, max_tokens=480, ignore_eos=True)
+    async with client:
+        with generator_process(client.endpoint, model, tmp_path / "gen.log", "--speculative", "eagle",
+                               "--stream-every", "1000000", "--max-model-len", "512"):
+            await client.wait_for_generators(1, timeout=60)
+            publish_head(client, first, 1)
+            await wait_until(lambda: served(client) == 1, 60, "the generator to serve drafter version 1")
+            live = await client.submit([5, 17, 33], 2, long)
+            await client.submit([6, 17, 33], 1, SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True))
+            await client.next_finished(timeout=60)  # the short group: the long one is mid-flight now
+            publish_head(client, second, 2)
+            await wait_until(lambda: served(client) == 2, 60, "the generator to serve drafter version 2")
+            after = await client.submit([7, 17, 33], 1, SAMPLING)
+            finished = {(await client.next_finished(timeout=120)).group_id for _ in range(2)}
+            assert finished == {live, after}
+    for i in range(2):
+        spec = [c.spec for c in chunks[(live, i)]]
+        versions = [(s.drafter_version, s.num_draft_steps) for s in spec if s is not None]
+        assert versions[0][0] == 1 and versions[0][1] > 0, versions  # flushed at the swap
+        assert versions[-1][0] == 2 and all(steps == 0 for v, steps in versions if v == 2), versions
+    spec = [c.spec for c in chunks[(after, 0)]]
+    assert all(s is not None and s.drafter_version == 2 for s in spec)
+    assert sum(s.num_draft_steps for s in spec if s is not None) > 0
 
 
 def test_a_policy_update_never_changes_the_drafters_bytes(model):
