@@ -109,9 +109,11 @@ class EagleProposer:
             self.block_manager = BlockManager(num_pages, self.page_size, enable_prefix_caching=False)
             self.backend = TorchAttention(config.num_heads, config.num_kv_heads, config.head_dim, weight.device)
         self._target = target
-        d2t = self.head.draft_to_target.to(weight.device)
-        self._head_weight = weight.detach().index_select(0, d2t)  # [draft_vocab, H]
-        self._d2t = d2t
+        # Draft ids in ascending target order: q is processed and sampled over the draft vocabulary
+        # only, and an inverse-CDF draw over ascending ids picks the token the same uniform picks over
+        # the whole vocabulary (the other tokens have q = 0 and leave the CDF unchanged).
+        self._d2t = self.head.draft_to_target.sort().values  # [draft_vocab] int64, CPU
+        self._head_weight = weight.detach().index_select(0, self._d2t.to(weight.device))  # [draft_vocab, H]
 
     def load_head(self, head: EagleHead) -> None:
         """Serve ``head``'s weights from the next draft on (a new drafter version, same shape).
@@ -277,20 +279,21 @@ class EagleProposer:
 
     def _draw(self, last: torch.Tensor, params: list, sampled: list[bool], states: list[_DraftState],
               probs: torch.Tensor | None, rows: list[int], i: int) -> torch.Tensor:
-        """Draft token i of each row: sampled from processed q (recorded in ``probs``) or argmax."""
+        """Draft token i of each row: sampled from processed q (recorded in ``probs``) or argmax.
+
+        q is processed (temperature → top-k → top-p) over the draft vocabulary alone: every other
+        token has q = 0, so its ranks and its mass are those of the full vocabulary's processing."""
         assert self._target is not None
-        draft_logits = self.head.draft_logits(last, self._head_weight)  # [R, draft_vocab]
-        logits = torch.full((last.shape[0], self._target.config.vocab_size), float("-inf"))  # [R, V]
-        logits[:, self._d2t.cpu()] = draft_logits.cpu()
-        tokens = logits.argmax(-1)
+        logits = self.head.draft_logits(last, self._head_weight).cpu()  # [R, draft_vocab], ascending target ids
+        drawn = logits.argmax(-1)  # [R] draft ids
         if any(sampled):
-            logprobs = processed_logprobs(logits, params)
+            logprobs = processed_logprobs(logits, params)  # [R, draft_vocab]
             for r, (is_sampled, state) in enumerate(zip(sampled, states, strict=True)):
                 if is_sampled:
                     q = logprobs[r].double().exp()
                     u = torch.rand(1, dtype=torch.float64, generator=state.generator)
-                    tokens[r] = draw_inverse_cdf(q[None], u)[0]
-                    probs[rows[r], i] = q.float()  # type: ignore[index]
+                    drawn[r] = draw_inverse_cdf(q[None], u)[0]
+                    probs[rows[r], i, self._d2t] = q.float()  # type: ignore[index]
                 else:
-                    probs[rows[r], i, tokens[r]] = 1.0  # type: ignore[index]
-        return tokens.to(last.device)
+                    probs[rows[r], i, self._d2t[drawn[r]]] = 1.0  # type: ignore[index]
+        return self._d2t[drawn].to(last.device)
