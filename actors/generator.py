@@ -36,15 +36,12 @@ import logging
 import signal
 import sys
 import time
-import uuid
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, assert_never
+from typing import assert_never
 
 import anyio
 import anyio.abc
-import msgspec
 import torch
 import zmq
 import zmq.asyncio
@@ -52,13 +49,13 @@ from zmq.utils.monitor import parse_monitor_message
 
 from specroll.actors.actor_exit import EXIT_OK, EXIT_REFUSED, EXIT_TRAINER_LOST, failure, report_exit
 from specroll.actors.generator_drafter import DrafterSlot, ReadyDrafter, check_drafter
-from specroll.actors.rollout_stream import DraftCounter, SampleStream
+from specroll.actors.generator_settings import GeneratorSettings, build_engine
+from specroll.actors.live_samples import LiveSamples, SampleRefused
+from specroll.actors.rollout_stream import DraftCounter
 from specroll.actors.weights_fetch import FetchAbandoned, WeightsFetch
 from specroll.drafter.eagle_head import DrafterError
-from specroll.engine.config import EngineConfig
 from specroll.engine.engine import Engine
-from specroll.engine.sequence import StepOutput
-from specroll.protocol.channel import DEFAULT_WINDOW, Channel, Received, SequenceError
+from specroll.protocol.channel import Channel, Received, SequenceError
 from specroll.protocol.codec import ProtocolError
 from specroll.protocol.messages import (
     PROTOCOL_VERSION,
@@ -87,88 +84,7 @@ from specroll.protocol.messages import (
 )
 from specroll.protocol.sockets import close_socket, make_socket
 
-if TYPE_CHECKING:
-    pass
-
 log = logging.getLogger("specroll.generator")
-
-KvPolicy = Literal["keep", "recompute"]
-Speculative = Literal["off", "suffix", "eagle"]
-
-
-
-@dataclass
-class GeneratorSettings:
-    """Everything a generator process needs (a TOML config layer maps onto this)."""
-
-    connect: str
-    """The trainer's ROUTER endpoint, e.g. ``tcp://127.0.0.1:5555``."""
-    model: str
-    """A registered model name, a Hugging Face checkpoint directory or a ``.gguf`` file."""
-    actor_id: str = ""
-    """Unique per process incarnation, also the ZeroMQ identity; empty: ``generator-<uuid4 hex>``."""
-    max_num_seqs: int = 64
-    """Most sequences decoded in one step; also the capacity announced in heartbeats."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weight and KV dtype of the engine."""
-    speculative: Speculative = "off"
-    """``suffix``: model-free drafts (``drafter/suffix.py``) verified losslessly; ``eagle``: a learned
-    EAGLE head (``drafter``, and every version the drafter trainer publishes); ``off``: plain decoding."""
-    drafter: str | None = None
-    """With ``eagle``: a drafter directory to serve from the start (version 0); ``None``: decode
-    plainly until the drafter trainer's first version arrives."""
-    drafter_kv_cache_gb: float = 0.25
-    """Memory for the EAGLE head's own K/V, in GiB."""
-    num_draft_tokens: int = 4
-    """Drafts per sequence and step when speculating (K)."""
-    draft_length: Literal["fixed", "adaptive"] = "fixed"
-    """``fixed``: K drafts every step; ``adaptive``: k in [0, K] chosen each step from measured tokens/s."""
-    stream_every: int = 4
-    """A sample with unsent tokens gets a chunk at least every this many engine steps."""
-    heartbeat_s: float = 1.0
-    """Seconds between heartbeats."""
-    stats_s: float = 5.0
-    """Seconds between ``Stats`` messages."""
-    kv_policy: KvPolicy = "keep"
-    """On a weight update: ``keep`` running requests' K/V, or ``recompute`` it under the new weights."""
-    seed: int = 0
-    """Engine seed for samples whose group brings no seed."""
-    trainer_timeout_s: float = 60.0
-    """Exit (code 3) after this many seconds with neither a connection to nor a message from the
-    trainer; also the limit on the handshake."""
-    linger_s: float = 1.0
-    """On shutdown: seconds to flush unsent chunks and then to deliver ``Dead``."""
-    kv_cache_gb: float = 1.0
-    """KV-cache memory in GiB."""
-    max_model_len: int | None = None
-    """Context length cap in tokens; ``None`` takes the checkpoint's."""
-    device: str = "cpu"
-    """Torch device of the engine."""
-    backend: Literal["auto", "torch", "flashinfer"] = "auto"
-    """Attention backend."""
-    num_threads: int | None = None
-    """Torch intra-op CPU threads; ``None`` leaves torch's default."""
-    window: int = DEFAULT_WINDOW
-    """Credit window of the channel; must equal the trainer's."""
-    max_outbox: int = 256
-    """Messages queued for the trainer before the step loop waits (backpressure)."""
-
-    def __post_init__(self) -> None:
-        if not self.actor_id:
-            self.actor_id = f"generator-{uuid.uuid4().hex}"
-        for name in ("max_num_seqs", "num_draft_tokens", "stream_every", "max_outbox"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)}, expected a positive integer")
-        for name in ("heartbeat_s", "stats_s", "trainer_timeout_s", "linger_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}={getattr(self, name)}, expected a positive number of seconds")
-        if self.kv_policy not in ("keep", "recompute"):
-            raise ValueError(f"kv_policy={self.kv_policy!r}, expected 'keep' or 'recompute'")
-        if self.speculative not in ("off", "suffix", "eagle"):
-            raise ValueError(f"speculative={self.speculative!r}, expected 'off', 'suffix' or 'eagle'")
-        if self.drafter is not None and self.speculative != "eagle":
-            raise ValueError(f"drafter={self.drafter!r} needs speculative='eagle' (got {self.speculative!r})")
-
 
 _Outbound = RolloutChunk | FetchWeights | AckWeights | FetchDrafter | AckDrafter | Stats | Hello | Error
 
@@ -212,16 +128,13 @@ class GeneratorActor:
         self.settings = settings
         self.engine = engine
         self.channel = channel
-        self.draft_counter = draft_counter
         self.drafter = DrafterSlot(engine, draft_counter, settings.drafter_kv_cache_gb, settings.seed)
         """The learned drafter served (``speculative="eagle"``) and its version."""
         self._drafter_fetch = 0
         """Drafter version being fetched (0: none)."""
         self._drafter_announced = 0
-        self._streams: dict[str, SampleStream] = {}
-        """request id → stream of every live sample."""
-        self._groups: dict[str, dict[int, SampleStream]] = {}
-        """group id → its live samples by index."""
+        self.samples = LiveSamples(engine, self.drafter, self._put, settings.stream_every,
+                                   settings.speculative != "off")
         self._inbox: deque[SubmitGroup | Abort | _ApplyWeights | ReadyDrafter] = deque()
         """Engine work for the step loop, in arrival order."""
         self._outbox: deque[_Outbound] = deque()
@@ -242,7 +155,7 @@ class GeneratorActor:
         self._connected = True
         self._last_alive = time.monotonic()
         self._last_hello = 0.0
-        self._num_steps = self._num_tokens = 0
+        self._num_steps = 0
         self._busy_s = self._idle_s = 0.0
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -262,7 +175,7 @@ class GeneratorActor:
                 tg.start_soon(self._tick)
                 await self._step_loop()
                 with anyio.move_on_after(self.settings.linger_s):  # graceful stop: flush what was emitted
-                    self._flush_streams()
+                    self.samples.flush()
                     self._put(self._stats())
                     while self._outbox or self._sending:
                         await self._outbox_changed.wait()
@@ -301,7 +214,7 @@ class GeneratorActor:
 
     @property
     def _speculative(self) -> bool:
-        return self.draft_counter is not None or self.settings.speculative == "eagle"
+        return self.samples.speculative
 
     async def _watch_signals(self) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -372,9 +285,9 @@ class GeneratorActor:
         while True:
             await anyio.sleep(self.settings.heartbeat_s)
             queued = sum(len(op.resume) or op.n for op in self._inbox if isinstance(op, SubmitGroup))
-            live = len(self._streams) + queued
+            live = len(self.samples.streams) + queued
             free_seqs = max(0, self.settings.max_num_seqs - live)
-            beat = Heartbeat(policy_version=self.engine.weight_version, batch_size=len(self._streams),
+            beat = Heartbeat(policy_version=self.engine.weight_version, batch_size=len(self.samples.streams),
                              free_groups=free_seqs // self._largest_group, free_seqs=free_seqs)
             with anyio.move_on_after(self.settings.heartbeat_s):  # never pile up behind a dead connection
                 await self.channel.send(beat)
@@ -388,8 +301,9 @@ class GeneratorActor:
             s = self.engine.spec_stats
             spec = SpecStats(num_drafted=s.num_drafted, num_accepted=s.num_accepted, num_draft_steps=s.num_draft_steps,
                              drafter_version=self.drafter.version)
-        return Stats(policy_version=self.engine.weight_version, num_steps=self._num_steps, num_tokens=self._num_tokens,
-                     busy_s=self._busy_s, idle_s=self._idle_s, spec=spec, drafter_version=self.drafter.version)
+        return Stats(policy_version=self.engine.weight_version, num_steps=self._num_steps,
+                     num_tokens=self.samples.num_tokens, busy_s=self._busy_s, idle_s=self._idle_s, spec=spec,
+                     drafter_version=self.drafter.version)
 
     # ---- receiving --------------------------------------------------------------------------
 
@@ -546,36 +460,7 @@ class GeneratorActor:
             outputs = await anyio.to_thread.run_sync(self.engine.step)
             self._busy_s += time.monotonic() - start
             self._num_steps += 1
-            self._on_outputs(outputs)
-
-    def _on_outputs(self, outputs: Sequence[StepOutput]) -> None:
-        drafted = self.draft_counter.drafted if self.draft_counter is not None else {}
-        for out in outputs:
-            stream = self._streams[out.request_id]
-            stream.extend(out.new_token_ids, out.new_logprobs, out.new_versions)
-            stream.count_spec(drafted.get(out.request_id, 0), len(out.new_token_ids))
-            self._num_tokens += len(out.new_token_ids)
-            if out.finished:
-                assert out.finish_reason is not None
-                self._finish(stream, out.finish_reason)
-        drafted.clear()
-        for stream in self._streams.values():
-            if stream.token_ids:
-                stream.steps_waiting += 1
-                if stream.steps_waiting >= self.settings.stream_every:
-                    self._put(self._chunk(stream))
-
-    def _finish(self, stream: SampleStream, reason: Literal["stop", "length", "abort"]) -> None:
-        """Send the sample's final chunk and forget it (and its group once every sample finished)."""
-        self._put(self._chunk(stream, reason))
-        self._streams.pop(stream.request_id, None)
-        if self.draft_counter is not None:
-            self.draft_counter.max_len.pop(stream.request_id, None)
-        group = self._groups.get(stream.group_id)
-        if group is not None:
-            group.pop(stream.index, None)
-            if not group:
-                del self._groups[stream.group_id]
+            self.samples.on_outputs(outputs)
 
     async def _apply_inbox(self) -> None:
         while self._inbox and not self._stopping:
@@ -592,81 +477,24 @@ class GeneratorActor:
                 case _:
                     assert_never(op)
 
-    def _add(self, stream: SampleStream, prompt: list[int]) -> None:
-        """Queue the engine request of ``stream`` with ``prompt`` and the remaining budget.
-
-        Raises:
-            ValueError: from ``Engine.add_request`` (e.g. a prompt too long for the context).
-        """
-        sampling = stream.sampling
-        seed = sampling.seed
-        if seed is not None:  # siblings (and re-prefills) of a seeded group must not share one stream
-            seed = hash((seed, stream.index, stream.engine_base)) & (2**63 - 1)
-        sampling = msgspec.structs.replace(sampling, max_tokens=stream.remaining, seed=seed)
-        self.engine.add_request(prompt, sampling, stream.request_id, group_id=stream.group_id)
-        if self.draft_counter is not None:
-            cap = min(self.engine.max_model_len, len(prompt) + stream.remaining)
-            self.draft_counter.max_len[stream.request_id] = cap
-
     async def _submit(self, msg: SubmitGroup) -> None:
-        if msg.group_id in self._groups:
-            await self._refuse("bad_request", f"group {msg.group_id!r} is already live here")
-            return
-        resumed = {r.index: r for r in msg.resume}
-        indices = sorted(resumed) if resumed else range(msg.n)
-        streams: list[SampleStream] = []
-        added: list[SampleStream] = []
         try:
-            for i in indices:
-                done = resumed[i] if i in resumed else None
-                n_done = len(done.token_ids) if done else 0
-                stream = SampleStream(msg.group_id, i, msg.prompt_token_ids, msg.sampling,
-                                      sent=n_done, engine_base=n_done)
-                streams.append(stream)
-                if stream.remaining > 0:
-                    self._add(stream, msg.prompt_token_ids + (done.token_ids if done else []))
-                    added.append(stream)
-        except ValueError as e:
-            for stream in added:
-                self.engine.abort(stream.request_id)
-                if self.draft_counter is not None:
-                    self.draft_counter.max_len.pop(stream.request_id, None)
-            await self._refuse("bad_request", f"group {msg.group_id!r}: {e}")
-            return
-        self._groups[msg.group_id] = {s.index: s for s in added}
-        self._streams.update((s.request_id, s) for s in added)
-        for stream in streams:
-            if stream.remaining <= 0:  # resumed with its whole budget already used
-                self._finish(stream, "length")
-        log.debug("group %s: %d samples queued", msg.group_id, len(added))
+            self.samples.submit(msg)
+        except SampleRefused as e:
+            await self._refuse(e.code, str(e))
+        else:
+            log.debug("group %s: %d samples queued", msg.group_id, len(self.samples.groups.get(msg.group_id, ())))
 
     async def _abort(self, msg: Abort) -> None:
-        group = self._groups.get(msg.group_id)
-        if group is None:
-            await self._refuse("unknown_group", f"abort of group {msg.group_id!r}, which is not live here")
-            return
-        for stream in list(group.values()):
-            done = self.engine.abort(stream.request_id)
-            assert stream.engine_base + len(done.token_ids) == stream.num_response_tokens, stream.request_id
-            self._finish(stream, "abort")
-
-    def _flush_streams(self) -> None:
-        """Send every live sample's unsent tokens now: before a swap, so that each chunk's tokens
-        come from one policy version and its drafts from one drafter version."""
-        for stream in self._streams.values():
-            if stream.token_ids:
-                self._put(self._chunk(stream))
-
-    def _chunk(self, stream: SampleStream, reason: Literal["stop", "length", "abort"] | None = None) -> RolloutChunk:
-        return stream.take_chunk(reason, speculative=self._speculative, drafter_version=self.drafter.version)
+        try:
+            self.samples.abort(msg.group_id)
+        except SampleRefused as e:
+            await self._refuse(e.code, str(e))
 
     def _apply_drafter(self, ready: ReadyDrafter) -> None:
-        self._flush_streams()
-        max_len = {stream.request_id: min(self.engine.max_model_len,
-                                          len(stream.prompt_token_ids) + stream.sampling.max_tokens)
-                   for stream in self._streams.values()}
+        self.samples.flush()
         try:
-            self.draft_counter = self.drafter.apply(ready, max_len)
+            self.drafter.apply(ready, self.samples.token_caps())
         except (DrafterError, ValueError) as e:
             log.error("drafter version %d refused by the engine: %s; still serving drafter version %d",
                       ready.version, e, self.drafter.version)
@@ -678,7 +506,7 @@ class GeneratorActor:
         self._maybe_fetch_drafter()
 
     async def _apply_weights(self, op: _ApplyWeights) -> None:
-        self._flush_streams()
+        self.samples.flush()
         try:
             await anyio.to_thread.run_sync(self.engine.update_weights, op.tensors, op.version)
         except ValueError as e:
@@ -687,54 +515,14 @@ class GeneratorActor:
             self._forget_announcement(op.version)
         else:
             if self.settings.kv_policy == "recompute":
-                self._recompute()
-            log.info("serving policy version %d (%d live samples, kv_policy=%s)", op.version, len(self._streams),
+                self.samples.recompute()
+            log.info("serving policy version %d (%d live samples, kv_policy=%s)", op.version, len(self.samples.streams),
                      self.settings.kv_policy)
             self._put(AckWeights(version=op.version))
         self._fetch = None
         self._maybe_fetch()
 
-    def _recompute(self) -> None:
-        """Re-prefill every live request under the new weights: abort it and add it again with its
-        response so far folded into the prompt. Its emitted tokens stay in the stream (with their
-        versions); only the K/V is recomputed, nothing is sent twice."""
-        for request_id in self.engine.live_request_ids():
-            stream = self._streams[request_id]
-            prompt = self.engine.prompt_token_ids(request_id)
-            response, _, _ = self.engine.output_so_far(request_id)
-            self.engine.abort(request_id)
-            stream.engine_base += len(response)
-            assert stream.engine_base == stream.num_response_tokens, request_id
-            self._add(stream, prompt + response)
-
-
 # ---- process entry point --------------------------------------------------------------------
-
-
-def build_engine(settings: GeneratorSettings) -> tuple[Engine, DraftCounter | None]:
-    """The engine (and its draft counter when speculating) the settings describe.
-
-    Raises:
-        CheckpointError, ValueError: the model cannot be loaded or a setting is out of range.
-        DrafterError: ``settings.drafter`` holds no drafter, or one made for another model.
-    """
-    config = EngineConfig(
-        model=settings.model, backend=settings.backend, device=settings.device, dtype=settings.dtype,
-        kv_cache_memory_gb=settings.kv_cache_gb, max_model_len=settings.max_model_len,
-        max_num_seqs=settings.max_num_seqs, seed=settings.seed, num_threads=settings.num_threads,
-        num_draft_tokens=settings.num_draft_tokens, draft_length=settings.draft_length,
-    )
-    counter = None
-    if settings.speculative == "suffix":
-        from specroll.drafter.suffix import SuffixProposer
-
-        counter = DraftCounter(SuffixProposer())
-    elif settings.drafter is not None:
-        from specroll.drafter.eagle import EagleProposer
-
-        counter = DraftCounter(EagleProposer(settings.drafter, kv_cache_memory_gb=settings.drafter_kv_cache_gb,
-                                             page_size=config.page_size, seed=settings.seed))
-    return Engine(config, proposer=counter), counter
 
 
 async def run_generator(settings: GeneratorSettings) -> int:

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from specroll.actors.generator import GeneratorSettings, run_generator
+from specroll.actors.generator import run_generator
+from specroll.actors.generator_settings import GeneratorSettings
 
 if TYPE_CHECKING:
     from specroll.actors.config import RunConfig

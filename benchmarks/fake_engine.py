@@ -249,7 +249,8 @@ async def serve(args: argparse.Namespace) -> int:
     import zmq
     import zmq.asyncio
 
-    from specroll.actors.generator import GeneratorActor, GeneratorSettings
+    from specroll.actors.generator import GeneratorActor
+    from specroll.actors.generator_settings import GeneratorSettings
     from specroll.engine.engine import Engine
     from specroll.protocol.channel import Channel
     from specroll.protocol.messages import ToGenerator
