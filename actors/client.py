@@ -26,7 +26,6 @@ after ``heartbeat_timeout_s`` of silence (their groups resume elsewhere from the
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -36,12 +35,15 @@ import torch
 import zmq
 import zmq.asyncio
 from anyio.abc import TaskGroup
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from specroll.actors.coordinator import ChunkError, Group, RolloutCoordinator
 from specroll.actors.drafter_relay import DrafterRelay
+from specroll.actors.foreign_groups import ForeignGroups
+from specroll.actors.outboxes import Outboxes
+from specroll.actors.sync_client import SyncRolloutClient
+from specroll.actors.weights_publish import PublishedWeights
 from specroll.protocol.channel import DEFAULT_WINDOW, Channel, SequenceError
-from specroll.protocol.codec import ProtocolError, pack_tensors
+from specroll.protocol.codec import ProtocolError
 from specroll.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -57,20 +59,15 @@ from specroll.protocol.messages import (
     Refuse,
     RolloutChunk,
     Stats,
-    TensorSpec,
     ToTrainer,
-    WeightsAvailable,
-    WeightsChunk,
     Welcome,
 )
 from specroll.protocol.sampling import SamplingParams
 from specroll.protocol.sockets import DEFAULT_HWM, close_socket, last_endpoint, make_socket
 
-log = logging.getLogger("specroll.client")
+__all__ = ["RolloutClient", "SyncRolloutClient"]
 
-WEIGHTS_CHUNK_BYTES = 64 << 20
-"""Weights travel in messages of at most about this many bytes of tensors."""
-_WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+log = logging.getLogger("specroll.client")
 
 
 class RolloutClient:
@@ -102,15 +99,7 @@ class RolloutClient:
     ) -> None:
         self.bind = bind
         self.coordinator = RolloutCoordinator(max_groups_in_flight)
-        # Group ids must not repeat across incarnations of a client on one endpoint: generators
-        # that outlived a crashed client still run its groups ("g0", "g1", ...), and a new group
-        # reusing such an id would be refused by the generator ("already live") or merged with the
-        # old one's chunks. Numbering from the start time in µs makes every id of this incarnation
-        # larger than any id of an earlier one (unless it issued more than a group per µs), so
-        # chunks of older groups are recognised as foreign and aborted (see _on_foreign_chunk).
-        self._first_group = time.time_ns() // 1000
-        self.coordinator._next_id = self._first_group
-        self._aborted_foreign: set[tuple[str, str]] = set()
+        self._foreign = ForeignGroups(self.coordinator)  # group ids unique across incarnations
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.window, self.hwm, self.allow_public = window, hwm, allow_public
         self.on_chunk = on_chunk
@@ -136,12 +125,12 @@ class RolloutClient:
         self._capacity_known: set[str] = set()
         self._finished_event = anyio.Event()
         self._version_event = anyio.Event()
-        self._weights: tuple[WeightsAvailable, list[tuple[WeightsChunk, list[torch.Tensor]]]] | None = None
+        self._weights = PublishedWeights()
         self._ctx: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._channel: Channel[Any] | None = None
         self._tg: TaskGroup | None = None
-        self._outboxes: dict[str, MemoryObjectSendStream[tuple[Any, list[torch.Tensor]]]] = {}
+        self._outboxes: Outboxes | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -170,6 +159,7 @@ class RolloutClient:
         self._channel = Channel(self._socket, ToTrainer, window=self.window)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
+        self._outboxes = Outboxes(self._channel, self._tg)
         self._tg.start_soon(self._receive_loop)
         self._tg.start_soon(self._tick_loop)
 
@@ -180,7 +170,7 @@ class RolloutClient:
         for actor in [*self.coordinator.generators, *self.drafters.drafters]:
             self._queue(actor, Dead(actor_id=self.actor_id, reason="client closed"))
         with anyio.move_on_after(0.5):
-            while any(box.statistics().current_buffer_used for box in self._outboxes.values()):
+            while self._outboxes is not None and self._outboxes.pending():
                 await anyio.sleep(0.01)
         self._tg.cancel_scope.cancel()
         await self._tg.__aexit__(None, None, None)
@@ -268,27 +258,7 @@ class RolloutClient:
         Raises:
             ValueError: an unknown dtype or a version not above the last published one.
         """
-        if dtype not in _WIRE_DTYPES:
-            raise ValueError(f"weights dtype {dtype!r}, expected one of {sorted(_WIRE_DTYPES)}")
-        if self._weights is not None and version <= self._weights[0].version:
-            raise ValueError(f"weight version {version} is not above the published {self._weights[0].version}")
-        items = dict(named_tensors).items()
-        snapshot = [(name, t.detach().to("cpu", _WIRE_DTYPES[dtype]).contiguous().clone()) for name, t in items]
-        groups: list[list[tuple[str, torch.Tensor]]] = [[]]
-        size = 0
-        for name, t in snapshot:
-            if groups[-1] and size + t.numel() * t.element_size() > WEIGHTS_CHUNK_BYTES:
-                groups.append([])
-                size = 0
-            groups[-1].append((name, t))
-            size += t.numel() * t.element_size()
-        chunks = []
-        for index, group in enumerate(groups):
-            refs, tensors = pack_tensors(group)
-            chunks.append((WeightsChunk(version=version, index=index, num_chunks=len(groups), tensors=refs), tensors))
-        announce = WeightsAvailable(version=version, dtype=dtype, num_chunks=len(groups),
-                                    params=[TensorSpec(name=n, shape=tuple(t.shape)) for n, t in snapshot])
-        self._weights = (announce, chunks)
+        announce = self._weights.publish(named_tensors, version, dtype)
         for actor in [*self.coordinator.generators, *self.drafters.drafters]:
             self._queue(actor, announce)
 
@@ -316,54 +286,15 @@ class RolloutClient:
     # ---- tasks --------------------------------------------------------------------------------
 
     def _queue(self, actor: str, msg: Any, tensors: list[torch.Tensor] | None = None) -> None:
-        """Send to a generator through its own outbox and sender task, in order: a generator that
-        grants no credit (slow, or gone) holds up its own messages only."""
-        if actor not in self.coordinator.generators and actor not in self.drafters.drafters:
-            self._reply(actor, msg)
+        """Send to a generator or drafter trainer through its own outbox, in order; to any other peer,
+        a best-effort reply (:class:`~specroll.actors.outboxes.Outboxes`)."""
+        if self._outboxes is None:
+            log.debug("not started: %s to %s dropped", type(msg).__name__, actor)
             return
-        box = self._outboxes.get(actor)
-        if box is None:
-            box, queued = anyio.create_memory_object_stream[tuple[Any, list[torch.Tensor]]](math.inf)
-            self._outboxes[actor] = box
-            assert self._tg is not None
-            self._tg.start_soon(self._send_loop, actor, box, queued)
-        box.send_nowait((msg, tensors or []))
-
-    def _reply(self, actor: str, msg: Any) -> None:
-        """A best-effort answer to a peer that is not (or no longer) a generator here: sent only if
-        it would not wait for credit, so a peer that never grants any cannot stall the client."""
-        if self._channel is not None and actor and self._channel.can_send(actor.encode()):
-            assert self._tg is not None
-            self._tg.start_soon(self._send_now, actor, msg)
-        else:
-            log.debug("no credit to answer %s with %s; dropped", actor, type(msg).__name__)
-
-    async def _send_now(self, actor: str, msg: Any) -> None:
-        assert self._channel is not None
-        try:
-            with anyio.move_on_after(1.0):
-                await self._channel.send(msg, peer=actor.encode())
-        except zmq.ZMQError as e:
-            if e.errno != zmq.EHOSTUNREACH:
-                raise
-
-    async def _send_loop(
-        self,
-        actor: str,
-        box: MemoryObjectSendStream[tuple[Any, list[torch.Tensor]]],
-        queued: MemoryObjectReceiveStream[tuple[Any, list[torch.Tensor]]],
-    ) -> None:
-        assert self._channel is not None
-        async with queued:
-            async for msg, tensors in queued:
-                if self._outboxes.get(actor) is not box:
-                    return  # the generator is gone (or came back as a new one): drop what it never got
-                try:
-                    await self._channel.send(msg, peer=actor.encode(), tensors=tensors)
-                except zmq.ZMQError as e:
-                    if e.errno != zmq.EHOSTUNREACH:
-                        raise
-                    log.info("generator %s is unreachable; dropping %s", actor, type(msg).__name__)
+        if actor not in self.coordinator.generators and actor not in self.drafters.drafters:
+            self._outboxes.reply(actor, msg)
+            return
+        self._outboxes.put(actor, msg, tensors)
 
     async def _tick_loop(self) -> None:
         last_capacity = 0.0
@@ -406,9 +337,8 @@ class RolloutClient:
     def _forget(self, actor: str) -> None:
         """Drop a gone peer's liveness, outbox and channel state."""
         self._last_seen.pop(actor, None)
-        box = self._outboxes.pop(actor, None)
-        if box is not None:
-            box.close()
+        if self._outboxes is not None:
+            self._outboxes.forget(actor)
         if self._channel is not None:
             self._channel.forget(actor.encode())
 
@@ -454,7 +384,7 @@ class RolloutClient:
         self._last_seen[actor] = time.monotonic()
         match msg:
             case RolloutChunk():
-                if self._foreign(msg.group_id):
+                if self._foreign.is_foreign(msg.group_id):
                     self._on_foreign_chunk(actor, msg.group_id)
                     return
                 finished = self.coordinator.on_chunk(actor, msg)
@@ -512,24 +442,13 @@ class RolloutClient:
                 self._queue(actor, Error(code="bad_request", message=f"{type(msg).__name__} is not for a drafter "
                                                                      "trainer to send"))
 
-    def _foreign(self, group_id: str) -> bool:
-        """True for a group this client never issued (e.g. one of a crashed earlier incarnation)."""
-        if group_id in self.coordinator.groups:
-            return False
-        number = group_id[1:]
-        return not (group_id[:1] == "g" and number.isdigit()
-                    and self._first_group <= int(number) < self.coordinator._next_id)
-
     def _on_foreign_chunk(self, actor: str, group_id: str) -> None:
         """Stop a group this client does not know on the generator that runs it (once per group
-        and generator: its final ``abort`` chunks are then ignored), instead of letting it use
-        capacity until its ``max_tokens``."""
-        self.coordinator.ignored_chunks += 1
-        if (actor, group_id) in self._aborted_foreign:
-            return
-        self._aborted_foreign.add((actor, group_id))
-        log.info("generator %s streams group %s, unknown here (an earlier client's?); aborting it", actor, group_id)
-        self._queue(actor, Abort(group_id=group_id))
+        and generator), instead of letting it use capacity until its ``max_tokens``."""
+        if self._foreign.first_chunk(actor, group_id):
+            log.info("generator %s streams group %s, unknown here (an earlier client's?); aborting it", actor,
+                     group_id)
+            self._queue(actor, Abort(group_id=group_id))
 
     def _on_hello(self, actor: str, msg: Hello) -> None:
         if msg.protocol_version != PROTOCOL_VERSION:
@@ -545,89 +464,18 @@ class RolloutClient:
             self.drafters.add_drafter(actor)
             self._last_seen[actor] = time.monotonic()
             self._queue(actor, Welcome(protocol_version=PROTOCOL_VERSION, actor_id=self.actor_id))
-            if self._weights is not None:
-                self._queue(actor, self._weights[0])
+            if self._weights.announcement is not None:
+                self._queue(actor, self._weights.announcement)
             return
         if actor in self.coordinator.generators:  # it restarted under the same id: its groups are gone
             self._generator_gone(actor, "it said Hello again")
         self.coordinator.add_generator(actor)
         self._last_seen[actor] = time.monotonic()
         self._queue(actor, Welcome(protocol_version=PROTOCOL_VERSION, actor_id=self.actor_id))
-        if self._weights is not None:
-            self._queue(actor, self._weights[0])
+        if self._weights.announcement is not None:
+            self._queue(actor, self._weights.announcement)
         self.drafters.on_generator_hello(actor)
 
     def _on_fetch(self, actor: str, version: int) -> None:
-        if self._weights is None or self._weights[0].version != version:
-            have = None if self._weights is None else self._weights[0].version
-            self._queue(actor, Error(code="bad_request", message=f"weights version {version} is not published "
-                                                                 f"(current: {have})"))
-            return
-        for chunk, tensors in self._weights[1]:
-            self._queue(actor, chunk, tensors)
-
-
-class SyncRolloutClient:
-    """:class:`RolloutClient` for code without an event loop: it runs in a background thread.
-
-    Takes the same arguments; use it as a context manager or call :meth:`close`.
-    """
-
-    def __init__(self, bind: str = "tcp://127.0.0.1:0", **kwargs: Any) -> None:
-        from anyio.from_thread import start_blocking_portal
-
-        self._portal_cm = start_blocking_portal("asyncio")
-        self._portal = self._portal_cm.__enter__()
-        self.client = RolloutClient(bind, **kwargs)
-        # The client's task group must be entered and left by one task: the portal runs both there.
-        self._client_cm = self._portal.wrap_async_context_manager(self.client)
-        try:
-            self._client_cm.__enter__()
-        except BaseException:
-            self._portal_cm.__exit__(None, None, None)
-            raise
-        self.endpoint = self.client.endpoint
-
-    def __enter__(self) -> SyncRolloutClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self._portal_cm is not None:
-            self._client_cm.__exit__(None, None, None)
-            self._portal_cm.__exit__(None, None, None)
-            self._portal_cm = None  # type: ignore[assignment]
-
-    def submit(self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, payload: object = None) -> str:
-        """See :meth:`RolloutClient.submit`."""
-        return self._portal.call(self.client.submit, prompt_token_ids, n, sampling, payload)
-
-    def next_finished(self, timeout: float | None = None) -> Group:
-        """See :meth:`RolloutClient.next_finished`."""
-        return self._portal.call(self.client.next_finished, timeout)
-
-    def publish_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int, dtype: str = "bfloat16") -> None:
-        """See :meth:`RolloutClient.publish_weights`."""
-        self._portal.call(self.client.publish_weights, named_tensors, version, dtype)
-
-    def pop_finished(self, limit: int | None = None) -> list[Group]:
-        """See :meth:`RolloutClient.pop_finished`."""
-        return self._portal.call(self.client.pop_finished, limit)
-
-    @property
-    def num_finished(self) -> int:
-        return self.client.num_finished
-
-    def abort(self, group_id: str) -> None:
-        """See :meth:`RolloutClient.abort`."""
-        self._portal.call(self.client.abort, group_id)
-
-    def wait_for_generators(self, count: int, timeout: float | None = None) -> None:
-        """See :meth:`RolloutClient.wait_for_generators`."""
-        self._portal.call(self.client.wait_for_generators, count, timeout)
-
-    def wait_for_version(self, version: int, count: int | None = None, timeout: float | None = None) -> None:
-        """See :meth:`RolloutClient.wait_for_version`."""
-        self._portal.call(self.client.wait_for_version, version, count, timeout)
+        for msg, tensors in self._weights.answer_fetch(version):
+            self._queue(actor, msg, tensors)

@@ -4,9 +4,11 @@ One :class:`RunConfig` describes everything ``specroll launch`` starts (trainer,
 drafter trainer) and every role started alone reads the same file. ``RunConfig()`` is a small valid
 run on a CPU: the default model, the built-in arithmetic task, one generator.
 
-* :func:`load_config` reads a file (or nothing: the defaults), applies overrides and validates.
+* :func:`load_config` reads a file (or nothing: the defaults), applies overrides and validates
+  (reading, overrides and error messages: ``config_parse.py``).
 * :func:`dump_config` writes TOML; :func:`write_resolved` writes ``RUN_DIR/config.toml``
-  atomically, and ``load_config(write_resolved(c, d)) == c``.
+  atomically, and ``load_config(write_resolved(c, d)) == c`` (both in ``config_dump.py``,
+  re-exported here).
 * Every problem is one :class:`ConfigError` naming the file, the dotted key and what was expected.
 
 Every struct is frozen and forbids unknown fields; ranges are checked in ``__post_init__`` (which
@@ -20,19 +22,17 @@ lives in ``actors/`` (which may import every layer) rather than in ``protocol/``
 
 from __future__ import annotations
 
-import difflib
 import ipaddress
 import math
-import re
-import tomllib
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
-import msgspec.inspect as mi
 
+from specroll.actors.config_dump import dump_config, write_resolved
+from specroll.actors.config_parse import ConfigError, explain, read_document
 from specroll.engine.config import EngineConfig
 from specroll.engine.registry import DEFAULT_MODEL
 from specroll.protocol.sampling import SamplingParams
@@ -50,13 +50,6 @@ __all__ = [
     "load_config",
     "write_resolved",
 ]
-
-CONFIG_FILENAME = "config.toml"
-"""Name of the resolved config inside the run directory."""
-
-
-class ConfigError(ValueError):
-    """A config file, an override or a value is not acceptable; the message names the file and dotted key."""
 
 
 def _require(ok: bool, name: str, value: object, expected: str) -> None:
@@ -374,257 +367,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
             override is malformed, a key is unknown (close matches are suggested), a value has the
             wrong type or is out of range. The message names the file and the dotted key.
     """
-    source = str(path) if path is not None else "<defaults>"
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            raw = Path(path).read_bytes()
-        except FileNotFoundError:
-            raise ConfigError(f"{source}: config file not found") from None
-        except OSError as exc:
-            raise ConfigError(f"{source}: cannot read config file ({exc.strerror or exc})") from exc
-        try:
-            data = tomllib.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"{source}: not UTF-8 text ({exc})") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{source}: invalid TOML: {exc}") from exc
-    set_by: dict[str, str] = {}
-    for item in overrides:
-        key, value = _parse_override(item, source)
-        _apply_override(data, key, value, item, source)
-        set_by[".".join(key)] = item
+    source, data, set_by = read_document(path, overrides, RunConfig)
     try:
         return msgspec.convert(data, RunConfig)
     except msgspec.ValidationError as exc:
-        raise ConfigError(_explain(exc, source, set_by)) from exc
-
-
-_STRUCTURED = tuple("[{\"'")
-
-
-def _parse_override(item: str, source: str) -> tuple[list[str], Any]:
-    key_text, sep, value_text = item.partition("=")
-    if not sep:
-        raise ConfigError(f"{source}: --set {item!r}: expected KEY=VALUE, e.g. trainer.group_size=8")
-    key = [part.strip() for part in key_text.split(".")]
-    if not any(key):
-        raise ConfigError(f"{source}: --set {item!r}: empty key before '='")
-    if not all(key):
-        raise ConfigError(f"{source}: --set {item!r}: key {key_text.strip()!r} has an empty part")
-    value_text = value_text.strip()
-    if not value_text:
-        raise ConfigError(f"{source}: --set {item!r}: empty value (write '\"\"' for an empty string)")
-    try:
-        return key, tomllib.loads(f"v = {value_text}")["v"]
-    except tomllib.TOMLDecodeError as exc:
-        if value_text.startswith(_STRUCTURED):
-            raise ConfigError(f"{source}: --set {item!r}: invalid TOML value ({exc})") from exc
-        return key, value_text  # a bare word: a string
-
-
-def _apply_override(data: dict[str, Any], key: list[str], value: Any, item: str, source: str) -> None:
-    table = data
-    for depth, part in enumerate(key[:-1]):
-        where = key[: depth + 1]
-        child = table.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{source}: --set {item!r}: {'.'.join(where)} is {_toml_kind(child)}, not a table")
-        kind = _unwrap(_type_at(where))
-        if not isinstance(kind, mi.StructType | mi.AnyType):  # AnyType: unknown key, reported at convert
-            raise ConfigError(f"{source}: --set {item!r}: {'.'.join(where)} is {_schema_kind(kind)}, not a table")
-        table = child
-    table[key[-1]] = value
-
-
-def _schema_kind(kind: mi.Type) -> str:
-    kinds = {mi.BoolType: "a boolean", mi.IntType: "an integer", mi.FloatType: "a float", mi.StrType: "a string",
-             mi.LiteralType: "a string", mi.VarTupleType: "an array", mi.ListType: "an array"}
-    return kinds.get(type(kind), "a value")
-
-
-def _toml_kind(value: object) -> str:
-    kinds = {bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "an array"}
-    return kinds.get(type(value), f"a {type(value).__name__}")
-
-
-_AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
-_PART = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
-
-
-def _explain(exc: msgspec.ValidationError, source: str, set_by: dict[str, str]) -> str:
-    """Turn msgspec's ``"<what> - at `$.a.b`"`` into ``"<file>: a.b: <what>, expected ..."``."""
-    match = _AT.match(str(exc))
-    assert match is not None  # the pattern matches any text
-    what, path = match["what"], match["path"] or ""
-    parts: list[str | int] = [int(i) if i else name for name, i in _PART.findall(path)]
-    table = ".".join(p for p in parts if isinstance(p, str))
-    field_type = _type_at(parts)
-
-    if isinstance(exc.__cause__, ValueError):  # raised by a __post_init__: "field=value, expected ..."
-        text = str(exc.__cause__)
-        if table and re.match(r"^[\w.]+=", text):
-            text = f"{table}.{text}"
-        elif table:
-            text = f"{table}: {text}"
-        key = text.partition("=")[0]
-    elif unknown := re.match(r"Object contains unknown field `(.*)`", what):
-        name = unknown[1]
-        key = f"{table}.{name}" if table else name
-        text = f"unknown key {key}" + _suggest(name, field_type, key)
-    else:
-        key = _dotted(parts)
-        if lit := re.match(r"Invalid enum value (.*)", what):
-            text = f"{key}={lit[1]}, expected {_describe(field_type)}"
-        else:
-            expected = what.replace("Expected `object`", "expected a table").replace("got `object`", "got a table")
-            text = f"{key}: {re.sub(r'^Expected', 'expected', expected)}"
-    item = next((item for k, item in reversed(set_by.items()) if _related(key, k)), None)
-    if item is None:
-        return f"{source}: {text}"
-    if "expected `str`" in text and "=" in item:
-        name, _, value = item.partition("=")
-        text += f" (quote a string: --set '{name}=\"{value}\"')"
-    return f"{source} (from --set {item!r}): {text}"
-
-
-def _related(a: str, b: str) -> bool:
-    """One dotted key is the other or lies under it (``x.y`` and ``x.y.z``, ``x.y`` and ``x.y[0]``)."""
-    short, long = sorted((a, b), key=len)
-    return long == short or (long.startswith(short) and long[len(short)] in ".[")
-
-
-def _dotted(parts: Sequence[str | int]) -> str:
-    text = ""
-    for part in parts:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
-    return text
-
-
-def _type_at(parts: Sequence[str | int]) -> mi.Type:
-    """The msgspec type at a path of the RunConfig document (``AnyType`` where unknown)."""
-    kind: mi.Type = mi.type_info(RunConfig)
-    for part in parts:
-        kind = _unwrap(kind)
-        if isinstance(part, int) and isinstance(kind, mi.VarTupleType | mi.ListType):
-            kind = kind.item_type
-        elif isinstance(part, str) and isinstance(kind, mi.StructType):
-            kind = next((f.type for f in kind.fields if f.name == part), mi.AnyType())
-        else:
-            return mi.AnyType()
-    return kind
-
-
-def _unwrap(kind: mi.Type) -> mi.Type:
-    """The non-None member of an optional type."""
-    if isinstance(kind, mi.UnionType):
-        members = [t for t in kind.types if not isinstance(t, mi.NoneType)]
-        return members[0] if len(members) == 1 else kind
-    return kind
-
-
-def _describe(kind: mi.Type) -> str:
-    kind = _unwrap(kind)
-    if isinstance(kind, mi.LiteralType):
-        return "one of " + ", ".join(map(repr, kind.values))
-    return "a valid value"
-
-
-def _all_keys(kind: mi.Type, prefix: str = "") -> list[str]:
-    keys: list[str] = []
-    if isinstance(kind, mi.StructType):
-        for f in kind.fields:
-            keys.append(prefix + f.name)
-            keys += _all_keys(f.type, prefix + f.name + ".")
-    return keys
-
-
-def _suggest(name: str, table_type: mi.Type, key: str) -> str:
-    """``"; did you mean X?"`` from the same table, else the same name in another table, else the valid keys."""
-    names = [f.name for f in table_type.fields] if isinstance(table_type, mi.StructType) else []
-    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
-    prefix = key[: -len(name)]
-    if close:
-        return "; did you mean " + " or ".join(prefix + c for c in close) + "?"
-    elsewhere = [k for k in _all_keys(mi.type_info(RunConfig)) if k.rpartition(".")[2] == name]
-    if elsewhere:
-        return "; did you mean " + " or ".join(elsewhere[:3]) + "?"
-    where = f"[{prefix[:-1]}]" if prefix else "the top level"
-    return f"; keys in {where}: {', '.join(names)}"
-
-
-# ---- writing ----------------------------------------------------------------------------------
-
-
-def dump_config(config: RunConfig) -> str:
-    """The config as TOML: top-level keys first, then one ``[table]`` per section; ``None`` omitted.
-
-    Every field is written, defaults included, so the file is the whole resolved config.
-    """
-    lines = ["# specroll run config, resolved: every field (unset optional fields omitted)"]
-    _emit_table(lines, (), msgspec.to_builtins(config))
-    return "\n".join(lines) + "\n"
-
-
-def write_resolved(config: RunConfig, run_dir: str | Path | None = None) -> Path:
-    """Write ``run_dir/config.toml`` (``run_dir`` defaults to ``config.run_dir``) atomically.
-
-    The text goes to a temporary file in the same directory, is fsynced, then renamed over the
-    target, so a reader sees the old file or the whole new one; on any error the temporary file is
-    removed and the error propagates.
-
-    Returns:
-        The path of the written file.
-    """
-    directory = Path(config.run_dir if run_dir is None else run_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    from specroll.actors.files import write_text_atomic
-
-    return write_text_atomic(directory / CONFIG_FILENAME, dump_config(config))
-
-
-_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
-_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
-
-
-def _emit_table(lines: list[str], path: tuple[str, ...], table: dict[str, Any]) -> None:
-    # TOML: a table's own key/value pairs must come before its sub-tables.
-    for key, value in table.items():
-        if value is not None and not isinstance(value, dict):
-            lines.append(f"{_key(key)} = {_value(value)}")
-    for key, value in table.items():
-        if isinstance(value, dict):
-            lines += ["", "[" + ".".join(_key(k) for k in (*path, key)) + "]"]
-            _emit_table(lines, (*path, key), value)
-
-
-def _key(key: str) -> str:
-    return key if _BARE_KEY.match(key) else _string(key)
-
-
-def _string(text: str) -> str:
-    escaped = "".join(_ESCAPES.get(c, f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c) for c in text)
-    return f'"{escaped}"'
-
-
-def _value(value: object) -> str:
-    if isinstance(value, bool):  # before int: bool is an int
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)  # shortest round-tripping form; "1e-06" is valid TOML
-    if isinstance(value, str):
-        return _string(value)
-    if isinstance(value, list | tuple):
-        if any(v is None for v in value):
-            raise TypeError(f"cannot write None inside a TOML array: {value!r}")
-        return "[" + ", ".join(_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        items = ", ".join(f"{_key(k)} = {_value(v)}" for k, v in value.items() if v is not None)
-        return "{" + items + "}"
-    raise TypeError(f"cannot write {type(value).__name__} as TOML: {value!r}")
+        raise ConfigError(explain(exc, source, set_by, RunConfig)) from exc

@@ -3,8 +3,10 @@ processes — watch them, and tear everything down when the run ends, fails or i
 
 Lifecycle:
 
-1. The config is loaded and validated (a ``ConfigError`` is one line, exit 2, nothing started) and
-   written resolved to ``RUN_DIR/config.toml``; every role reads that file.
+1. The config is loaded and validated (a ``ConfigError`` is one line, exit 2, nothing started), the
+   model, prompts, port and checkpoint are checked and the run directory is locked
+   (``launch_preflight.py``), and the config is written resolved to ``RUN_DIR/config.toml``; every
+   role reads that file.
 2. The trainer starts (``python -m specroll.actors.trainer --config RUN_DIR/config.toml``) after a
    stale ``RUN_DIR/trainer.endpoint`` is removed; once bound it writes its endpoint there, which the
    launcher waits for (``startup_timeout_s``; the trainer dying first ends the launch).
@@ -16,30 +18,29 @@ Lifecycle:
 5. Teardown (always, in a ``finally``): SIGTERM to each live process group, ``grace_s`` to exit,
    then SIGKILL to every process group the launcher started, then reap.
 
-Process hygiene: each role runs in its own process group (``pgid == pid``) with stdout and stderr
-in ``RUN_DIR/logs/<role>.log``; ``RUN_DIR/pids.json`` lists the launcher and every started pid. A
-child that exits is observed without being reaped (``waitid(WNOWAIT)``): its zombie keeps the
-pid — and with it the process-group id — reserved, so the final SIGKILL to that group can only reach
-processes the launcher started (and anything they left behind in their group). On Linux each child
-also gets ``PR_SET_PDEATHSIG = SIGKILL``, so even a SIGKILLed launcher leaves no role running.
+Process hygiene (the mechanics in ``role_process.py``): each role runs in its own process group
+(``pgid == pid``) with stdout and stderr in ``RUN_DIR/logs/<role>.log``; ``RUN_DIR/pids.json`` lists
+the launcher and every started pid. A child that exits is observed without being reaped
+(``waitid(WNOWAIT)``): its zombie keeps the pid — and with it the process-group id — reserved, so
+the final SIGKILL to that group can only reach processes the launcher started (and anything they
+left behind in their group). On Linux each child also gets ``PR_SET_PDEATHSIG = SIGKILL``, so even
+a SIGKILLed launcher leaves no role running.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from specroll.actors.files import write_text_atomic
+from specroll.actors.role_process import RoleProcess, describe_exit, killpg, observe_exit, start_role, tail
 
 if TYPE_CHECKING:
     from specroll.actors.config import RunConfig
@@ -78,82 +79,6 @@ class LaunchError(Exception):
         super().__init__(message)
         self.code = code
         self.detail = detail
-
-
-@dataclass
-class RoleProcess:
-    """One started role: its process (leader of its own process group) and its log."""
-
-    name: str
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-    exit_code: int | None = None
-    """Set once the process is seen to have exited (``-N``: killed by signal N), before it is reaped."""
-    reaped: bool = False
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-
-def describe_exit(code: int) -> str:
-    """``"exited with code 3"`` or ``"was killed by SIGKILL"`` for a Popen-style return code."""
-    if code >= 0:
-        return f"exited with code {code}"
-    try:
-        return f"was killed by {signal.Signals(-code).name}"
-    except ValueError:
-        return f"was killed by signal {-code}"
-
-
-def tail(path: Path, lines: int = 20, max_bytes: int = 16384) -> str:
-    """The last ``lines`` lines of a text file (``""`` when missing), each indented by two spaces."""
-    try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - max_bytes))
-            text = f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-    return "\n".join("  " + line for line in text.rstrip("\n").splitlines()[-lines:])
-
-
-def _pdeathsig_preexec() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child receive SIGKILL when the launcher dies (Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return None
-    prctl = ctypes.CDLL(libc_name, use_errno=True).prctl  # resolved before fork, not in the child
-    pr_set_pdeathsig, parent = 1, os.getpid()
-
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:  # the launcher died before prctl: do not run orphaned
-            os._exit(1)
-
-    return preexec
-
-
-def _exit_code(proc: RoleProcess) -> int | None:
-    """The exit code if ``proc`` has exited, without reaping it (its pid and pgid stay reserved)."""
-    if proc.exit_code is not None:
-        return proc.exit_code
-    if not hasattr(os, "waitid"):  # not Linux: poll() reaps; the pgid is then no longer reserved
-        proc.exit_code = proc.popen.poll()
-        proc.reaped = proc.exit_code is not None
-        return proc.exit_code
-    try:
-        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:  # already reaped (cannot happen unless someone else waited on it)
-        proc.exit_code = proc.popen.poll()
-        proc.reaped = True
-        return proc.exit_code
-    if info is None or info.si_pid == 0:
-        return None
-    proc.exit_code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-    return proc.exit_code
 
 
 PROGRESS_FIELDS = ("policy_version", "reward_mean", "accuracy", "loss", "gen_tokens_per_s", "max_lag",
@@ -230,7 +155,7 @@ class Launcher:
     def run(self) -> int:
         """Start every role, watch them until the run ends, stop them all; return the exit code
         (0: the trainer finished; 1: a process died or the trainer never came up; 130/143: SIGINT/SIGTERM)."""
-        from specroll.actors.config import write_resolved
+        from specroll.actors.config_dump import write_resolved
 
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -282,14 +207,7 @@ class Launcher:
         """Start ``python -m module_args...`` as ``name`` in its own process group, output to its log."""
         self._check_signal()
         log_path = self.run_dir / LOGS_DIRNAME / f"{name}.log"
-        with log_path.open("ab") as log:
-            log.write(f"==== specroll launch: {name} started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
-            log.flush()
-            popen = subprocess.Popen(
-                [sys.executable, "-m", *module_args], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                process_group=0, preexec_fn=_pdeathsig_preexec(), close_fds=True,
-            )
-        proc = RoleProcess(name, popen, log_path)
+        proc = start_role(name, module_args, log_path)
         self.processes.append(proc)
         pids = {"launcher": os.getpid(), "processes": {p.name: p.pid for p in self.processes}}
         write_text_atomic(self.run_dir / PIDS_FILENAME, json.dumps(pids, indent=1) + "\n")
@@ -305,7 +223,7 @@ class Launcher:
                 text = path.read_text(errors="replace").strip()
                 if text:
                     return text
-            code = _exit_code(trainer)
+            code = observe_exit(trainer)
             if code is not None:
                 raise self._died(trainer, code, "before writing its endpoint")
             if time.monotonic() > deadline:
@@ -322,7 +240,7 @@ class Launcher:
         while True:
             self._check_signal()
             self._print_metrics()
-            code = _exit_code(trainer)  # first: generators may notice the trainer's end on their own
+            code = observe_exit(trainer)  # first: generators may notice the trainer's end on their own
             if code == 0:
                 self._print_metrics()
                 steps = self.config.steps
@@ -331,7 +249,7 @@ class Launcher:
             if code is not None:
                 raise self._died(trainer, code)
             for proc in self.processes:
-                code = _exit_code(proc)
+                code = observe_exit(proc)
                 if code is not None and proc.name == DRAFTER_ROLE:
                     if proc.name not in self._reported:
                         self._reported.add(proc.name)
@@ -370,20 +288,20 @@ class Launcher:
 
     def _teardown(self) -> None:
         """SIGTERM every live process group, wait up to ``grace_s``, SIGKILL every group started, reap."""
-        live = [p for p in self.processes if _exit_code(p) is None]
+        live = [p for p in self.processes if observe_exit(p) is None]
         if live:
             self.say(f"stopping {', '.join(p.name for p in live)} (SIGTERM, {self.grace_s:g} s grace)")
         for p in live:
-            _killpg(p, signal.SIGTERM)
+            killpg(p, signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
         while live and time.monotonic() < deadline and not self._hurry:
             time.sleep(self.poll_s)
-            live = [p for p in live if _exit_code(p) is None]
+            live = [p for p in live if observe_exit(p) is None]
         if live:
             self.say(f"{', '.join(p.name for p in live)} did not stop within {self.grace_s:g} s: SIGKILL")
         for p in self.processes:  # also the exited ones: their groups may hold leftovers
             if not p.reaped:
-                _killpg(p, signal.SIGKILL)
+                killpg(p, signal.SIGKILL)
         for p in self.processes:
             if not p.reaped:
                 try:
@@ -394,22 +312,13 @@ class Launcher:
                 p.reaped = True
 
 
-def _killpg(proc: RoleProcess, sig: signal.Signals) -> None:
-    """Signal the process group ``proc`` leads; valid while ``proc`` is unreaped (its pid is reserved)."""
-    if proc.reaped:
-        return
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass  # the group is empty: nothing left to stop
-
-
 def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = TRAINER_MODULE,
                startup_timeout_s: float = 300.0, grace_s: float = 15.0) -> int:
     """``specroll launch``: validate the config (one error line and exit 2, nothing started), run."""
     from specroll.actors.config import ConfigError, load_config
     from specroll.actors.generator import GeneratorSettings
     from specroll.actors.generator_cli import settings_from_config
+    from specroll.actors.launch_preflight import LOCK_FILENAME, preflight, take_lock
 
     try:
         config = load_config(config_path, overrides)
@@ -428,7 +337,7 @@ def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = 
         return 0
     lock = Path(config.run_dir) / LOCK_FILENAME
     try:
-        _take_lock(lock)
+        take_lock(lock)
     except LaunchError as e:
         print(f"specroll launch: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -440,83 +349,3 @@ def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = 
         lock.unlink(missing_ok=True)
 
 
-LOCK_FILENAME = "launch.lock"
-"""Holds the pid of the launcher running in a run directory; a second launch there is refused."""
-
-
-def preflight(config: RunConfig) -> str | None:
-    """Check what would otherwise fail only after every process started: the model and prompts are
-    there, the trainer's port is free. Returns a message when there is nothing to do (the run
-    directory's checkpoint already reached ``steps``), else None; says so when a run resumes.
-
-    Raises:
-        LaunchError: naming the key, the value and what was expected.
-    """
-    import socket
-
-    from specroll.actors.tasks import PromptFileError, load_prompts
-    from specroll.actors.trainer_checkpoint import STATE_FILE, find_checkpoint
-    from specroll.engine.checkpoint import CheckpointError
-    from specroll.engine.registry import resolve_model
-
-    try:
-        resolve_model(config.model.name)
-    except CheckpointError as e:
-        raise LaunchError(f"model.name: {e}") from None
-    if config.task.prompts is not None:
-        try:
-            load_prompts(config.task.prompts, limit=config.task.max_prompts)
-        except (PromptFileError, ValueError) as e:
-            raise LaunchError(f"task.prompts: {e}") from None
-    if config.network.trainer_port:
-        with socket.socket(socket.AF_INET6 if ":" in config.network.host else socket.AF_INET) as probe:
-            try:
-                probe.bind((config.network.host.strip("[]"), config.network.trainer_port))
-            except OSError as e:
-                raise LaunchError(f"network.trainer_port={config.network.trainer_port} on {config.network.host}: "
-                                  f"{e.strerror}; expected a free port (0 picks one)") from None
-    checkpoint = find_checkpoint(config.run_dir)
-    if checkpoint is not None:
-        step = json.loads((checkpoint / STATE_FILE).read_text(encoding="utf-8")).get("step", 0)
-        if isinstance(step, int) and step >= config.steps:
-            return (f"{config.run_dir} holds a checkpoint at step {step}, and steps={config.steps} is the total: "
-                    f"nothing to train (raise steps to continue, or use another run_dir)")
-        print(f"specroll launch: resuming from {checkpoint} (step {step} of {config.steps}; the metrics of later "
-              f"steps are replaced)", file=sys.stderr)
-    return None
-
-
-def _take_lock(lock: Path) -> None:
-    """Claim the run directory for this launcher (O_EXCL), taking over a lock whose launcher is gone.
-
-    Raises:
-        LaunchError: another live launcher holds it.
-    """
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            try:
-                holder = int(lock.read_text().strip() or 0)
-            except (OSError, ValueError):
-                holder = 0
-            if holder > 0 and _alive(holder):
-                raise LaunchError(f"run_dir {lock.parent} is in use by the launcher with pid {holder}; "
-                                  f"expected a run_dir no running launch uses") from None
-            lock.unlink(missing_ok=True)  # stale: its launcher is gone
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
-        return
-    raise LaunchError(f"could not claim {lock}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

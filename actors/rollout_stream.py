@@ -100,7 +100,7 @@ class DraftCounter:
     """A :class:`~specroll.engine.proposal.Proposer` that forwards to ``inner`` and records how many
     drafts of each request the engine verifies in a step (for per-chunk :class:`SpecStats`).
 
-    The engine caps a row's drafts at ``max_len - num_tokens - 1`` (``Engine._propose``);
+    The engine caps a row's drafts at ``max_len - num_tokens - 1`` (``engine.drafting.propose_drafts``);
     ``max_len`` holds each live request's cap so the count here matches.
     """
 

@@ -30,6 +30,10 @@ Timeline:
 Policy version: the number of optimizer steps taken, plus any jumps made so that a version is
 never below one a generator already reports (step 2, and whenever a generator or a rollout token
 reports a version above the trainer's; the current weights are then republished above it).
+
+Beside this module: the prompt order in ``prompt_cycle.py``, the metrics records in
+``trainer_metrics.py``, checkpoints in ``trainer_checkpoint.py``, the GRPO maths in ``grpo.py`` and
+``grpo_step.py``.
 """
 
 from __future__ import annotations
@@ -37,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import random
 import signal
 import sys
 import threading
@@ -52,10 +55,12 @@ import torch
 from tqdm import tqdm
 
 from specroll.actors.client import RolloutClient
-from specroll.actors.config import ConfigError, RunConfig, load_config, write_resolved
+from specroll.actors.config import ConfigError, RunConfig, load_config
+from specroll.actors.config_dump import write_resolved
 from specroll.actors.coordinator import Group
 from specroll.actors.files import write_text_atomic
 from specroll.actors.grpo_step import StepResult, build_batch, train_step
+from specroll.actors.prompt_cycle import PromptCycle
 from specroll.actors.tasks import RewardFn, builtin_prompts, format_question, get_reward, load_prompts
 from specroll.actors.trainer_checkpoint import (
     TrainerState,
@@ -63,6 +68,7 @@ from specroll.actors.trainer_checkpoint import (
     load_trainer_checkpoint,
     save_checkpoint,
 )
+from specroll.actors.trainer_metrics import StepMetrics, truncate_metrics
 from specroll.engine.checkpoint import load_checkpoint
 from specroll.engine.model import CausalLM
 from specroll.engine.tokenizer import Tokenizer
@@ -87,38 +93,6 @@ class TrainerError(RuntimeError):
     def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
         super().__init__(message)
         self.exit_code = exit_code
-
-
-# ---- prompts ------------------------------------------------------------------------------------
-
-
-class PromptCycle:
-    """Tokenized prompts served in a seeded order: each pass over them is a fresh shuffle.
-
-    Args:
-        token_ids: every prompt's ids (chat template applied).
-        answers: the reference answer of each prompt (the reward's ground truth).
-        seed: run seed; pass ``e`` uses the permutation of ``random.Random(f"{seed}-{e}")``.
-        cursor: prompts already served (restored on resume).
-    """
-
-    def __init__(self, token_ids: list[list[int]], answers: list[str | None], seed: int, cursor: int = 0) -> None:
-        if not token_ids or len(token_ids) != len(answers):
-            raise ValueError(f"{len(token_ids)} prompts and {len(answers)} answers; expected equal, non-zero")
-        self.token_ids, self.answers, self.seed, self.cursor = token_ids, answers, seed, cursor
-        self._epoch, self._order = -1, list(range(len(token_ids)))
-
-    def next(self) -> tuple[list[int], str | None, int]:
-        """The next prompt: ``(token ids, answer, sampling seed)``; advances the cursor."""
-        epoch, position = divmod(self.cursor, len(self.token_ids))
-        if epoch != self._epoch:
-            self._order = list(range(len(self.token_ids)))
-            random.Random(f"{self.seed}-{epoch}").shuffle(self._order)
-            self._epoch = epoch
-        index = self._order[position]
-        sampling_seed = ((self.seed << 32) ^ self.cursor) & (2**63 - 1)
-        self.cursor += 1
-        return self.token_ids[index], self.answers[index], sampling_seed
 
 
 # ---- setup ------------------------------------------------------------------------------------
@@ -157,26 +131,6 @@ def _load(config: RunConfig) -> _Setup:
     return _Setup(model, ckpt.tokenizer, optimizer, cycle, state, path)
 
 
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Keep the metrics of steps up to ``step`` (the checkpoint resumed from): the steps a killed
-    trainer ran past its checkpoint are trained again, so their lines are replaced, not repeated."""
-    if not path.is_file():
-        return
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by the kill
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
-            kept.append(line if line.endswith("\n") else line + "\n")
-    if len(kept) != len(lines):
-        log.info("metrics: dropping %d lines of steps after the checkpoint's step %d", len(lines) - len(kept), step)
-        write_text_atomic(path, "".join(kept))
-
-
 def _bind_address(config: RunConfig) -> str:
     host = config.network.host
     if ":" in host and not host.startswith("["):
@@ -206,7 +160,7 @@ class Trainer:
         self.run_dir = Path(config.run_dir)
         self.no_generator_s = NO_GENERATOR_FACTOR * config.network.heartbeat_timeout_s
         self._alone_since: float | None = None
-        self._gen_rate: dict[str, tuple[int, float, float]] = {}  # actor → (tokens, clock s, tokens/s)
+        self.step_metrics = StepMetrics(client, config.drafter.acceptance_floor)
         self._last_checkpoint = self.step
 
     async def run(self) -> None:
@@ -221,7 +175,7 @@ class Trainer:
                 log.info("the checkpoint is already at step %d of %d: nothing to train", self.step, self.config.steps)
                 return
             await self._publish_after_resume()
-            _truncate_metrics(self.run_dir / METRICS_FILENAME, self.step)
+            truncate_metrics(self.run_dir / METRICS_FILENAME, self.step)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._feed)
             # disable=None: no bar when stderr is a log file (the launcher prints a line per step instead)
@@ -331,8 +285,8 @@ class Trainer:
         await self._publish()
         if self.step == self.config.steps:
             await self._wait_acks()
-        metrics = self._metrics(groups, rewards, result, trained_version, time.monotonic() - start,
-                                start - wait_start)
+        metrics = self.step_metrics.record(self.step, self.version, groups, rewards, result, trained_version,
+                                           time.monotonic() - start, start - wait_start)
         with open(self.run_dir / METRICS_FILENAME, "a", encoding="utf-8") as f:
             f.write(json.dumps(metrics) + "\n")
         accept = metrics["acceptance_length"]
@@ -360,67 +314,6 @@ class Trainer:
         path = await anyio.to_thread.run_sync(save_checkpoint, self.run_dir, self.model, self.optimizer, state)
         self._last_checkpoint = self.step
         log.info("checkpoint of step %d (policy version %d) written to %s", self.step, self.version, path)
-
-    # ---- metrics ---------------------------------------------------------------------------
-
-    def _generation_rate(self) -> float | None:
-        """Tokens/s of all live generators, each from its last two distinct ``Stats`` messages
-        (None before any generator sent its first)."""
-        total = 0.0
-        live = [(a, s) for a, s in self.client.generator_stats.items() if a in self.client.coordinator.generators]
-        if not live:
-            return None
-        for actor, s in live:
-            clock = s.busy_s + s.idle_s
-            prev = self._gen_rate.get(actor)
-            if prev is None or clock < prev[1] or s.num_tokens < prev[0]:  # first stats, or it restarted
-                rate = s.num_tokens / clock if clock > 0 else 0.0
-            elif clock > prev[1]:
-                rate = (s.num_tokens - prev[0]) / (clock - prev[1])
-            else:
-                rate = prev[2]  # no new stats since the last step
-            self._gen_rate[actor] = (s.num_tokens, clock, rate)
-            total += rate
-        return total
-
-    def _acceptance_length(self) -> float | None:
-        """1 + accepted drafts per draft step over all generators (None without speculation)."""
-        specs = [s.spec for s in self.client.generator_stats.values() if s.spec is not None]
-        steps = sum(s.num_draft_steps for s in specs)
-        return 1 + sum(s.num_accepted for s in specs) / steps if steps else None
-
-    def _metrics(self, groups: list[Group], rewards: torch.Tensor, r: StepResult, trained_version: int,
-                 step_s: float, wait_s: float) -> dict[str, object]:
-        lengths = [len(s.token_ids) for g in groups for s in g.samples]
-        return {
-            "step": self.step,
-            "policy_version": self.version,
-            "trained_version": trained_version,
-            "reward_mean": float(rewards.mean()),
-            "accuracy": float((rewards >= 1.0).float().mean()),
-            "loss": r.loss,
-            "is_weight_mean": r.is_weight_mean,
-            "truncated_fraction": r.truncated_fraction,
-            "clip_fraction": r.clip_fraction,
-            "approx_kl": r.approx_kl,
-            "grad_norm": r.grad_norm,
-            "trained_tokens": r.trained_tokens,
-            "tokens_masked_stale": r.tokens_masked_stale,
-            "samples_dropped_stale": r.samples_dropped_stale,
-            "staleness": {str(lag): count for lag, count in r.staleness.items()},
-            "max_lag": r.max_lag,
-            "response_tokens_mean": sum(lengths) / len(lengths),
-            "gen_tokens_per_s": self._generation_rate(),
-            "acceptance_length": self._acceptance_length(),
-            **self.client.drafters.report(self.config.drafter.acceptance_floor),
-            "generators_alive": len(self.client.coordinator.generators),
-            "generators_dead": len(self.client.dead_generators),
-            "generator_versions": dict(self.client.generator_versions),
-            "groups_resumed": self.client.coordinator.resumed_groups,
-            "step_s": step_s,
-            "wait_s": wait_s,
-        }
-
 
 # ---- entry points -------------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ def setup_torch(threads: int | None, dtype_name: str) -> tuple[torch.dtype, str,
     """
     import torch
 
-    from specroll.engine.engine import resolve_dtype
+    from specroll.engine.device import resolve_dtype
 
     if threads is not None:
         torch.set_num_threads(threads)

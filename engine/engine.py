@@ -2,6 +2,8 @@
 
 Synchronous and seedable, with no I/O of its own; the generator actor drives it from a worker
 thread. A step is one ragged batch (prefill chunks and decodes together) over the paged KV cache.
+The proposer's side of a step (drafts in, features out) is in ``drafting.py``; the device and
+dtype checks are in ``device.py``.
 """
 
 from __future__ import annotations
@@ -18,56 +20,18 @@ from specroll.engine.batch import build_metadata
 from specroll.engine.block_manager import BlockManager
 from specroll.engine.checkpoint import Checkpoint, expected_weight_shapes, load_checkpoint
 from specroll.engine.config import EngineConfig
+from specroll.engine.device import check_device, resolve_dtype
 from specroll.engine.draft_length import DraftLengthBandit
+from specroll.engine.drafting import observe_features, propose_drafts
 from specroll.engine.flashinfer_attention import FlashInferAttention
 from specroll.engine.flashinfer_sampling import FlashInferSampler
 from specroll.engine.model import CausalLM
-from specroll.engine.proposal import DraftInput, FeatureUpdate, Proposal, Proposer
+from specroll.engine.proposal import Proposer
 from specroll.engine.sampler import sample
 from specroll.engine.scheduler import ScheduledSequence, Scheduler
 from specroll.engine.sequence import Completion, FinishReason, Sequence, SequenceStatus, StepOutput
 from specroll.engine.speculative import SpeculativeStats, verify_drafts
 from specroll.protocol.sampling import SamplingParams
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The dtype ``name`` stands for; ``auto`` is bfloat16 on CUDA GPUs that support it (float16 on
-    older ones) and on CPUs with native bf16 (AVX512-BF16 or AMX: bf16 matmuls there run about twice
-    as fast as float32), else float32.
-    """
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if _cpu_has_native_bf16():
-        return torch.bfloat16
-    return torch.float32
-
-
-def _cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def _check_device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"device {name!r} is not a torch device; expected e.g. 'cpu' or 'cuda:0'") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r}: this torch build or machine has no CUDA; use 'cpu'")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {name!r}: expected 'cpu' or a CUDA device")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                         f"expected an index below that")
-    return device
 
 
 class Engine:
@@ -93,7 +57,7 @@ class Engine:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        self.device = _check_device(config.device)
+        self.device = check_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.backend == "flashinfer":  # fail before spending time loading the model
             problem = flashinfer_problem(self.device, self.dtype, head_dim=None)
@@ -291,7 +255,11 @@ class Engine:
         if not scheduled:
             return []
         stats = SpeculativeStats(num_steps=1, k=k)
-        drafts, draft_probs = self._propose(scheduled, k) if k else ({}, {})
+        drafts: dict[Sequence, list[int]] = {}
+        draft_probs: dict[Sequence, torch.Tensor] = {}
+        if k:
+            assert self.proposer is not None  # k > 0 only with a proposer
+            drafts, draft_probs = propose_drafts(self.proposer, scheduled, k, self.model_config.vocab_size)
         stats.draft_time_s = time.perf_counter() - start_time
         starts = [s.seq.num_computed_tokens for s in scheduled]
         logits, features = self._forward(scheduled, drafts)  # logits [rows, V]: 1 + drafts per sampling sequence
@@ -323,7 +291,8 @@ class Engine:
                 self.block_manager.cache_full_pages(s.seq, self.weight_version)
         outputs = [self._emit(seq, tokens, lps) for seq, (tokens, lps, _) in zip(samplers, emitted, strict=True)]
         if features is not None:
-            self._observe(scheduled, drafts, starts, features)
+            assert self.proposer is not None  # features are tapped only for a proposer
+            observe_features(self.proposer, scheduled, drafts, starts, features)
         stats.num_emitted = sum(len(out.new_token_ids) for out in outputs)
         self._record_step(scheduled, stats, time.perf_counter() - start_time)
         return outputs
@@ -362,55 +331,6 @@ class Engine:
         return StepOutput(seq.request_id, seq.group_id, tokens[:kept], logprobs[:kept],
                           [self.weight_version] * kept, finish is not None, finish, seq.num_output_tokens)
 
-    def _propose(
-        self, scheduled: list[ScheduledSequence], k: int
-    ) -> tuple[dict[Sequence, list[int]], dict[Sequence, torch.Tensor]]:
-        """Drafts (and their q, when sampled) for the sequences that decode this step, capped so a
-        request never passes its length limit: each step emits accepted drafts + 1, so a sequence
-        with n tokens and limit L gets at most L − n − 1 drafts and its positions stay below L."""
-        assert self.proposer is not None
-        decoding = [s.seq for s in scheduled if s.samples and s.num_new_tokens == 1]
-        if not decoding:
-            return {}, {}
-        proposal = self.proposer.propose(
-            [DraftInput(seq.request_id, seq.group_id, seq.token_ids, seq.sampling) for seq in decoding], k
-        )
-        valid = self._valid_drafts(proposal, len(decoding), k)  # [B] usable drafts per row
-        drafts, probs = {}, {}
-        for b, (seq, row, n) in enumerate(
-            zip(decoding, proposal.token_ids.tolist(), valid.tolist(), strict=True)
-        ):
-            n = min(n, seq.max_len - seq.num_tokens - 1)
-            if n > 0:
-                drafts[seq] = row[:n]
-                if proposal.probs is not None:
-                    probs[seq] = proposal.probs[b, :n]
-        return drafts, probs
-
-    def _valid_drafts(self, proposal: Proposal, batch: int, k: int) -> torch.Tensor:
-        """int64 ``[B]``: how many leading drafts of each row verification can trust. A proposer is
-        pluggable code: drafts after an out-of-vocabulary id, or after a q row that is not a
-        distribution (NaN or infinite, negative, not summing to 1, or 0 at its own draft), are
-        dropped — verifying against a broken q would no longer be lossless.
-
-        Raises:
-            ValueError: the proposal's tensors have the wrong shapes.
-        """
-        vocab = self.model_config.vocab_size
-        ids, num = proposal.token_ids, proposal.num_drafts
-        if tuple(ids.shape) != (batch, k) or tuple(num.shape) != (batch,):
-            raise ValueError(f"proposal token_ids {tuple(ids.shape)}, num_drafts {tuple(num.shape)}: "
-                             f"expected ({batch}, {k}) and ({batch},)")
-        ok = (ids >= 0) & (ids < vocab)  # [B, k]
-        if proposal.probs is not None:
-            q = proposal.probs.double()
-            if tuple(q.shape) != (batch, k, vocab):
-                raise ValueError(f"proposal probs {tuple(q.shape)}: expected ({batch}, {k}, {vocab})")
-            q_draft = q.gather(-1, ids.clamp(0, vocab - 1)[..., None]).squeeze(-1)
-            ok &= torch.isfinite(q).all(-1) & (q >= 0).all(-1) & ((q.sum(-1) - 1).abs() < 1e-3) & (q_draft > 0)
-        leading = ok.long().cumprod(-1).sum(-1)  # drafts before the first bad one
-        return torch.minimum(num.clamp(0, k), leading)
-
     def _forward(
         self, scheduled: list[ScheduledSequence], drafts: dict[Sequence, list[int]]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -443,28 +363,6 @@ class Engine:
         rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         return (logits if self._gpu_sampler is not None else logits.cpu()), features
-
-    def _observe(
-        self,
-        scheduled: list[ScheduledSequence],
-        drafts: dict[Sequence, list[int]],
-        starts: list[int],
-        features: torch.Tensor,
-    ) -> None:
-        """Hand the proposer the features of each live sequence's newly valid positions: its input
-        rows of this step up to the last accepted draft."""
-        assert self.proposer is not None
-        updates = []
-        row = 0
-        for s, start in zip(scheduled, starts, strict=True):
-            seq = s.seq
-            if seq.status is not SequenceStatus.FINISHED:
-                valid = seq.num_computed_tokens - start  # new tokens + accepted drafts
-                updates.append(FeatureUpdate(seq.request_id, seq.group_id, start, features[row : row + valid],
-                                             seq.token_ids, seq.prompt_len))
-            row += s.num_new_tokens + len(drafts.get(seq, ()))
-        if updates:
-            self.proposer.observe(updates)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         if not seq.sampling.ignore_eos and token in self.eos_token_ids:

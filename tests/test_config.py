@@ -20,10 +20,9 @@ from specroll.actors.config import (
     RunConfig,
     TaskConfig,
     TrainerConfig,
-    dump_config,
     load_config,
-    write_resolved,
 )
+from specroll.actors.config_dump import dump_config, write_resolved
 from specroll.engine.config import EngineConfig
 from specroll.engine.registry import DEFAULT_MODEL
 from specroll.protocol.sampling import SamplingParams

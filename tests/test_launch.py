@@ -275,11 +275,11 @@ def test_a_run_dir_in_use_is_refused_and_a_finished_run_starts_nothing(tmp_path:
 
 
 def test_resume_replaces_the_metrics_of_steps_after_the_checkpoint(tmp_path: Path) -> None:
-    from specroll.actors.trainer import _truncate_metrics
+    from specroll.actors.trainer_metrics import truncate_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(f'{{"step": {s}}}\n' for s in (1, 2, 3, 4)) + '{"step": 5, "cut')  # killed mid-line
-    _truncate_metrics(path, 2)
+    truncate_metrics(path, 2)
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
 
 

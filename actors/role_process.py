@@ -1,0 +1,122 @@
+"""A role's process as the launcher runs it: started in its own process group (``pgid == pid``)
+with stdout and stderr appended to its log, observed without being reaped, signalled by group.
+
+A child that exits is observed with ``waitid(WNOWAIT)``: its zombie keeps the pid — and with it the
+process-group id — reserved, so signalling that group can only reach processes the launcher started
+(and anything they left behind in their group). On Linux each child also gets
+``PR_SET_PDEATHSIG = SIGKILL``, so even a SIGKILLed launcher leaves no role running.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class RoleProcess:
+    """One started role: its process (leader of its own process group) and its log."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    exit_code: int | None = None
+    """Set once the process is seen to have exited (``-N``: killed by signal N), before it is reaped."""
+    reaped: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+def start_role(name: str, module_args: list[str], log_path: Path) -> RoleProcess:
+    """Start ``python -m module_args...`` as ``name`` in its own process group, stdout and stderr
+    appended to ``log_path`` after a header line with the start time."""
+    with log_path.open("ab") as log:
+        log.write(f"==== specroll launch: {name} started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        log.flush()
+        popen = subprocess.Popen(
+            [sys.executable, "-m", *module_args], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            process_group=0, preexec_fn=_pdeathsig_preexec(), close_fds=True,
+        )
+    return RoleProcess(name, popen, log_path)
+
+
+def describe_exit(code: int) -> str:
+    """``"exited with code 3"`` or ``"was killed by SIGKILL"`` for a Popen-style return code."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
+
+
+def tail(path: Path, lines: int = 20, max_bytes: int = 16384) -> str:
+    """The last ``lines`` lines of a text file (``""`` when missing), each indented by two spaces."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join("  " + line for line in text.rstrip("\n").splitlines()[-lines:])
+
+
+def _pdeathsig_preexec() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child receive SIGKILL when the launcher dies (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return None
+    prctl = ctypes.CDLL(libc_name, use_errno=True).prctl  # resolved before fork, not in the child
+    pr_set_pdeathsig, parent = 1, os.getpid()
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl: do not run orphaned
+            os._exit(1)
+
+    return preexec
+
+
+def observe_exit(proc: RoleProcess) -> int | None:
+    """The exit code if ``proc`` has exited, without reaping it (its pid and pgid stay reserved)."""
+    if proc.exit_code is not None:
+        return proc.exit_code
+    if not hasattr(os, "waitid"):  # not Linux: poll() reaps; the pgid is then no longer reserved
+        proc.exit_code = proc.popen.poll()
+        proc.reaped = proc.exit_code is not None
+        return proc.exit_code
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # already reaped (cannot happen unless someone else waited on it)
+        proc.exit_code = proc.popen.poll()
+        proc.reaped = True
+        return proc.exit_code
+    if info is None or info.si_pid == 0:
+        return None
+    proc.exit_code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+    return proc.exit_code
+
+
+
+
+def killpg(proc: RoleProcess, sig: signal.Signals) -> None:
+    """Signal the process group ``proc`` leads; valid while ``proc`` is unreaped (its pid is reserved)."""
+    if proc.reaped:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass  # the group is empty: nothing left to stop

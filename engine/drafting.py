@@ -1,0 +1,88 @@
+"""Drafting inside an engine step: the proposer's drafts for the sequences that decode, trimmed to
+what verification can trust and to each request's length limit, and the target features of the
+positions a step made valid, handed back to the proposer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specroll.engine.proposal import DraftInput, FeatureUpdate, Proposal, Proposer
+from specroll.engine.scheduler import ScheduledSequence
+from specroll.engine.sequence import Sequence, SequenceStatus
+
+
+def propose_drafts(
+    proposer: Proposer, scheduled: list[ScheduledSequence], k: int, vocab_size: int
+) -> tuple[dict[Sequence, list[int]], dict[Sequence, torch.Tensor]]:
+    """Drafts (and their q, when sampled) for the sequences that decode this step, capped so a
+    request never passes its length limit: each step emits accepted drafts + 1, so a sequence
+    with n tokens and limit L gets at most L − n − 1 drafts and its positions stay below L."""
+    decoding = [s.seq for s in scheduled if s.samples and s.num_new_tokens == 1]
+    if not decoding:
+        return {}, {}
+    proposal = proposer.propose(
+        [DraftInput(seq.request_id, seq.group_id, seq.token_ids, seq.sampling) for seq in decoding], k
+    )
+    valid = valid_drafts(proposal, len(decoding), k, vocab_size)  # [B] usable drafts per row
+    drafts, probs = {}, {}
+    for b, (seq, row, n) in enumerate(
+        zip(decoding, proposal.token_ids.tolist(), valid.tolist(), strict=True)
+    ):
+        n = min(n, seq.max_len - seq.num_tokens - 1)
+        if n > 0:
+            drafts[seq] = row[:n]
+            if proposal.probs is not None:
+                probs[seq] = proposal.probs[b, :n]
+    return drafts, probs
+
+
+def valid_drafts(proposal: Proposal, batch: int, k: int, vocab_size: int) -> torch.Tensor:
+    """int64 ``[B]``: how many leading drafts of each row verification can trust. A proposer is
+    pluggable code: drafts after an out-of-vocabulary id, or after a q row that is not a
+    distribution (NaN or infinite, negative, not summing to 1, or 0 at its own draft), are
+    dropped — verifying against a broken q would no longer be lossless.
+
+    Raises:
+        ValueError: the proposal's tensors have the wrong shapes.
+    """
+    ids, num = proposal.token_ids, proposal.num_drafts
+    if tuple(ids.shape) != (batch, k) or tuple(num.shape) != (batch,):
+        raise ValueError(f"proposal token_ids {tuple(ids.shape)}, num_drafts {tuple(num.shape)}: "
+                         f"expected ({batch}, {k}) and ({batch},)")
+    ok = (ids >= 0) & (ids < vocab_size)  # [B, k]
+    if proposal.probs is not None:
+        q = proposal.probs.double()
+        if tuple(q.shape) != (batch, k, vocab_size):
+            raise ValueError(f"proposal probs {tuple(q.shape)}: expected ({batch}, {k}, {vocab_size})")
+        q_draft = q.gather(-1, ids.clamp(0, vocab_size - 1)[..., None]).squeeze(-1)
+        ok &= torch.isfinite(q).all(-1) & (q >= 0).all(-1) & ((q.sum(-1) - 1).abs() < 1e-3) & (q_draft > 0)
+    leading = ok.long().cumprod(-1).sum(-1)  # drafts before the first bad one
+    return torch.minimum(num.clamp(0, k), leading)
+
+
+def observe_features(
+    proposer: Proposer,
+    scheduled: list[ScheduledSequence],
+    drafts: dict[Sequence, list[int]],
+    starts: list[int],
+    features: torch.Tensor,
+) -> None:
+    """Hand the proposer the features of each live sequence's newly valid positions: its input
+    rows of this step up to the last accepted draft.
+
+    Args:
+        starts: each scheduled sequence's computed tokens before the step.
+        features: the target features of every input row of the step (drafts included).
+    """
+    updates = []
+    row = 0
+    for s, start in zip(scheduled, starts, strict=True):
+        seq = s.seq
+        if seq.status is not SequenceStatus.FINISHED:
+            valid = seq.num_computed_tokens - start  # new tokens + accepted drafts
+            updates.append(FeatureUpdate(seq.request_id, seq.group_id, start, features[row : row + valid],
+                                         seq.token_ids, seq.prompt_len))
+        row += s.num_new_tokens + len(drafts.get(seq, ()))
+    if updates:
+        proposer.observe(updates)
