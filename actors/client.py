@@ -466,6 +466,7 @@ class RolloutClient:
             self._queue(actor, Welcome(protocol_version=PROTOCOL_VERSION, actor_id=self.actor_id))
             if self._weights.announcement is not None:
                 self._queue(actor, self._weights.announcement)
+            self.drafters.on_generator_hello(actor)  # a restarted drafter trainer numbers above it
             return
         if actor in self.coordinator.generators:  # it restarted under the same id: its groups are gone
             self._generator_gone(actor, "it said Hello again")

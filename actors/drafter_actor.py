@@ -49,6 +49,7 @@ from specroll.protocol.messages import (
     Capacity,
     Credit,
     Dead,
+    DrafterAvailable,
     Error,
     FetchWeights,
     FinishedRollouts,
@@ -256,20 +257,40 @@ class DrafterActor:
                 self.capacity = msg
                 self._notify()
             case WeightsAvailable():
+                problem = self._policy_mismatch(msg)
+                if problem is not None:
+                    self.stop(EXIT_REFUSED, problem)
+                    return
                 self._announced = msg
                 self._maybe_fetch()
             case WeightsChunk():
                 self._on_weights_chunk(msg, r.tensors)
             case Credit():
                 pass
+            case DrafterAvailable():
+                if msg.version > self.learner.version:
+                    log.info("drafter version %d is published; numbering ours above it", msg.version)
+                    self.learner.version = msg.version
             case Error():
-                log.warning("the trainer reports an error (%s) for our message %s: %s", msg.code, msg.seq, msg.message)
+                about = f" about our message {msg.seq}" if msg.seq is not None else ""
+                log.warning("the trainer reports an error (%s)%s: %s", msg.code, about, msg.message)
             case Dead():
-                log.warning("the trainer %s is exiting (%s)", msg.actor_id, msg.reason)
+                log.info("the trainer (%s) is exiting (%s)", msg.actor_id, msg.reason)
 
     def _notify(self) -> None:
         self._wake.set()
         self._wake = anyio.Event()
+
+    def _policy_mismatch(self, a: WeightsAvailable) -> str | None:
+        """Why the announced policy cannot be this learner's target (another model), or ``None``."""
+        mine = {name: tuple(t.shape) for name, t in self.learner.target.hf_weights().items()}
+        theirs = {p.name: tuple(p.shape) for p in a.params}
+        if mine == theirs:
+            return None
+        diff = sorted(n for n in mine.keys() | theirs.keys() if mine.get(n) != theirs.get(n))[:3]
+        shown = ", ".join(f"{n}: {theirs.get(n)} there, {mine.get(n)} here" for n in diff)
+        return (f"the trainer's policy (version {a.version}) is not the model this drafter trainer loaded "
+                f"({self.settings.model}): {shown}; start it with the run's config (--config RUN_DIR/config.toml)")
 
     def _maybe_fetch(self) -> None:
         a = self._announced
@@ -349,7 +370,7 @@ class DrafterActor:
         self._put(PublishDrafter(version=snap.version, policy_version=snap.policy_version, config=snap.config_json,
                                  checksum=snap.checksum, tensors=refs, train_steps=snap.train_steps), tensors)
         m = self.last_metrics
-        log.info("published drafter version %d (policy %d, %d steps, %.0f s of training%s)", snap.version,
+        log.info("sent drafter version %d to the trainer (policy %d, %d steps, %.0f s of training%s)", snap.version,
                  snap.policy_version, snap.train_steps, self.train_s,
                  f", loss {m['loss']:.3f}, top-1 {m['top1_0']:.3f}" if m else "")
         if self.settings.save_dir is not None:

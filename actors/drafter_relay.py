@@ -94,7 +94,7 @@ class DrafterRelay:
         self.refusals.pop(actor, None)
 
     def on_generator_hello(self, actor: str) -> None:
-        """Announce the current drafter version to a generator that just joined."""
+        """Announce the current drafter version to a generator or drafter trainer that just joined."""
         if self.published is not None:
             self._send(actor, self._announcement(), None)
 
@@ -103,15 +103,18 @@ class DrafterRelay:
     def on_publish(self, actor: str, msg: PublishDrafter, tensors: dict[str, torch.Tensor]) -> None:
         """A drafter trainer published a version: keep it and announce it to ``generators``."""
         have = self.published.version if self.published is not None else 0
-        if msg.version <= have:
+        if msg.version <= have:  # a restarted or second drafter trainer: it numbers the next one above
             self._send(actor, Error(code="bad_request", message=f"drafter version {msg.version} is not above "
-                                    f"the published {have}"), None)
+                                    f"the published {have}; the next one is numbered above it"), None)
+            self._send(actor, self._announcement(), None)
             return
         self._tensors = [tensors[ref.name] for ref in msg.tensors]
         self.published = DrafterWeights(version=msg.version, policy_version=msg.policy_version, config=msg.config,
                                         checksum=msg.checksum, tensors=msg.tensors)
         log.info("drafter version %d published by %s (trained against policy %d, %d steps)", msg.version, actor,
                  msg.policy_version, msg.train_steps)
+        for other in self.drafters - {actor}:  # concurrent drafter trainers keep one numbering
+            self._send(other, self._announcement(), None)
 
     def announce_to(self, generators: list[str]) -> None:
         if self.published is not None:
@@ -123,6 +126,8 @@ class DrafterRelay:
         if p is None or p.version != msg.version:
             self._send(actor, Error(code="bad_request", message=f"drafter version {msg.version} is not published "
                                     f"(current: {p.version if p else None})"), None)
+            if p is not None:
+                self._send(actor, self._announcement(), None)  # fetch the current one instead
             return
         self._send(actor, p, self._tensors)
 

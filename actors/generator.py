@@ -365,17 +365,22 @@ class GeneratorActor:
                 await self._on_weights_chunk(msg, r)
             case DrafterAvailable():
                 self._drafter_announced = max(self._drafter_announced, msg.version)
+                f = self._drafter_fetch
+                if f and msg.version > f and not any(isinstance(op, ReadyDrafter) and op.version == f
+                                                     for op in self._inbox):
+                    self._drafter_fetch = 0  # superseded before it arrived (the trainer keeps only the newest)
                 self._maybe_fetch_drafter()
             case DrafterWeights():
                 await self._on_drafter_weights(msg, r)
             case Credit():
                 pass  # consumed by the channel; never handed out
             case Error():
-                log.warning("the trainer reports an error (%s) for our message %s: %s", msg.code, msg.seq, msg.message)
+                about = f" about our message {msg.seq}" if msg.seq is not None else ""
+                log.warning("the trainer reports an error (%s)%s: %s", msg.code, about, msg.message)
                 if msg.code == "unknown_peer" and time.monotonic() - self._last_hello > 1.0:
                     self._send_hello()  # the trainer restarted and does not know us: register again
             case Dead():
-                log.warning("the trainer %s is exiting (%s); waiting for it to come back", msg.actor_id, msg.reason)
+                log.info("the trainer (%s) is exiting (%s); waiting for it to come back", msg.actor_id, msg.reason)
                 self._trainer_said_dead = True
                 self._connected = False
                 self._last_alive = time.monotonic()
@@ -402,6 +407,9 @@ class GeneratorActor:
 
     async def _on_drafter_weights(self, msg: DrafterWeights, r: Received[ToGenerator]) -> None:
         if msg.version != self._drafter_fetch:
+            if msg.version < self._drafter_announced:
+                log.debug("drafter version %d arrived after a newer one was announced; dropped", msg.version)
+                return
             await self._refuse("bad_request", f"drafter version {msg.version} was not fetched "
                                f"(fetching {self._drafter_fetch or None})", r.seq)
             return
@@ -502,7 +510,8 @@ class GeneratorActor:
         else:
             log.info("serving drafter version %d (checksum %s...)", ready.version, ready.checksum[:12])
             self._put(AckDrafter(version=ready.version, checksum=ready.checksum))
-        self._drafter_fetch = 0
+        if self._drafter_fetch == ready.version:
+            self._drafter_fetch = 0
         self._maybe_fetch_drafter()
 
     async def _apply_weights(self, op: _ApplyWeights) -> None:

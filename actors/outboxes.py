@@ -82,4 +82,4 @@ class Outboxes:
                 except zmq.ZMQError as e:
                     if e.errno != zmq.EHOSTUNREACH:
                         raise
-                    log.info("generator %s is unreachable; dropping %s", actor, type(msg).__name__)
+                    log.info("peer %s is unreachable; dropping %s", actor, type(msg).__name__)

@@ -1,8 +1,10 @@
 """A transport that never loses data silently, on one ROUTER or DEALER ``zmq.asyncio`` socket.
 
 * **Sequence numbers.** Every data message to a peer carries the next number of the sender's
-  stream to that peer, and the sender's session id (random per :class:`Channel`, i.e. per process
-  incarnation). The receiver expects each peer's numbers to go up by one; a gap (messages lost,
+  stream to that peer, and that stream's session id (random per stream: a new process incarnation,
+  or a new stream after :meth:`Channel.forget`, which numbers from 0 again — a receiver that saw
+  the old stream must not take the new one's numbers for duplicates). The receiver expects each
+  peer's numbers to go up by one; a gap (messages lost,
   e.g. queued to a connection that died) or a duplicate raises :class:`SequenceError`. Control
   messages (:data:`~specroll.protocol.messages.CONTROL_MESSAGES`: credit, heartbeat, dead) are not
   numbered, so receiving credit never triggers more credit and a heartbeat never takes a data
@@ -87,6 +89,8 @@ class _PeerState:
     """Our data messages to it may use sequence numbers below this."""
     credit: anyio.Event = field(default_factory=anyio.Event)
     """Set (and replaced) whenever ``limit`` grows."""
+    out_session: int = field(default_factory=lambda: secrets.randbits(63))
+    """Session id of our stream to the peer (new after ``forget``, when numbering starts over)."""
 
     def __post_init__(self) -> None:
         self.limit = self.window
@@ -131,7 +135,6 @@ class Channel(Generic[M]):
         self.window = window
         self.max_header_bytes = max_header_bytes
         self.router = kind == zmq.ROUTER
-        self.session = secrets.randbits(63)
         self._peers: dict[bytes, _PeerState] = {}
 
     def _key(self, peer: bytes | None) -> bytes:
@@ -175,7 +178,7 @@ class Channel(Generic[M]):
                 await st.credit.wait()
                 st = self._state(key)
         # No await from here to send_multipart, which queues synchronously: seq order is wire order.
-        frames = encode(msg, tensors, session=self.session, seq=st.next_seq)
+        frames = encode(msg, tensors, session=st.out_session, seq=st.next_seq)
         seq = st.next_seq
         if numbered:  # a control message is not numbered: it carries the next number
             st.next_seq += 1
@@ -233,7 +236,7 @@ class Channel(Generic[M]):
         # Never wait here: a peer that does not read (its queue to us full) must not stall the
         # receive task of every peer. A grant that cannot go out now is retried on the peer's next
         # message (``granted`` only moves when one went out); credit is cumulative.
-        frames = encode(Credit(limit=limit), session=self.session, seq=st.next_seq)
+        frames = encode(Credit(limit=limit), session=st.out_session, seq=st.next_seq)
         try:
             await self.socket.send_multipart([self._key(peer), *frames] if self.router else frames,
                                              flags=zmq.DONTWAIT, copy=False)

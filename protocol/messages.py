@@ -328,7 +328,9 @@ class PublishDrafter(_Message, tag="publish_drafter"):
 
 class DrafterAvailable(_Message, tag="drafter_available"):
     """Drafter ``version`` is published; a generator that speculates with a learned drafter
-    fetches it with :class:`FetchDrafter`."""
+    fetches it with :class:`FetchDrafter`. A drafter trainer gets it too (when it joins, after
+    publishing a version that was not above it, when another one publishes): its next version
+    is numbered above it."""
 
     version: Annotated[int, msgspec.Meta(ge=1)]
     policy_version: int
@@ -425,7 +427,7 @@ ToGenerator = (Welcome | Refuse | SubmitGroup | Abort | WeightsAvailable | Weigh
                | DrafterAvailable | DrafterWeights)
 """What a generator receives from the trainer."""
 ToDrafter = (Welcome | Refuse | WeightsAvailable | WeightsChunk | FinishedRollouts | Capacity | Credit | Error
-             | Dead)
+             | Dead | DrafterAvailable)
 """What the drafter trainer receives from the trainer."""
 
 CONTROL_MESSAGES: tuple[type, ...] = (Credit, Heartbeat, Dead)

@@ -127,8 +127,22 @@ async def test_drafter_versions_reach_the_generator_and_survive_the_drafter_trai
                 group = await client.next_finished(timeout=60)
                 assert all(len(s.token_ids) == SAMPLING.max_tokens for s in group.samples)
             assert client.drafters.generator_drafters["gen-0"] == before
+            # a restarted drafter trainer starts cold but numbers its versions above the published one
+            published = client.drafters.published.version
+            with drafter_process(client.endpoint, config, tmp_path / "drafter2.log"):
+                await wait_until(lambda: "training against policy version 1" in (tmp_path / "drafter2.log").read_text(),
+                                 60, "the restarted drafter trainer to join")
+                for p in prompts[24:32]:
+                    await client.submit(p, 2, SAMPLING)
+                for _ in range(8):
+                    await client.next_finished(timeout=60)
+                await wait_until(lambda: served_version(client) > before[0], 120,
+                                 f"the generator to serve a version above {before[0]} from the restarted trainer")
     log = (tmp_path / "drafter.log").read_text()
-    assert "published drafter version 1" in log, log[-2000:]
+    assert "sent drafter version 1 to the trainer" in log, log[-2000:]
+    restarted = (tmp_path / "drafter2.log").read_text()
+    first = int(restarted.split("sent drafter version ", 1)[1].split()[0])
+    assert first == published + 1 and "is not above the published" not in restarted, restarted[-2000:]
 
 
 def publish_head(client: RolloutClient, head: EagleHead, version: int) -> None:
@@ -141,7 +155,7 @@ def publish_head(client: RolloutClient, head: EagleHead, version: int) -> None:
     client.drafters.announce_to(["gen-0"])
 
 
-def served(client: RolloutClient) -> int:
+def served_version(client: RolloutClient) -> int:
     return client.drafters.generator_drafters.get("gen-0", (0, ""))[0]
 
 
@@ -180,12 +194,12 @@ async def test_a_drafter_swap_splits_live_samples_chunks_by_drafter_version(mode
                                "--stream-every", "1000000", "--max-model-len", "512"):
             await client.wait_for_generators(1, timeout=60)
             publish_head(client, first, 1)
-            await wait_until(lambda: served(client) == 1, 60, "the generator to serve drafter version 1")
+            await wait_until(lambda: served_version(client) == 1, 60, "the generator to serve drafter version 1")
             live = await client.submit([5, 17, 33], 2, long)
             await client.submit([6, 17, 33], 1, SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True))
             await client.next_finished(timeout=60)  # the short group: the long one is mid-flight now
             publish_head(client, second, 2)
-            await wait_until(lambda: served(client) == 2, 60, "the generator to serve drafter version 2")
+            await wait_until(lambda: served_version(client) == 2, 60, "the generator to serve drafter version 2")
             after = await client.submit([7, 17, 33], 1, SAMPLING)
             finished = {(await client.next_finished(timeout=120)).group_id for _ in range(2)}
             assert finished == {live, after}
@@ -318,3 +332,20 @@ def test_acceptance_is_reported_per_version_and_a_drop_below_the_floor_warns(cap
     assert report["acceptance_by_version"] == [
         {"drafter_version": 4, "policy_version": 8, "acceptance_length": 3.5, "draft_steps": 10}]
     assert report["acceptance_below_floor"] is False
+
+
+async def test_a_drafter_trainer_for_another_model_exits_with_a_clear_error(model, tmp_path):
+    """Started without the run's config (another model), it refuses the trainer's policy: exit 2."""
+    other = tmp_path / "other"
+    other.mkdir()
+    write_tiny_checkpoint(other, hidden_size=32, intermediate_size=64)
+    config = run_config(other, tmp_path / "run")
+    target = CausalLM(load_checkpoint(str(model)).config)
+    target.load_weights(load_checkpoint(str(model)).weights)
+    async with RolloutClient(heartbeat_timeout_s=20.0) as client:
+        await client.publish_weights(dict(target.hf_weights()), version=1, dtype="float32")
+        with drafter_process(client.endpoint, config, tmp_path / "drafter.log") as drafter:
+            await wait_until(lambda: drafter.poll() is not None, 60, "the drafter trainer to exit")
+    log = (tmp_path / "drafter.log").read_text()
+    assert drafter.returncode == 2, log[-2000:]
+    assert "is not the model this drafter trainer loaded" in log and "--config RUN_DIR/config.toml" in log, log[-2000:]
