@@ -39,7 +39,7 @@ import zmq.asyncio
 
 from specroll.actors.actor_exit import EXIT_OK, EXIT_REFUSED, EXIT_TRAINER_LOST, failure, report_exit
 from specroll.actors.weights_fetch import FetchAbandoned, WeightsFetch
-from specroll.drafter.eagle_head import EagleHead
+from specroll.drafter.eagle_head import DrafterError, EagleHead
 from specroll.drafter.learner import DrafterLearner, DrafterSnapshot, LearnerConfig
 from specroll.protocol.channel import DEFAULT_WINDOW, Channel, Received, SequenceError
 from specroll.protocol.codec import ProtocolError, pack_tensors
@@ -90,7 +90,9 @@ class DrafterSettings:
     train_below: float = 1.0
     """Train only while live sequences ≤ this fraction of the generators' capacity."""
     save_dir: str | None = None
-    """Directory the latest published version is written to (atomically), or ``None``."""
+    """Directory the latest published version is written to (atomically), or ``None``. Without
+    ``init``, a drafter found there (a resumed run's) is the warm start; one that does not load or
+    fit the model is ignored with a warning."""
     heartbeat_s: float = 1.0
     trainer_timeout_s: float = 60.0
     linger_s: float = 1.0
@@ -401,6 +403,16 @@ def build_learner(settings: DrafterSettings) -> DrafterLearner:
     model = model.to_empty(device=torch.device(settings.device))
     model.load_weights(checkpoint.weights)
     head = EagleHead.load(settings.init) if settings.init is not None else None
+    saved = Path(settings.save_dir) if settings.save_dir is not None else None
+    if head is None and saved is not None and (saved / "model.safetensors").exists():
+        try:
+            head = EagleHead.load(saved)
+            head.check_target(checkpoint.config, str(saved))
+        except DrafterError as e:
+            log.warning("%s; starting cold", e)
+            head = None
+        else:
+            log.info("warm start from %s (the last drafter this run saved)", saved)
     eos = sorted(set(checkpoint.tokenizer.eos_token_ids) | set(checkpoint.config.eos_token_ids))
     return DrafterLearner(model, settings.learner, head=head, eos_token_ids=eos)
 

@@ -349,3 +349,23 @@ async def test_a_drafter_trainer_for_another_model_exits_with_a_clear_error(mode
     log = (tmp_path / "drafter.log").read_text()
     assert drafter.returncode == 2, log[-2000:]
     assert "is not the model this drafter trainer loaded" in log and "--config RUN_DIR/config.toml" in log, log[-2000:]
+
+
+def test_a_resumed_run_warm_starts_from_the_drafter_it_saved(model, tmp_path, caplog):
+    from specroll.actors.drafter_actor import build_learner
+
+    cfg = load_checkpoint(str(model)).config
+    saved = EagleHead.init(EagleConfig.for_target(cfg, eagle3_feature_layers(cfg.num_layers), 64), torch.arange(64))
+    saved.save(tmp_path / "drafter")
+    settings = DrafterSettings(connect="tcp://127.0.0.1:1", model=str(model), save_dir=str(tmp_path / "drafter"))
+    learner = build_learner(settings)
+    assert learner.head is not None
+    assert head_checksum(learner.head.wire_tensors()) == head_checksum(saved.wire_tensors())
+    other = tmp_path / "other"  # a drafter saved for another model is ignored: cold start
+    other_cfg = EagleConfig(target_vocab_size=999, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=2,
+                            head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, feature_layers=(1,), draft_vocab_size=64,
+                            target_num_layers=2)
+    EagleHead.init(other_cfg, torch.arange(64)).save(other)
+    settings = DrafterSettings(connect="tcp://127.0.0.1:1", model=str(model), save_dir=str(other))
+    assert build_learner(settings).head is None
+    assert "starting cold" in caplog.text
