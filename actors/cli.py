@@ -119,7 +119,7 @@ def _add_drafter(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
     t.add_argument("--batch", type=positive_int, default=8, help="windows per step (default: %(default)s)")
     t.add_argument("--window", type=positive_int, default=512,
-                   help="tokens per training window (default: %(default)s)")
+                   help="tokens per training window, at least --ttt-steps + 2 (default: %(default)s)")
     t.add_argument("--ttt-steps", type=positive_int, default=3,
                    help="unrolled draft steps of the training-time test (default: %(default)s)")
     t.add_argument("--features", choices=["last", "eagle3"], default="eagle3",
@@ -150,10 +150,13 @@ def _add_set(p: argparse.ArgumentParser) -> None:
 def _add_launch(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "launch",
-        help="run a whole RL job here: the trainer and N generators as processes, watched",
-        description="Start the trainer and generator.count generators as separate processes (each in its "
-        "own process group, logs in RUN_DIR/logs/), watch them, and stop them all when the trainer "
-        "finishes (exit 0), when any process dies or on Ctrl-C (exit non-zero, naming who died).",
+        help="run a whole RL job here: the trainer, N generators and (if enabled) the drafter trainer as "
+        "processes, watched",
+        description="Start the trainer, generator.count generators and, with drafter.enabled, the drafter "
+        "trainer as separate processes (each in its own process group, logs in RUN_DIR/logs/), watch them, "
+        "and stop them all when the trainer finishes (exit 0), when the trainer or a generator dies or on "
+        "Ctrl-C (exit non-zero, naming who died). The drafter trainer's death only warns: generation and "
+        "training go on with the last drafter version.",
     )
     p.add_argument("config", metavar="CONFIG.toml", help="run config, e.g. examples/gsm8k_smollm2.toml")
     _add_set(p)
@@ -182,8 +185,9 @@ def _add_generator(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generator",
         help="run one generator alone, connected to a trainer (on any host)",
-        description="Run one generator actor with the settings of a run config ([generator], [network]), "
-        "connected to the trainer at --connect.",
+        description="Run one generator actor with the settings of a run config ([model], [generator], "
+        "[network], and [drafter] for drafter.path and drafter.kv_cache_gb), connected to the trainer at "
+        "--connect.",
     )
     p.add_argument("--config", required=True, metavar="FILE", help="run config TOML")
     p.add_argument("--connect", required=True, metavar="tcp://HOST:PORT",

@@ -229,7 +229,8 @@ class DrafterConfig(_Section):
     batch: int = 4
     """Windows per drafter training step. Default 4."""
     window_tokens: int = 128
-    """Tokens per training window (ending in the response). Default 128."""
+    """Tokens per training window (ending in the response); at least ``ttt_steps + 2``, as the first
+    draft predicts the token two past a window position. Default 128."""
     ttt_steps: int = 3
     """Unrolled draft steps of EAGLE-3's training-time-test loss. Default 3."""
     hidden_weight: float = 0.0
@@ -238,7 +239,8 @@ class DrafterConfig(_Section):
     min_rollouts: int = 8
     """Rollouts needed before a cold start's first step. Default 8."""
     draft_vocab_size: int = 4096
-    """Draft vocabulary of a cold-started drafter (the rollouts' most frequent tokens). Default 4096."""
+    """Draft vocabulary of a cold-started drafter (the rollouts' most frequent tokens); at most the
+    model's vocabulary (``specroll launch`` checks it). Default 4096."""
     features: Literal["eagle3", "last"] = "eagle3"
     """Target taps of a cold-started drafter: ``eagle3`` (low, mid, high layers; default) or ``last``."""
     num_threads: int = 1
@@ -265,6 +267,9 @@ class DrafterConfig(_Section):
         for name in ("window_rollouts", "publish_every_steps", "batch", "window_tokens", "ttt_steps", "min_rollouts",
                      "draft_vocab_size", "num_threads"):
             _require(getattr(self, name) >= 1, name, getattr(self, name), "a positive integer")
+        _require(self.window_tokens >= self.ttt_steps + 2, "window_tokens", self.window_tokens,
+                 f"an integer >= ttt_steps + 2 = {self.ttt_steps + 2} (ttt_steps={self.ttt_steps}; the first draft "
+                 f"predicts x_(t+2))")
         _require(self.hidden_weight >= 0 and math.isfinite(self.hidden_weight), "hidden_weight", self.hidden_weight,
                  "a finite number >= 0")
         _require(0 < self.duty_cycle <= 1, "duty_cycle", self.duty_cycle, "a number in (0, 1]")

@@ -53,16 +53,25 @@ def run_drafter_train(args: argparse.Namespace) -> None:
     """Train a drafter for ``args.model`` on ``args.rollouts`` and save it to ``args.out``.
 
     Raises:
-        GenerateError: bad paths, files, model, or a drafter (``--init``) made for another target;
-            nothing is written then.
+        GenerateError: a device this machine lacks, a window too short for ``--ttt-steps``, bad
+            paths, files, model, or a drafter (``--init``) made for another target; nothing is
+            written then.
     """
     import torch
 
     from specroll.drafter.eagle_head import DrafterError, EagleHead
     from specroll.drafter.learner import DrafterLearner, LearnerConfig
     from specroll.engine.checkpoint import CheckpointError, load_checkpoint
+    from specroll.engine.device import check_device
     from specroll.engine.model import CausalLM
 
+    try:
+        device = check_device(args.device)
+    except ValueError as exc:
+        raise GenerateError(str(exc)) from None
+    if args.window < args.ttt_steps + 2:  # step i of the unrolled loss predicts x_{t+2+i}
+        raise GenerateError(f"--window {args.window} is too short for --ttt-steps {args.ttt_steps}: expected at "
+                            f"least --ttt-steps + 2 = {args.ttt_steps + 2} tokens (the first draft predicts x_(t+2))")
     out = Path(args.out)
     if not args.out.strip():
         raise GenerateError("--out is empty; expected the directory to write the drafter into")
@@ -82,7 +91,7 @@ def run_drafter_train(args: argparse.Namespace) -> None:
                             f"{args.model} ({config.vocab_size} tokens); were these rollouts made with it?")
     model = CausalLM(config)
     model.load_weights(checkpoint.weights)
-    model.to(torch.device(args.device)).eval().requires_grad_(False)
+    model.to(device).eval().requires_grad_(False)
     head = None
     if args.init is not None:
         try:

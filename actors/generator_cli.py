@@ -79,7 +79,8 @@ def parse_args(argv: Sequence[str] | None = None) -> GeneratorSettings:
                                 description="Run one generator actor connected to a trainer.")
     p.add_argument("--connect", required=True, type=_endpoint, help="trainer endpoint, e.g. tcp://127.0.0.1:5555")
     p.add_argument("--config", default=None, metavar="FILE",
-                   help="run config TOML (e.g. RUN_DIR/config.toml); explicit flags override its values")
+                   help="run config TOML (e.g. RUN_DIR/config.toml): its [model], [generator], [network] and "
+                        "[drafter] (path, kv_cache_gb) sections; explicit flags override its values")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. generator.engine.max_num_seqs=8 (repeatable; needs --config)")
     p.add_argument("--model", default=None,

@@ -1,6 +1,6 @@
-"""The checks ``specroll launch`` makes before it starts anything: the model and the prompt file
-load, the trainer's port is free, the run directory's checkpoint leaves steps to train; and the run
-directory's lock, so two launches never share one.
+"""The checks ``specroll launch`` makes before it starts anything: the model, the drafter and the
+prompt file load, the drafter fits the model, the trainer's port is free, the run directory's
+checkpoint leaves steps to train; and the run directory's lock, so two launches never share one.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ LOCK_FILENAME = "launch.lock"
 
 def preflight(config: RunConfig) -> str | None:
     """Check what would otherwise fail only after every process started: the model and prompts are
-    there, the trainer's port is free. Returns a message when there is nothing to do (the run
+    there, ``drafter.path`` is a drafter made for the model, a cold-started drafter's vocabulary fits
+    the model's, the trainer's port is free. Returns a message when there is nothing to do (the run
     directory's checkpoint already reached ``steps``), else None; says so when a run resumes.
 
     Raises:
@@ -40,6 +41,7 @@ def preflight(config: RunConfig) -> str | None:
         resolve_model(config.model.name)
     except CheckpointError as e:
         raise LaunchError(f"model.name: {e}") from None
+    _check_drafter(config)
     if config.task.prompts is not None:
         try:
             load_prompts(config.task.prompts, limit=config.task.max_prompts)
@@ -61,6 +63,34 @@ def preflight(config: RunConfig) -> str | None:
         print(f"specroll launch: resuming from {checkpoint} (step {step} of {config.steps}; the metrics of later "
               f"steps are replaced)", file=sys.stderr)
     return None
+
+
+def _check_drafter(config: RunConfig) -> None:
+    """``drafter.path`` loads and was made for the model; a cold start's ``drafter.draft_vocab_size``
+    is at most the model's vocabulary. Reads the model's metadata only when one of them is in use.
+
+    Raises:
+        LaunchError: naming the key, the value and what was expected.
+    """
+    drafter = config.drafter
+    cold_start = drafter.enabled and drafter.path is None
+    if drafter.path is None and not cold_start:
+        return
+    from specroll.drafter.eagle_head import DrafterError, EagleHead
+    from specroll.engine.checkpoint import CheckpointError, load_model_config
+
+    try:
+        model = load_model_config(config.model.name)
+    except CheckpointError as e:
+        raise LaunchError(f"model.name: {e}") from None
+    if drafter.path is not None:
+        try:
+            EagleHead.load(drafter.path).check_target(model, f"drafter {drafter.path}")
+        except DrafterError as e:
+            raise LaunchError(f"drafter.path: {e}") from None
+    elif drafter.draft_vocab_size > model.vocab_size:
+        raise LaunchError(f"drafter.draft_vocab_size={drafter.draft_vocab_size} exceeds the vocabulary of "
+                          f"{config.model.name} ({model.vocab_size} tokens); expected at most {model.vocab_size}")
 
 
 def take_lock(lock: Path) -> None:

@@ -295,17 +295,24 @@ class EagleHead(nn.Module):
         """
         path = Path(path)
         config_path, weights_path = path / CONFIG_FILE, path / WEIGHTS_FILE
-        made_by = "expected a directory written by 'specroll init-drafter' (EagleHead.save)"
+        writers = "as 'specroll init-drafter' or 'specroll drafter train' write it"
+        made_by = f"expected a drafter directory ({CONFIG_FILE} + {WEIGHTS_FILE}) {writers}"
         if not path.is_dir():
             raise DrafterError(f"drafter {path}: {'not a directory' if path.exists() else 'does not exist'}; {made_by}")
         for p in (config_path, weights_path):
             if not p.is_file():
                 raise DrafterError(f"drafter {path}: {p.name} not found; {made_by}")
         try:
-            config = msgspec.json.decode(config_path.read_bytes(), type=EagleConfig)
+            raw = config_path.read_bytes()
+        except OSError as exc:
+            raise DrafterError(f"drafter {config_path}: cannot read it ({exc.strerror or exc})") from None
+        try:
+            config = msgspec.json.decode(raw, type=EagleConfig)
             config.as_model_config()  # the head's layer shape is valid
         except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
-            raise DrafterError(f"drafter {config_path}: {exc}") from None
+            # EagleConfig's own range checks say what they expected; msgspec's messages do not
+            hint = "" if str(exc).startswith("drafter config:") else f"; expected a drafter config {writers}"
+            raise DrafterError(f"drafter {config_path}: {exc}{hint}") from None
         try:
             with safetensors.safe_open(str(weights_path), framework="pt") as f:
                 tensors = {name: f.get_tensor(name) for name in f.keys()}

@@ -54,7 +54,7 @@ class LearnerConfig:
     batch: int = 4
     """Windows per optimizer step."""
     window: int = 128
-    """Tokens per window (a window ends in the response)."""
+    """Tokens per window (a window ends in the response); at least ``ttt_steps + 2``."""
     ttt_steps: int = 3
     """Unrolled draft steps of the training-time-test loss."""
     hidden_weight: float = 0.0
@@ -76,6 +76,9 @@ class LearnerConfig:
                      "draft_vocab_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"drafter {name}={getattr(self, name)}, expected a positive integer")
+        if self.window < self.ttt_steps + 2:  # step i of the unrolled loss predicts x_{t+2+i}
+            raise ValueError(f"drafter window={self.window}, expected at least ttt_steps + 2 = {self.ttt_steps + 2} "
+                             f"tokens (ttt_steps={self.ttt_steps}; the first draft predicts x_(t+2))")
         if self.hidden_weight < 0:
             raise ValueError(f"drafter hidden_weight={self.hidden_weight}, expected >= 0")
         if not self.lr > 0 or self.weight_decay < 0:

@@ -70,6 +70,24 @@ def load_checkpoint(model: str | Path, dtype: torch.dtype = torch.float32) -> Ch
     raise CheckpointError(f"{path}: expected a Hugging Face checkpoint directory or a .gguf file")
 
 
+def load_model_config(model: str | Path) -> ModelConfig:
+    """The :class:`ModelConfig` of ``model`` (as :func:`load_checkpoint` takes it), read from its
+    metadata without its weights: what a check before any process starts needs.
+
+    Raises:
+        CheckpointError: as :func:`load_checkpoint`, for the path and the metadata.
+    """
+    from specroll.engine.gguf_loader import read_gguf
+    from specroll.engine.registry import resolve_model
+
+    path = resolve_model(str(model))
+    if path.is_file() and path.suffix == ".gguf":
+        return read_gguf(path)[1]
+    if path.is_dir():
+        return _read_hf_config(path)[0]
+    raise CheckpointError(f"{path}: expected a Hugging Face checkpoint directory or a .gguf file")
+
+
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name → shape of every tensor a model with ``config`` needs, in Hugging Face Llama naming.
 
@@ -154,6 +172,16 @@ def check_weights(
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> Checkpoint:
+    config, tokenizer = _read_hf_config(path)
+    weights = {
+        name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+        for name, tensor in _read_safetensors(path).items()
+    }
+    return Checkpoint(config, check_weights(config, weights, str(path)), tokenizer, str(path))
+
+
+def _read_hf_config(path: Path) -> tuple[ModelConfig, Tokenizer]:
+    """The model config and tokenizer of a Hugging Face checkpoint directory."""
     from specroll.engine.tokenizer import Tokenizer  # see load_checkpoint
 
     config_file = path / "config.json"
@@ -171,11 +199,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> Checkpoint:
         raise CheckpointError(
             f"{path}: tokenizer has {tokenizer.vocab_size} tokens, more than vocab_size={config.vocab_size}"
         )
-    weights = {
-        name: tensor.to(dtype) if tensor.is_floating_point() else tensor
-        for name, tensor in _read_safetensors(path).items()
-    }
-    return Checkpoint(config, check_weights(config, weights, str(path)), tokenizer, str(path))
+    return config, tokenizer
 
 
 def config_from_hf(raw: dict[str, Any], where: str, tokenizer: Tokenizer) -> ModelConfig:

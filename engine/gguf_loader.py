@@ -53,16 +53,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoin
             scaling or a tensor type is unsupported, or its tensors do not match its metadata.
     """
     path = Path(path)
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:  # gguf-py has no error type of its own; any failure here means a bad file
-        raise CheckpointError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
-    tokenizer = Tokenizer.from_gguf(reader)
-    config = _config(reader, path, tokenizer)
-    if tokenizer.vocab_size > config.vocab_size:
-        raise CheckpointError(
-            f"{path}: tokenizer has {tokenizer.vocab_size} tokens, token_embd has {config.vocab_size} rows"
-        )
+    reader, config, tokenizer = read_gguf(path)
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         weight = _dequantize(tensor, path)
@@ -76,6 +67,25 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoin
             weight = _unpermute_rope_rows(weight, heads)
         weights[name] = weight.to(dtype)
     return Checkpoint(config, check_weights(config, weights, str(path)), tokenizer, str(path))
+
+
+def read_gguf(path: Path) -> tuple[gguf.GGUFReader, ModelConfig, Tokenizer]:
+    """A GGUF file's reader (its tensors not read yet), model config and tokenizer.
+
+    Raises:
+        CheckpointError: as :func:`load_gguf`, for the file and its metadata.
+    """
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:  # gguf-py has no error type of its own; any failure here means a bad file
+        raise CheckpointError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+    tokenizer = Tokenizer.from_gguf(reader)
+    config = _config(reader, path, tokenizer)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise CheckpointError(
+            f"{path}: tokenizer has {tokenizer.vocab_size} tokens, token_embd has {config.vocab_size} rows"
+        )
+    return reader, config, tokenizer
 
 
 def _config(reader: gguf.GGUFReader, path: Path, tokenizer: Tokenizer) -> ModelConfig:

@@ -336,3 +336,17 @@ def test_init_drafter_writes_a_loadable_drafter_and_refuses_bad_input(runs: dict
         bad = _run([str(SPECROLL), "init-drafter", "--model", str(work / "tiny"), *argv], out)
         assert bad.rc == 2 and "Traceback" not in bad.stderr and words in bad.stderr, bad.stderr
         assert not out.exists()
+
+
+def test_help_says_what_launch_starts_and_what_a_generator_reads(capsys) -> None:
+    from specroll.actors.cli import main
+
+    def help_of(*command: str) -> str:
+        with pytest.raises(SystemExit):
+            main([*command, "--help"])
+        return " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+
+    top, launch, generator = help_of(), help_of("launch"), help_of("generator")
+    assert "the drafter trainer" in top, top
+    assert "drafter trainer" in launch and "only warns" in launch, launch
+    assert "[drafter]" in generator, generator

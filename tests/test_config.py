@@ -227,6 +227,9 @@ FILE_ERRORS = [
     ("[network]\nheartbeat_timeout_s = 0.5\n", [],
      ["network.heartbeat_timeout_s=0.5, expected more than generator.heartbeat_s = 1.0"]),
     ("steps = 0\n", [], ["steps=0, expected a positive integer"]),
+    ("[drafter]\nwindow_tokens = 1\n", [], ["drafter.window_tokens=1, expected an integer >= ttt_steps + 2 = 5"]),
+    ("[drafter]\nwindow_tokens = 6\n", ["drafter.ttt_steps=5"],
+     ["drafter.window_tokens=6, expected an integer >= ttt_steps + 2 = 7 (ttt_steps=5"]),
 ]
 
 

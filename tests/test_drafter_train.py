@@ -270,3 +270,34 @@ def test_cli_errors_are_one_line_exit_2(setup, tmp_path, capsys, case):
     assert code == 2 and err.startswith("specroll drafter train: error:") and "\n" not in err, err
     if case == "bad-line":
         assert "rollouts.jsonl:3" in err
+
+
+BAD_FLAGS = {
+    "window-1": (["--window", "1"], "--window 1"),
+    "window-below-ttt": (["--window", "5", "--ttt-steps", "4"], "--ttt-steps 4"),
+    "device-banana": (["--device", "banana"], "device 'banana' is not a torch device"),
+}
+if not torch.cuda.is_available():
+    BAD_FLAGS["cuda-without-cuda"] = (["--device", "cuda"], "device 'cuda': this torch build or machine has no CUDA")
+
+
+@pytest.mark.parametrize("case", list(BAD_FLAGS))
+def test_cli_refuses_a_bad_device_or_a_window_too_short_to_train(tiny_checkpoint, tmp_path, capsys, case):
+    rollouts = tmp_path / "rollouts.jsonl"
+    g = torch.Generator().manual_seed(0)
+    write_rollouts(rollouts, [Rollout(torch.randint(3, 300, (24,), generator=g).tolist(), 8) for _ in range(4)])
+    flags, words = BAD_FLAGS[case]
+    model = tiny_checkpoint()
+    capsys.readouterr()  # what writing the checkpoint printed
+    code = main(["drafter", "train", "--rollouts", str(rollouts), "--model", str(model),
+                 "--out", str(tmp_path / "out"), "--steps", "2", "--batch", "2", "--draft-vocab-size", "64", *flags])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("specroll drafter train: error:") and "\n" not in err, err
+    assert words in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_window_must_hold_the_first_draft_of_every_ttt_step():
+    LearnerConfig(window=5, ttt_steps=3)  # x_t, x_{t+1}, and the drafts of x_{t+2}..x_{t+4}
+    with pytest.raises(ValueError, match=r"window=4.*ttt_steps \+ 2 = 5"):
+        LearnerConfig(window=4, ttt_steps=3)

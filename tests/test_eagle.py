@@ -226,6 +226,10 @@ def test_malformed_drafter_files_are_refused_naming_the_file(tiny_checkpoint, tm
     raw = json.loads((bad_field / "config.json").read_text())
     (bad_field / "config.json").write_text(json.dumps({**raw, "draft_vocab_size": 0}))
     cases[bad_field] = "draft_vocab_size=0"
+    unknown_field = tmp_path / "unknown_field"
+    make_head(config).save(unknown_field)
+    (unknown_field / "config.json").write_text('{"x": 1}')  # JSON, but not a drafter's config
+    cases[unknown_field] = r"unknown field `x`; expected a drafter config as 'specroll init-drafter'"
     wrong_shape = tmp_path / "wrong_shape"
     make_head(config).save(wrong_shape)
     (wrong_shape / "config.json").write_text(json.dumps({**raw, "intermediate_size": 64}))

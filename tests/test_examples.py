@@ -24,3 +24,12 @@ def test_external_trainer_example_trains_and_pushes_weights(tiny_checkpoint) -> 
     lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert [line.split(":")[0] for line in lines] == ["step 1", "step 2"]
     assert "policy version 2 served" in lines[-1]
+
+
+def test_readme_and_the_example_agree_on_the_time_a_step_takes() -> None:
+    import re
+
+    pattern = re.compile(r"about (\d+) s a step on a 2-core CPU")
+    readme = pattern.findall(" ".join((ROOT / "README.md").read_text().split()))
+    example = pattern.findall(" ".join((ROOT / "examples" / "gsm8k_smollm2.toml").read_text().split()))
+    assert readme and example and set(readme) == set(example), (readme, example)

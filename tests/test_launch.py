@@ -307,10 +307,51 @@ duty_cycle = 1.0
     code, _, err = finish(proc, timeout=300)
     assert code == 0, err
     assert f"warning: the drafter trainer (pid {victim}) was killed by SIGKILL" in err, err
-    assert "published drafter version 1" in drafter_log.read_text()
+    assert "sent drafter version 1 to the trainer" in drafter_log.read_text()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 41))  # training went on to the end
     assert any(p["drafter_version"] >= 1 and p["draft_steps"] > 0 for r in records for p in r["acceptance_by_version"])
     assert records[-1]["generator_drafters"]["generator-0"] >= 1 and records[-1]["drafter_checksums_match"]
     assert (run_dir / "drafter" / "model.safetensors").exists()  # the latest version, for a warm start
     assert_nothing_left(run_dir, before)
+
+
+def test_a_bad_drafter_exits_2_before_anything_starts(tmp_path: Path, tiny_checkpoint) -> None:
+    import torch
+
+    from specroll.actors.config import load_config
+    from specroll.actors.launch_preflight import preflight
+    from specroll.drafter.eagle_head import EagleConfig, EagleHead
+    from specroll.engine.checkpoint import load_checkpoint
+
+    model = tiny_checkpoint()
+    config = write_config(tmp_path, model)
+    fits = EagleConfig.for_target(load_checkpoint(str(model)).config, (2,), 64)
+    EagleHead.init(fits, torch.arange(64)).save(good := tmp_path / "good")
+    (junk_file := tmp_path / "junk.bin").write_bytes(b"\x00junk")
+    (junk_config := tmp_path / "junk_config").mkdir()
+    (junk_config / "config.json").write_text('{"x": 1}')
+    (junk_config / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes())
+    EagleHead.init(fits, torch.arange(64)).save(junk_weights := tmp_path / "junk_weights")
+    (junk_weights / "model.safetensors").write_bytes(b"\x00" * 100)
+    other = EagleConfig(400, 64, 128, 4, 2, 16, 1e-5, 10000.0, (2,), 100, 2)  # a 400-token vocabulary
+    EagleHead.init(other, torch.arange(100)).save(foreign := tmp_path / "foreign")
+    cases = [
+        ([f'drafter.path="{tmp_path / "no-drafter"}"'], "drafter.path", "does not exist"),
+        ([f'drafter.path="{junk_file}"'], "drafter.path", "not a directory"),
+        ([f'drafter.path="{junk_config}"'], "drafter.path", "expected a drafter config as 'specroll init-drafter'"),
+        ([f'drafter.path="{junk_weights}"'], "drafter.path", "not a readable safetensors file"),
+        ([f'drafter.path="{foreign}"'], "drafter.path", "vocabulary 400"),
+        (["drafter.enabled=true", "drafter.draft_vocab_size=321"], "drafter.draft_vocab_size=321",
+         "(320 tokens)"),
+    ]
+    before = children_of(os.getpid())
+    for sets, key, words in cases:
+        code, out, err = finish(launch(tmp_path, config, *[x for s in sets for x in ("--set", s)]))
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert err.startswith(f"specroll launch: error: {key}") and words in err, err
+        assert "Traceback" not in err and not (tmp_path / "run").exists()
+    assert children_of(os.getpid()) <= before
+    # what fits passes: a drafter made for this model, a draft vocabulary as large as the model's
+    assert preflight(load_config(config, [f'drafter.path="{good}"'])) is None
+    assert preflight(load_config(config, ["drafter.enabled=true", "drafter.draft_vocab_size=320"])) is None
