@@ -45,13 +45,13 @@ import anyio.abc
 import torch
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from specroll.actors.actor_exit import EXIT_OK, EXIT_REFUSED, EXIT_TRAINER_LOST, failure, report_exit
-from specroll.actors.generator_drafter import DrafterSlot, ReadyDrafter, check_drafter
+from specroll.actors.generator_drafter import DrafterFetch, DrafterSlot, ReadyDrafter, check_drafter
 from specroll.actors.generator_settings import GeneratorSettings, build_engine
 from specroll.actors.live_samples import LiveSamples, SampleRefused
 from specroll.actors.rollout_stream import DraftCounter
+from specroll.actors.trainer_liveness import TrainerLiveness
 from specroll.actors.weights_fetch import FetchAbandoned, WeightsFetch
 from specroll.drafter.eagle_head import DrafterError
 from specroll.engine.engine import Engine
@@ -130,9 +130,7 @@ class GeneratorActor:
         self.channel = channel
         self.drafter = DrafterSlot(engine, draft_counter, settings.drafter_kv_cache_gb, settings.seed)
         """The learned drafter served (``speculative="eagle"``) and its version."""
-        self._drafter_fetch = 0
-        """Drafter version being fetched (0: none)."""
-        self._drafter_announced = 0
+        self._drafter_fetch = DrafterFetch()
         self.samples = LiveSamples(engine, self.drafter, self._put, settings.stream_every,
                                    settings.speculative != "off")
         self._inbox: deque[SubmitGroup | Abort | _ApplyWeights | ReadyDrafter] = deque()
@@ -142,18 +140,12 @@ class GeneratorActor:
         self._wake, self._outbox_changed = _Wakeup(), _Wakeup()
         self._welcomed = anyio.Event()
         self._announced: WeightsAvailable | None = None
-        self._trainer_said_dead = False
-        """The trainer announced its exit (``Dead``) and has not said anything since."""
         self._fetch: WeightsFetch | None = None
         self._largest_group = 1
         self._stopping = False
         self._exit: tuple[int, str] | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        # Assumed up until the socket monitor says otherwise: the monitor attaches after make_socket
-        # connected, so it may miss the first handshake; a trainer never reached is caught by the
-        # handshake's own timeout.
-        self._connected = True
-        self._last_alive = time.monotonic()
+        self.trainer = TrainerLiveness(settings.connect, settings.trainer_timeout_s)
         self._last_hello = 0.0
         self._num_steps = 0
         self._busy_s = self._idle_s = 0.0
@@ -168,8 +160,8 @@ class GeneratorActor:
                 self._tg = tg
                 tg.start_soon(self._receive_loop)
                 tg.start_soon(self._send_loop)
-                tg.start_soon(self._watchdog)
-                tg.start_soon(self._watch_connection)
+                tg.start_soon(self.trainer.watchdog, self._trainer_lost)
+                tg.start_soon(self.trainer.watch_connection, self.channel.socket)
                 tg.start_soon(self._watch_signals)
                 await self._handshake()
                 tg.start_soon(self._tick)
@@ -227,35 +219,8 @@ class GeneratorActor:
                     log.info("received %s: stopping after this step", name)
                     self.stop(EXIT_OK, f"received {name}", graceful=True)
 
-    async def _watch_connection(self) -> None:
-        """Track whether the ZMTP connection to the trainer is up (the socket monitor's events)."""
-        monitor = self.channel.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        try:
-            while True:
-                event = parse_monitor_message(await monitor.recv_multipart())
-                self._connected = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
-                self._last_alive = time.monotonic()
-                log.info("%s the trainer at %s", "connected to" if self._connected else "lost the connection to",
-                         self.settings.connect)
-        finally:
-            self.channel.socket.disable_monitor()
-            monitor.close(linger=0)
-
-    async def _watchdog(self) -> None:
-        """The trainer counts as alive while connected (ZMTP heartbeats drop a dead peer's connection)
-        or while it sent a message within ``trainer_timeout_s``; ZeroMQ keeps reconnecting meanwhile."""
-        timeout = self.settings.trainer_timeout_s
-        while True:
-            await anyio.sleep(min(1.0, timeout / 4))
-            now = time.monotonic()
-            if self._connected:
-                self._last_alive = now
-            elif now - self._last_alive > timeout:
-                if self._trainer_said_dead:  # it ended cleanly (a finished run) and did not come back
-                    self.stop(EXIT_OK, f"the trainer ended and did not come back within {timeout} s", graceful=False)
-                else:
-                    self.stop(EXIT_TRAINER_LOST, f"no connection to and no message from the trainer at "
-                              f"{self.settings.connect} for {timeout} s", graceful=False)
+    def _trainer_lost(self, ended: bool, reason: str) -> None:
+        self.stop(EXIT_OK if ended else EXIT_TRAINER_LOST, reason, graceful=False)
 
     # ---- sending ----------------------------------------------------------------------------
 
@@ -319,13 +284,11 @@ class GeneratorActor:
             except ProtocolError as e:
                 await self._refuse("malformed", str(e), e.seq)
                 continue
-            self._last_alive = time.monotonic()
+            self.trainer.heard(dead=isinstance(received.msg, Dead))
             await self._dispatch(received)
 
     async def _dispatch(self, r: Received[ToGenerator]) -> None:
         msg = r.msg
-        if not isinstance(msg, Dead):
-            self._trainer_said_dead = False
         if r.first and self._welcomed.is_set():
             log.info("a new trainer session (seq %d): the trainer restarted or a stray peer wrote", r.seq)
         match msg:
@@ -364,11 +327,9 @@ class GeneratorActor:
             case WeightsChunk():
                 await self._on_weights_chunk(msg, r)
             case DrafterAvailable():
-                self._drafter_announced = max(self._drafter_announced, msg.version)
-                f = self._drafter_fetch
-                if f and msg.version > f and not any(isinstance(op, ReadyDrafter) and op.version == f
-                                                     for op in self._inbox):
-                    self._drafter_fetch = 0  # superseded before it arrived (the trainer keeps only the newest)
+                f = self._drafter_fetch.fetching
+                self._drafter_fetch.on_announced(msg.version, received=any(
+                    isinstance(op, ReadyDrafter) and op.version == f for op in self._inbox))
                 self._maybe_fetch_drafter()
             case DrafterWeights():
                 await self._on_drafter_weights(msg, r)
@@ -381,9 +342,6 @@ class GeneratorActor:
                     self._send_hello()  # the trainer restarted and does not know us: register again
             case Dead():
                 log.info("the trainer (%s) is exiting (%s); waiting for it to come back", msg.actor_id, msg.reason)
-                self._trainer_said_dead = True
-                self._connected = False
-                self._last_alive = time.monotonic()
             case _:
                 assert_never(msg)
 
@@ -398,28 +356,25 @@ class GeneratorActor:
 
     def _maybe_fetch_drafter(self) -> None:
         """Fetch the newest announced drafter version when speculating with a learned drafter."""
-        v = self._drafter_announced
-        if self.settings.speculative != "eagle" or self._drafter_fetch or v <= self.drafter.version:
+        if self.settings.speculative != "eagle" or (v := self._drafter_fetch.next(self.drafter.version)) is None:
             return
-        self._drafter_fetch = v
         log.info("fetching drafter version %d", v)
         self._put(FetchDrafter(version=v))
 
     async def _on_drafter_weights(self, msg: DrafterWeights, r: Received[ToGenerator]) -> None:
-        if msg.version != self._drafter_fetch:
-            if msg.version < self._drafter_announced:
+        if msg.version != self._drafter_fetch.fetching:
+            if self._drafter_fetch.superseded(msg.version):
                 log.debug("drafter version %d arrived after a newer one was announced; dropped", msg.version)
                 return
             await self._refuse("bad_request", f"drafter version {msg.version} was not fetched "
-                               f"(fetching {self._drafter_fetch or None})", r.seq)
+                               f"(fetching {self._drafter_fetch.fetching or None})", r.seq)
             return
         try:
             ready = await anyio.to_thread.run_sync(check_drafter, msg, r.tensors, self.engine)
         except DrafterError as e:
             log.error("%s; still serving drafter version %d", e, self.drafter.version)
             self._put(AckDrafter(version=msg.version, checksum="", refused=str(e)[:500]))
-            self._drafter_fetch = 0
-            self._drafter_announced = self.drafter.version  # wait for a newer announcement
+            self._drafter_fetch.refused(self.drafter.version)  # wait for a newer announcement
             return
         self._inbox.append(ready)
         self._wake.notify()
@@ -501,17 +456,8 @@ class GeneratorActor:
 
     def _apply_drafter(self, ready: ReadyDrafter) -> None:
         self.samples.flush()
-        try:
-            self.drafter.apply(ready, self.samples.token_caps())
-        except (DrafterError, ValueError) as e:
-            log.error("drafter version %d refused by the engine: %s; still serving drafter version %d",
-                      ready.version, e, self.drafter.version)
-            self._put(AckDrafter(version=ready.version, checksum=ready.checksum, refused=str(e)[:500]))
-        else:
-            log.info("serving drafter version %d (checksum %s...)", ready.version, ready.checksum[:12])
-            self._put(AckDrafter(version=ready.version, checksum=ready.checksum))
-        if self._drafter_fetch == ready.version:
-            self._drafter_fetch = 0
+        self._put(self.drafter.swap(ready, self.samples.token_caps()))
+        self._drafter_fetch.done(ready.version)
         self._maybe_fetch_drafter()
 
     async def _apply_weights(self, op: _ApplyWeights) -> None:

@@ -22,7 +22,7 @@ from specroll.actors.rollout_stream import DraftCounter
 from specroll.drafter.eagle import EagleProposer
 from specroll.drafter.eagle_head import DrafterError, EagleConfig, EagleHead, head_checksum
 from specroll.engine.engine import Engine
-from specroll.protocol.messages import DrafterWeights
+from specroll.protocol.messages import AckDrafter, DrafterWeights
 
 log = logging.getLogger("specroll.generator")
 
@@ -99,3 +99,53 @@ class DrafterSlot:
         self.version, self.checksum = ready.version, ready.checksum
         assert self.counter is not None
         return self.counter
+
+    def swap(self, ready: ReadyDrafter, token_caps: dict[str, int]) -> AckDrafter:
+        """:meth:`apply` ``ready`` and return the acknowledgement for the trainer (with the refusal,
+        when the engine refused it and nothing changed)."""
+        try:
+            self.apply(ready, token_caps)
+        except (DrafterError, ValueError) as e:
+            log.error("drafter version %d refused by the engine: %s; still serving drafter version %d",
+                      ready.version, e, self.version)
+            return AckDrafter(version=ready.version, checksum=ready.checksum, refused=str(e)[:500])
+        log.info("serving drafter version %d (checksum %s...)", ready.version, ready.checksum[:12])
+        return AckDrafter(version=ready.version, checksum=ready.checksum)
+
+
+@dataclass
+class DrafterFetch:
+    """Which drafter version a generator fetches: the newest announced one above the served one,
+    one fetch at a time. The trainer keeps only the newest version, so a fetch that a newer
+    announcement overtakes before its answer arrived is dropped and the newer one fetched."""
+
+    fetching: int = 0
+    """The version asked for and not yet served (0: none)."""
+    announced: int = 0
+    """The newest version announced."""
+
+    def on_announced(self, version: int, *, received: bool) -> None:
+        """``version`` was announced; ``received``: the version being fetched already arrived."""
+        self.announced = max(self.announced, version)
+        if self.fetching and version > self.fetching and not received:
+            self.fetching = 0  # superseded before it arrived
+
+    def next(self, served: int) -> int | None:
+        """The version to fetch now (and mark it fetching), or ``None``."""
+        if self.fetching or self.announced <= served:
+            return None
+        self.fetching = self.announced
+        return self.fetching
+
+    def superseded(self, version: int) -> bool:
+        """``version`` arrived unasked because a newer one was announced meanwhile."""
+        return version != self.fetching and version < self.announced
+
+    def refused(self, served: int) -> None:
+        """The fetched version was refused: fetch again only after a newer announcement."""
+        self.fetching, self.announced = 0, served
+
+    def done(self, version: int) -> None:
+        """``version`` was swapped in (or refused by the engine)."""
+        if self.fetching == version:
+            self.fetching = 0

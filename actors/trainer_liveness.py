@@ -1,0 +1,72 @@
+"""Whether a generator's trainer is still there: the ZMTP connection (the socket monitor's events)
+and the last message, with the trainer's own ``Dead`` told apart from its loss."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import anyio
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+log = logging.getLogger("specroll.generator")
+
+
+class TrainerLiveness:
+    """The trainer counts as alive while connected (ZMTP heartbeats drop a dead peer's connection)
+    or while it sent a message within ``timeout_s``; ZeroMQ keeps reconnecting meanwhile.
+
+    Args:
+        endpoint: the trainer's endpoint (for log lines).
+        timeout_s: seconds without connection and message after which it is lost.
+    """
+
+    def __init__(self, endpoint: str, timeout_s: float) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        # Assumed up until the socket monitor says otherwise: the monitor attaches after make_socket
+        # connected, so it may miss the first handshake; a trainer never reached is caught by the
+        # handshake's own timeout.
+        self.connected = True
+        self.last_alive = time.monotonic()
+        self.said_dead = False
+        """The trainer announced its exit (``Dead``) and has not said anything since."""
+
+    def heard(self, dead: bool = False) -> None:
+        """A message arrived from the trainer (``dead``: its ``Dead``)."""
+        self.last_alive = time.monotonic()
+        self.said_dead = dead
+        if dead:
+            self.connected = False
+
+    async def watch_connection(self, socket: zmq.asyncio.Socket) -> None:
+        """Track the ZMTP connection through the socket monitor (runs until cancelled)."""
+        monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                self.connected = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+                self.last_alive = time.monotonic()
+                log.info("%s the trainer at %s", "connected to" if self.connected else "lost the connection to",
+                         self.endpoint)
+        finally:
+            socket.disable_monitor()
+            monitor.close(linger=0)
+
+    async def watchdog(self, lost: Callable[[bool, str], None]) -> None:
+        """Call ``lost(ended, reason)`` once the trainer is gone for ``timeout_s`` (``ended``: it said
+        ``Dead`` and did not come back, a finished run); checks every second at most."""
+        timeout = self.timeout_s
+        while True:
+            await anyio.sleep(min(1.0, timeout / 4))
+            now = time.monotonic()
+            if self.connected:
+                self.last_alive = now
+            elif now - self.last_alive > timeout:
+                if self.said_dead:
+                    lost(True, f"the trainer ended and did not come back within {timeout} s")
+                else:
+                    lost(False, f"no connection to and no message from the trainer at {self.endpoint} for {timeout} s")
