@@ -120,6 +120,9 @@ async def test_drafter_versions_reach_the_generator_and_survive_the_drafter_trai
             # killing the drafter trainer stops neither generation nor the served drafter
             os.killpg(drafter.pid, signal.SIGKILL)
             drafter.wait(timeout=30)
+            # what it published before dying still reaches the generator; from then on nothing changes
+            await wait_until(lambda: served_version(client) == client.drafters.published.version, 60,
+                             "the generator to serve the last published version")
             before = client.drafters.generator_drafters["gen-0"]
             for p in prompts[16:24]:
                 await client.submit(p, 2, SAMPLING)
