@@ -38,6 +38,7 @@ import zmq
 import zmq.asyncio
 
 from specroll.actors.actor_exit import EXIT_OK, EXIT_REFUSED, EXIT_TRAINER_LOST, failure, report_exit
+from specroll.actors.trainer_liveness import TrainerLiveness
 from specroll.actors.weights_fetch import FetchAbandoned, WeightsFetch
 from specroll.drafter.eagle_head import DrafterError, EagleHead
 from specroll.drafter.learner import DrafterLearner, DrafterSnapshot, LearnerConfig
@@ -142,8 +143,7 @@ class DrafterActor:
         self._outbox_changed = anyio.Event()
         self._wake = anyio.Event()
         self._welcomed = anyio.Event()
-        self._trainer_said_dead = False
-        self._last_alive = time.monotonic()
+        self.trainer = TrainerLiveness(settings.connect, settings.trainer_timeout_s, log)
         self._exit: tuple[int, str] | None = None
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -156,7 +156,8 @@ class DrafterActor:
                 self._tg = tg
                 tg.start_soon(self._receive_loop)
                 tg.start_soon(self._send_loop)
-                tg.start_soon(self._watchdog)
+                tg.start_soon(self.trainer.watchdog, self._trainer_lost)
+                tg.start_soon(self.trainer.watch_connection, self.channel.socket)
                 tg.start_soon(self._watch_signals)
                 self._put(Hello(protocol_version=PROTOCOL_VERSION, role="drafter", actor_id=self.settings.actor_id))
                 with anyio.move_on_after(self.settings.trainer_timeout_s):
@@ -187,16 +188,8 @@ class DrafterActor:
             async for signum in signals:
                 self.stop(EXIT_OK, f"received {signal.Signals(signum).name}")
 
-    async def _watchdog(self) -> None:
-        timeout = self.settings.trainer_timeout_s
-        while True:
-            await anyio.sleep(min(1.0, timeout / 4))
-            if time.monotonic() - self._last_alive > timeout:
-                if self._trainer_said_dead:
-                    self.stop(EXIT_OK, f"the trainer ended and did not come back within {timeout} s")
-                else:
-                    self.stop(EXIT_TRAINER_LOST, f"no message from the trainer at {self.settings.connect} "
-                              f"for {timeout} s")
+    def _trainer_lost(self, ended: bool, reason: str) -> None:
+        self.stop(EXIT_OK if ended else EXIT_TRAINER_LOST, reason)
 
     # ---- sending ----------------------------------------------------------------------------
 
@@ -235,12 +228,11 @@ class DrafterActor:
                 if self.channel.can_send():
                     await self.channel.send(Error(code="malformed", message=str(e)[:500], seq=e.seq))
                 continue
-            self._last_alive = time.monotonic()
+            self.trainer.heard(dead=isinstance(received.msg, Dead))
             self._dispatch(received)
 
     def _dispatch(self, r: Received[ToDrafter]) -> None:
         msg = r.msg
-        self._trainer_said_dead = isinstance(msg, Dead)
         match msg:
             case Welcome():
                 if msg.protocol_version != PROTOCOL_VERSION:

@@ -145,7 +145,7 @@ class GeneratorActor:
         self._stopping = False
         self._exit: tuple[int, str] | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self.trainer = TrainerLiveness(settings.connect, settings.trainer_timeout_s)
+        self.trainer = TrainerLiveness(settings.connect, settings.trainer_timeout_s, log)
         self._last_hello = 0.0
         self._num_steps = 0
         self._busy_s = self._idle_s = 0.0

@@ -1,5 +1,6 @@
-"""Whether a generator's trainer is still there: the ZMTP connection (the socket monitor's events)
-and the last message, with the trainer's own ``Dead`` told apart from its loss."""
+"""Whether a peer actor's trainer is still there (generators and the drafter trainer): the ZMTP
+connection (the socket monitor's events) and the last message, with the trainer's own ``Dead``
+told apart from its loss."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-log = logging.getLogger("specroll.generator")
-
 
 class TrainerLiveness:
     """The trainer counts as alive while connected (ZMTP heartbeats drop a dead peer's connection)
@@ -22,11 +21,13 @@ class TrainerLiveness:
     Args:
         endpoint: the trainer's endpoint (for log lines).
         timeout_s: seconds without connection and message after which it is lost.
+        log: the actor's logger.
     """
 
-    def __init__(self, endpoint: str, timeout_s: float) -> None:
+    def __init__(self, endpoint: str, timeout_s: float, log: logging.Logger) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        self.log = log
         # Assumed up until the socket monitor says otherwise: the monitor attaches after make_socket
         # connected, so it may miss the first handshake; a trainer never reached is caught by the
         # handshake's own timeout.
@@ -50,7 +51,7 @@ class TrainerLiveness:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 self.connected = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
                 self.last_alive = time.monotonic()
-                log.info("%s the trainer at %s", "connected to" if self.connected else "lost the connection to",
+                self.log.info("%s the trainer at %s", "connected to" if self.connected else "lost the connection to",
                          self.endpoint)
         finally:
             socket.disable_monitor()
