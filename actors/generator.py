@@ -202,11 +202,7 @@ class GeneratorActor:
         self._last_hello = time.monotonic()
         self._put(Hello(protocol_version=PROTOCOL_VERSION, role="generator", actor_id=self.settings.actor_id,
                         capabilities=("resume", "bf16-weights",
-                                      *(("speculative",) if self._speculative else ()))))
-
-    @property
-    def _speculative(self) -> bool:
-        return self.samples.speculative
+                                      *(("speculative",) if self.samples.speculative else ()))))
 
     async def _watch_signals(self) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -262,7 +258,7 @@ class GeneratorActor:
 
     def _stats(self) -> Stats:
         spec = None
-        if self._speculative:
+        if self.samples.speculative:
             s = self.engine.spec_stats
             spec = SpecStats(num_drafted=s.num_drafted, num_accepted=s.num_accepted, num_draft_steps=s.num_draft_steps,
                              drafter_version=self.drafter.version)
