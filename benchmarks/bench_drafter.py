@@ -81,7 +81,7 @@ from drafter_shift import RECOVERY_FRACTION, Shift, reference_solutions, shift_a
 from spec_timing import Request, RunStats, timed_run
 
 from specroll.actors.cli import positive_int as _positive_int
-from specroll.actors.tasks import PromptFileError, format_question, load_prompts
+from specroll.rl.tasks import PromptFileError, format_question, load_prompts
 
 if TYPE_CHECKING:
     import torch

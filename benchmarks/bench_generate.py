@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 from common import int_list
 
 from specroll.actors.cli import positive_int as _positive_int
-from specroll.actors.tasks import PromptFileError, format_question, load_prompts
+from specroll.rl.tasks import PromptFileError, format_question, load_prompts
 
 if TYPE_CHECKING:
     import torch
@@ -163,7 +163,7 @@ def decode_step_seconds(engine: Engine, prompt: list[int], steps: int, seed: int
 def run_specroll(engine: Engine, prompts: list[list[int]], max_new_tokens: int, seed: int) -> tuple[int, float]:
     """Queue every prompt, run the engine dry; returns (response tokens, seconds)."""
 
-    from specroll.actors.progress import run_with_progress
+    from specroll.actors.jobs.progress import run_with_progress
     from specroll.protocol.sampling import SamplingParams
 
     for i, prompt in enumerate(prompts):

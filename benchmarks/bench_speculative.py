@@ -72,7 +72,7 @@ from common import int_list
 from spec_timing import Request, RunStats, pool_runs, timed_run
 
 from specroll.actors.cli import positive_int as _positive_int
-from specroll.actors.tasks import PromptFileError, format_question, load_prompts
+from specroll.rl.tasks import PromptFileError, format_question, load_prompts
 
 if TYPE_CHECKING:
     from specroll.engine.engine import Engine

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from drafter_online import OnlineDrafter, Round, Version, fmt_acceptance
 
-from specroll.actors.tasks import PromptFileError, format_question
+from specroll.rl.tasks import PromptFileError, format_question
 
 if TYPE_CHECKING:
     import argparse

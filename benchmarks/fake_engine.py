@@ -1,7 +1,7 @@
 """A fake engine with a fixed cost per step, served by the real generator actor (for ``bench_pipeline.py``).
 
 :class:`FakeEngine` has exactly the :class:`~specroll.engine.engine.Engine` surface that
-:class:`~specroll.actors.generator.GeneratorActor` touches (``add_request``, ``step``, ``abort``,
+:class:`~specroll.actors.generator.actor.GeneratorActor` touches (``add_request``, ``step``, ``abort``,
 ``update_weights``, ``weight_version``, ``has_unfinished``, ``live_request_ids``,
 ``prompt_token_ids``, ``output_so_far``, ``num_live_requests``, ``max_model_len``) and no model:
 
@@ -249,8 +249,8 @@ async def serve(args: argparse.Namespace) -> int:
     import zmq
     import zmq.asyncio
 
-    from specroll.actors.generator import GeneratorActor
-    from specroll.actors.generator_settings import GeneratorSettings
+    from specroll.actors.generator.actor import GeneratorActor
+    from specroll.actors.generator.settings import GeneratorSettings
     from specroll.engine.engine import Engine
     from specroll.protocol.channel import Channel
     from specroll.protocol.messages import ToGenerator

@@ -37,10 +37,8 @@ trap 'rm -rf "$scratch"' EXIT
 site="$scratch/site"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
     "$wheels"/*.whl || { echo "gpu_check: could not install the wheels in $wheels"; exit 1; }
-# specroll from the checkout, without building it: its packages are the top-level folders.
-shim="$scratch/shim/specroll"
-mkdir -p "$shim" && for p in engine actors drafter protocol; do ln -sfn "$PWD/$p" "$shim/$p"; done
-export PYTHONPATH="$scratch/shim:$site${PYTHONPATH:+:$PYTHONPATH}"
+# specroll from the checkout, without building it: the package is src/specroll.
+export PYTHONPATH="$PWD/src:$site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 MAX_JOBS="${MAX_JOBS:-$(nproc)}" FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer-cache
 if [ -z "${CUDA_HOME:-}" ] && ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
     export CUDA_HOME=/usr/local/cuda PATH="/usr/local/cuda/bin:$PATH"

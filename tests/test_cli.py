@@ -29,7 +29,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from specroll.actors.tasks import extract_last_number, format_question, gsm8k_reward
+from specroll.rl.tasks import extract_last_number, format_question, gsm8k_reward
 
 SPECROLL = Path(sys.executable).with_name("specroll")  # the console script beside the venv's python
 RECORD_FIELDS = {

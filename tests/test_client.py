@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 from conftest import generator_process
 
-from specroll.actors.client import RolloutClient, SyncRolloutClient
+from specroll.actors.trainer.client import RolloutClient, SyncRolloutClient
 from specroll.engine.checkpoint import load_checkpoint
 from specroll.protocol.codec import encode
 from specroll.protocol.messages import AckWeights, FetchWeights, Heartbeat, RolloutChunk

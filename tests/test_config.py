@@ -11,7 +11,8 @@ import msgspec
 import msgspec.inspect as mi
 import pytest
 
-from specroll.actors.config import (
+from specroll.actors.config.dump import dump_config, write_resolved
+from specroll.actors.config.schema import (
     ConfigError,
     DrafterConfig,
     GeneratorConfig,
@@ -22,7 +23,6 @@ from specroll.actors.config import (
     TrainerConfig,
     load_config,
 )
-from specroll.actors.config_dump import dump_config, write_resolved
 from specroll.engine.config import EngineConfig
 from specroll.engine.registry import DEFAULT_MODEL
 from specroll.protocol.sampling import SamplingParams

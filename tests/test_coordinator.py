@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from specroll.actors.coordinator import ChunkError, RolloutCoordinator
 from specroll.protocol.messages import RolloutChunk
 from specroll.protocol.sampling import SamplingParams
+from specroll.rl.coordinator import ChunkError, RolloutCoordinator
 
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=32)
 

@@ -1,5 +1,5 @@
 """Online drafter training end to end: a RolloutClient in the test, a generator process speculating
-with ``eagle``, and a drafter-trainer process (``python -m specroll.actors.drafter_cli``), all on a
+with ``eagle``, and a drafter-trainer process (``python -m specroll.actors.drafter_trainer.cli``), all on a
 tiny random checkpoint over real sockets. Every process is killed and reaped on the way out."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import pytest
 import torch
 from conftest import actor_process, generator_process, write_tiny_checkpoint
 
-from specroll.actors.client import RolloutClient
-from specroll.actors.config import DrafterConfig, ModelSection, RunConfig
-from specroll.actors.config_dump import write_resolved
-from specroll.actors.drafter_actor import DrafterActor, DrafterSettings
+from specroll.actors.config.dump import write_resolved
+from specroll.actors.config.schema import DrafterConfig, ModelSection, RunConfig
+from specroll.actors.drafter_trainer.actor import DrafterActor, DrafterSettings
+from specroll.actors.trainer.client import RolloutClient
 from specroll.drafter.eagle import EagleProposer
 from specroll.drafter.eagle_head import EagleConfig, EagleHead, eagle3_feature_layers, head_checksum
 from specroll.drafter.learner import DrafterLearner, LearnerConfig
@@ -55,7 +55,7 @@ def model(tmp_path_factory) -> Path:
 def drafter_process(
     endpoint: str, config: Path, log: Path
 ) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
-    return actor_process([sys.executable, "-m", "specroll.actors.drafter_cli", "--connect", endpoint, "--config",
+    return actor_process([sys.executable, "-m", "specroll.actors.drafter_trainer", "--connect", endpoint, "--config",
                           str(config), "--actor-id", "drafter-0"], log)
 
 
@@ -309,7 +309,7 @@ def test_a_drafter_attached_after_the_prefix_cache_is_warm_still_drafts(model):
 
 
 def test_acceptance_is_reported_per_version_and_a_drop_below_the_floor_warns(caplog):
-    from specroll.actors.drafter_relay import DrafterRelay
+    from specroll.actors.trainer.drafter_relay import DrafterRelay
     from specroll.protocol.messages import SpecStats
 
     relay = DrafterRelay(lambda actor, msg, tensors: None)
@@ -355,7 +355,7 @@ async def test_a_drafter_trainer_for_another_model_exits_with_a_clear_error(mode
 
 
 def test_a_resumed_run_warm_starts_from_the_drafter_it_saved(model, tmp_path, caplog):
-    from specroll.actors.drafter_actor import build_learner
+    from specroll.actors.drafter_trainer.actor import build_learner
 
     cfg = load_checkpoint(str(model)).config
     saved = EagleHead.init(EagleConfig.for_target(cfg, eagle3_feature_layers(cfg.num_layers), 64), torch.arange(64))

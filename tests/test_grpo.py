@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from specroll.actors.grpo import apply_staleness, group_advantages, policy_loss, staleness_mask, token_logprobs
+from specroll.rl.grpo import apply_staleness, group_advantages, policy_loss, staleness_mask, token_logprobs
 
 # ---------------------------------------------------------------- group_advantages
 

@@ -210,7 +210,7 @@ def test_ctrl_c_tears_down_the_run(tmp_path: Path, tiny_checkpoint) -> None:
 
 
 def test_generator_settings_from_config_with_flag_overrides(tmp_path: Path) -> None:
-    from specroll.actors.generator_cli import parse_args
+    from specroll.actors.generator.cli import parse_args
 
     config = tmp_path / "run.toml"
     config.write_text('[model]\nname = "some/model"\n[generator]\nstream_every_steps = 3\nkv_policy = "recompute"\n'
@@ -275,7 +275,7 @@ def test_a_run_dir_in_use_is_refused_and_a_finished_run_starts_nothing(tmp_path:
 
 
 def test_resume_replaces_the_metrics_of_steps_after_the_checkpoint(tmp_path: Path) -> None:
-    from specroll.actors.trainer_metrics import truncate_metrics
+    from specroll.actors.trainer.metrics import truncate_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(f'{{"step": {s}}}\n' for s in (1, 2, 3, 4)) + '{"step": 5, "cut')  # killed mid-line
@@ -319,8 +319,8 @@ duty_cycle = 1.0
 def test_a_bad_drafter_exits_2_before_anything_starts(tmp_path: Path, tiny_checkpoint) -> None:
     import torch
 
-    from specroll.actors.config import load_config
-    from specroll.actors.launch_preflight import preflight
+    from specroll.actors.config.schema import load_config
+    from specroll.actors.launch.preflight import preflight
     from specroll.drafter.eagle_head import EagleConfig, EagleHead
     from specroll.engine.checkpoint import load_checkpoint
 

@@ -9,7 +9,6 @@ import torch
 from transformers import AutoConfig, LlamaForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from specroll.actors.tasks import format_question
 from specroll.engine.attention import allocate_kv_cache
 from specroll.engine.batch import build_metadata
 from specroll.engine.checkpoint import Checkpoint, load_checkpoint
@@ -20,6 +19,7 @@ from specroll.engine.model import CausalLM
 from specroll.engine.registry import resolve_model
 from specroll.engine.torch_attention import TorchAttention
 from specroll.protocol.sampling import SamplingParams
+from specroll.rl.tasks import format_question
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specroll.actors.tasks import (
+from specroll.rl.tasks import (
     REWARDS,
     Prompt,
     PromptFileError,

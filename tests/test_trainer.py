@@ -25,18 +25,16 @@ import torch
 import zmq
 import zmq.asyncio
 
-from specroll.actors.client import RolloutClient
-from specroll.actors.config import RunConfig, load_config
-from specroll.actors.coordinator import Group, Sample
-from specroll.actors.grpo_step import build_batch
-from specroll.actors.trainer import ENDPOINT_FILENAME, EXIT_NO_GENERATOR, METRICS_FILENAME, run_trainer
-from specroll.actors.trainer_checkpoint import (
+from specroll.actors.config.schema import RunConfig, load_config
+from specroll.actors.trainer.checkpoint import (
     CHECKPOINT_DIRNAME,
     TrainerState,
     find_checkpoint,
     load_trainer_checkpoint,
     save_checkpoint,
 )
+from specroll.actors.trainer.client import RolloutClient
+from specroll.actors.trainer.trainer import ENDPOINT_FILENAME, EXIT_NO_GENERATOR, METRICS_FILENAME, run_trainer
 from specroll.engine.checkpoint import expected_weight_shapes, load_checkpoint
 from specroll.engine.config import EngineConfig
 from specroll.engine.engine import Engine
@@ -45,6 +43,8 @@ from specroll.protocol.channel import Channel
 from specroll.protocol.messages import PROTOCOL_VERSION, Abort, Hello, RolloutChunk, ToGenerator, Welcome
 from specroll.protocol.sampling import SamplingParams
 from specroll.protocol.sockets import close_socket, make_socket
+from specroll.rl.coordinator import Group, Sample
+from specroll.rl.grpo_step import build_batch
 
 KV_GB = 0.02
 

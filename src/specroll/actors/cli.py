@@ -1,0 +1,267 @@
+"""The ``specroll`` command. Arguments are parsed before any heavy import (torch, the model)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a positive integer, with a message naming the bad value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate rollouts for a set of prompts and write them as JSONL",
+        description="Generate n rollouts per prompt with the specroll engine and write them, with "
+        "token ids, behavior logprobs and policy versions, to a JSONL file.",
+    )
+    p.add_argument("--model", default="smollm2-135m",
+                   help="registered name, Hugging Face checkpoint directory or .gguf file (default: %(default)s)")
+    p.add_argument("--prompts", default=None,
+                   help="JSONL file with a 'question' or 'prompt' per line (GSM8K works as is); "
+                        "default: the built-in arithmetic task")
+    p.add_argument("--limit", type=positive_int, default=None, help="use only the first N prompts")
+    p.add_argument("--num-builtin", type=positive_int, default=16,
+                   help="prompts in the built-in task when --prompts is not given (default: %(default)s)")
+    p.add_argument("--n", type=positive_int, default=4, help="samples per prompt (a group; default: %(default)s)")
+    p.add_argument("--max-tokens", type=positive_int, default=256,
+                   help="response tokens at most (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="0 disables (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 disables (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="base seed; sample i of prompt j is seeded from it")
+    p.add_argument("--reward", choices=["gsm8k", "none"], default="gsm8k",
+                   help="reward of each rollout: last number in the response vs the answer (default: %(default)s)")
+    p.add_argument("--out", default="runs/rollouts.jsonl", help="output JSONL (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences per step at most")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="token budget per step")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV-cache memory in GiB (default: %(default)s)")
+    p.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="context length cap in tokens (default: the checkpoint's)")
+    p.add_argument("--speculative", choices=["off", "suffix", "eagle", "auto"], default="off",
+                   help="speculative decoding, verified losslessly: suffix = model-free drafts from the "
+                        "sequence, its group siblings and earlier rollouts of the prompt; eagle = the learned "
+                        "drafter in --drafter; auto = eagle if --drafter is given, else suffix, with the draft "
+                        "length chosen each step by measured tokens/s (0 when drafting doesn't pay) "
+                        "(default: %(default)s)")
+    p.add_argument("--num-draft-tokens", type=positive_int, default=4,
+                   help="drafts per sequence and step; the most with --speculative auto (default: %(default)s)")
+    p.add_argument("--drafter", default=None,
+                   help="EAGLE drafter directory (config.json + model.safetensors), e.g. from "
+                        "'specroll init-drafter'")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="weights and KV cache (default: %(default)s, see the README)")
+    p.add_argument("--backend", choices=["auto", "torch", "flashinfer"], default="auto")
+    p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_init_drafter(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "init-drafter",
+        help="write a fresh (untrained) EAGLE drafter for a model",
+        description="Initialise an EAGLE drafter (one decoder layer on the target's features) for --model, "
+        "with a draft vocabulary of the most frequent tokens of a prompt set, and save it to --out.",
+    )
+    p.add_argument("--model", default="smollm2-135m", help="target model (default: %(default)s)")
+    p.add_argument("--out", required=True, help="directory to write config.json and model.safetensors into")
+    p.add_argument("--features", choices=["last", "eagle3"], default="eagle3",
+                   help="target features: the last hidden state (EAGLE-1) or three layers low/mid/high "
+                        "(EAGLE-3) (default: %(default)s)")
+    p.add_argument("--draft-vocab-size", type=positive_int, default=None,
+                   help="tokens the drafter can propose, at most the model's vocabulary "
+                        "(default: 8192, or the whole vocabulary when it is smaller)")
+    p.add_argument("--prompts", default=None,
+                   help="JSONL prompts whose tokens rank the draft vocabulary (default: the built-in task)")
+    p.add_argument("--limit", type=positive_int, default=None, help="use only the first N prompts")
+    p.add_argument("--num-builtin", type=positive_int, default=256,
+                   help="built-in prompts when --prompts is not given (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="initialisation seed")
+
+
+def _add_drafter(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("drafter", help="EAGLE drafters: 'drafter train' (offline), 'drafter serve' (online)",
+                       description="Train EAGLE drafters offline or run the online drafter trainer.")
+    dsub = p.add_subparsers(dest="drafter_command", required=True, metavar="SUBCOMMAND")
+    from specroll.actors.drafter_trainer.cli import add_arguments
+
+    add_arguments(dsub.add_parser(
+        "serve", help="run the drafter trainer actor (connects to a trainer)",
+        description="Train the EAGLE drafter online on the trainer's finished rollouts when the generators have "
+        "idle capacity and publish drafter versions to them (the generators need generator.speculative = "
+        "'eagle' or 'auto').",
+    ))
+    t = dsub.add_parser(
+        "train",
+        help="train an EAGLE drafter offline from saved rollouts",
+        description="Train an EAGLE drafter for --model on the rollouts of a 'specroll generate' JSONL file "
+        "(EAGLE-3's training-time test: soft cross-entropy to the model's next-token distribution over the "
+        "draft vocabulary, several unrolled draft steps), warm-started from --init or freshly initialised, "
+        "and save it to --out.",
+    )
+    t.add_argument("--rollouts", required=True, metavar="ROLLOUTS.jsonl",
+                   help="JSONL with 'prompt_token_ids' and 'token_ids' per line ('specroll generate --out')")
+    t.add_argument("--model", required=True, help="target model the rollouts came from")
+    t.add_argument("--out", required=True, help="directory to write config.json and model.safetensors into")
+    t.add_argument("--init", default=None, help="drafter directory to warm-start from (default: a fresh head)")
+    t.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default: %(default)s)")
+    t.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
+    t.add_argument("--batch", type=positive_int, default=8, help="windows per step (default: %(default)s)")
+    t.add_argument("--window", type=positive_int, default=512,
+                   help="tokens per training window, at least --ttt-steps + 2 (default: %(default)s)")
+    t.add_argument("--ttt-steps", type=positive_int, default=3,
+                   help="unrolled draft steps of the training-time test (default: %(default)s)")
+    t.add_argument("--features", choices=["last", "eagle3"], default="eagle3",
+                   help="taps of a fresh head, as in init-drafter (default: %(default)s)")
+    t.add_argument("--draft-vocab-size", type=positive_int, default=None,
+                   help="draft vocabulary of a fresh head (default: 8192, or the whole vocabulary when smaller)")
+    t.add_argument("--seed", type=int, default=0, help="initialisation and sampling seed")
+    t.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    t.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a positive finite number, with a message naming the bad value."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
+    return value
+
+
+def _add_set(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set trainer.group_size=8 (TOML value; repeatable)")
+
+
+def _add_launch(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "launch",
+        help="run a whole RL job here: the trainer, N generators and (if enabled) the drafter trainer as "
+        "processes, watched",
+        description="Start the trainer, generator.count generators and, with drafter.enabled, the drafter "
+        "trainer as separate processes (each in its own process group, logs in RUN_DIR/logs/), watch them, "
+        "and stop them all when the trainer finishes (exit 0), when the trainer or a generator dies or on "
+        "Ctrl-C (exit non-zero, naming who died). The drafter trainer's death only warns: generation and "
+        "training go on with the last drafter version.",
+    )
+    p.add_argument("config", metavar="CONFIG.toml", help="run config, e.g. examples/gsm8k_smollm2.toml")
+    _add_set(p)
+    p.add_argument("--startup-timeout-s", type=positive_float, default=300.0,
+                   help="seconds the trainer may take to bind and write RUN_DIR/trainer.endpoint "
+                        "(default: %(default)s)")
+    p.add_argument("--grace-s", type=positive_float, default=15.0,
+                   help="seconds processes get to exit after SIGTERM before SIGKILL (default: %(default)s)")
+    # Tests only: run a stand-in trainer module instead of specroll.actors.trainer (same contract:
+    # --config FILE, writes RUN_DIR/trainer.endpoint once bound, exits 0 when done).
+    p.add_argument("--trainer-module", default=None, help=argparse.SUPPRESS)
+
+
+def _add_trainer(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "trainer",
+        help="run the trainer alone (generators connect to it from any host)",
+        description="Run the trainer actor: bind tcp://network.host:network.trainer_port, write the bound "
+        "endpoint to RUN_DIR/trainer.endpoint, train config.steps steps.",
+    )
+    p.add_argument("--config", required=True, metavar="FILE", help="run config TOML")
+    _add_set(p)
+
+
+def _add_generator(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generator",
+        help="run one generator alone, connected to a trainer (on any host)",
+        description="Run one generator actor with the settings of a run config ([model], [generator], "
+        "[network], and [drafter] for drafter.path and drafter.kv_cache_gb), connected to the trainer at "
+        "--connect.",
+    )
+    p.add_argument("--config", required=True, metavar="FILE", help="run config TOML")
+    p.add_argument("--connect", required=True, metavar="tcp://HOST:PORT",
+                   help="the trainer's endpoint (RUN_DIR/trainer.endpoint on the trainer's host)")
+    p.add_argument("--actor-id", default=None, help="unique id (default: generator-<uuid4 hex>)")
+    _add_set(p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specroll", description="specroll: a rollout engine for RL on LLMs")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate(sub)
+    _add_init_drafter(sub)
+    _add_drafter(sub)
+    _add_launch(sub)
+    _add_trainer(sub)
+    _add_generator(sub)
+    return parser
+
+
+def _with_sets(args: argparse.Namespace, argv: list[str]) -> list[str]:
+    return argv + [item for s in args.overrides for item in ("--set", s)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``specroll`` console script; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    if args.command == "launch":
+        from specroll.actors.launch.launch import TRAINER_MODULE, run_launch
+
+        return run_launch(args.config, args.overrides, trainer_module=args.trainer_module or TRAINER_MODULE,
+                          startup_timeout_s=args.startup_timeout_s, grace_s=args.grace_s)
+    if args.command == "trainer":
+        try:
+            from specroll.actors.trainer.trainer import main as trainer_main
+        except ModuleNotFoundError as e:
+            if e.name != "specroll.actors.trainer":
+                raise
+            print("specroll trainer: error: specroll.actors.trainer is not in this install", file=sys.stderr)
+            return 2
+        return trainer_main(_with_sets(args, ["--config", args.config]))
+    if args.command == "drafter" and args.drafter_command == "serve":
+        from specroll.actors.drafter_trainer.cli import main as drafter_main
+
+        actor = ["--actor-id", args.actor_id] if args.actor_id else []
+        config = ["--config", args.config] if args.config else []
+        return drafter_main(_with_sets(args, [*config, "--connect", args.connect, "--log-level", args.log_level,
+                                              *actor]))
+    if args.command == "generator":
+        from specroll.actors.generator.cli import main as generator_main
+
+        actor = ["--actor-id", args.actor_id] if args.actor_id else []
+        return generator_main(_with_sets(args, ["--config", args.config, "--connect", args.connect, *actor]))
+
+    from specroll.actors.jobs.generate import GenerateError
+
+    if args.command == "generate":
+        from specroll.actors.jobs.generate import run_generate as run
+    elif args.command == "init-drafter":
+        from specroll.actors.jobs.init_drafter import run_init_drafter as run
+    elif args.command == "drafter":
+        from specroll.actors.jobs.drafter_train import run_drafter_train as run
+    else:
+        raise AssertionError(f"unhandled command {args.command!r}")
+    try:
+        run(args)
+    except GenerateError as exc:
+        name = f"{args.command} {args.drafter_command}" if args.command == "drafter" else args.command
+        print(f"specroll {name}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"specroll {args.command}: interrupted; nothing written", file=sys.stderr)
+        return 130
+    return 0
+
+if __name__ == "__main__":
+    sys.exit(main())

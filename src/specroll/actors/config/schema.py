@@ -1,0 +1,379 @@
+"""Run configuration: strict structs for a whole run, loaded from TOML with ``--set a.b=value`` overrides.
+
+One :class:`RunConfig` describes everything ``specroll launch`` starts (trainer, generators,
+drafter trainer) and every role started alone reads the same file. ``RunConfig()`` is a small valid
+run on a CPU: the default model, the built-in arithmetic task, one generator.
+
+* :func:`load_config` reads a file (or nothing: the defaults), applies overrides and validates
+  (reading, overrides and error messages: ``config_parse.py``).
+* :func:`dump_config` writes TOML; :func:`write_resolved` writes ``RUN_DIR/config.toml``
+  atomically, and ``load_config(write_resolved(c, d)) == c`` (both in ``config_dump.py``,
+  re-exported here).
+* Every problem is one :class:`ConfigError` naming the file, the dotted key and what was expected.
+
+Every struct is frozen and forbids unknown fields; ranges are checked in ``__post_init__`` (which
+raises ``ValueError`` naming the field, the value and what was expected), so a config built in code
+is checked exactly like one loaded from a file. An optional field always defaults to ``None``: TOML
+has no null, so :func:`dump_config` omits ``None`` and the round trip relies on it.
+
+Layering: the generator section nests :class:`~specroll.engine.config.EngineConfig`, so this module
+lives in ``actors/`` (which may import every layer) rather than in ``protocol/``, which stays a leaf.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from specroll.actors.config.dump import dump_config, write_resolved
+from specroll.actors.config.parse import ConfigError, explain, read_document
+from specroll.engine.config import EngineConfig
+from specroll.engine.registry import DEFAULT_MODEL
+from specroll.protocol.sampling import SamplingParams
+
+__all__ = [
+    "ConfigError",
+    "DrafterConfig",
+    "GeneratorConfig",
+    "ModelSection",
+    "NetworkConfig",
+    "RunConfig",
+    "TaskConfig",
+    "TrainerConfig",
+    "dump_config",
+    "load_config",
+    "write_resolved",
+]
+
+
+def _require(ok: bool, name: str, value: object, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r}, expected {expected}")
+
+
+def _check_literals(struct: msgspec.Struct) -> None:
+    """Literal fields hold an allowed value (msgspec checks this when decoding, not when built in code)."""
+    for name, kind in typing.get_type_hints(type(struct)).items():
+        if typing.get_origin(kind) is Literal:
+            allowed = typing.get_args(kind)
+            value = getattr(struct, name)
+            _require(value in allowed, name, value, f"one of {', '.join(map(repr, allowed))}")
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Base of every config section: frozen, strict, keyword-only."""
+
+
+class ModelSection(_Section):
+    """The policy: the model the trainer trains and every generator serves (``[model]``)."""
+
+    name: str = DEFAULT_MODEL
+    """A registered model name, a Hugging Face checkpoint directory or a ``.gguf`` file. Default: the
+    registered default model (SmolLM2-135M-Instruct)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the trainer's parameters and optimizer state. Default ``float32``. (The generators'
+    inference dtype is ``generator.engine.dtype``.)"""
+
+    def __post_init__(self) -> None:
+        _check_literals(self)
+        _require(bool(self.name), "name", self.name, "a model name or path")
+
+
+class TaskConfig(_Section):
+    """Where prompts come from and how responses are scored (``[task]``)."""
+
+    prompts: str | None = None
+    """GSM8K-style JSONL file (``question`` and ``answer`` per line); ``None`` (default) uses the
+    built-in arithmetic task."""
+    reward: Literal["gsm8k"] = "gsm8k"
+    """Reward function from ``specroll.rl.tasks.REWARDS``: ``gsm8k`` (default) scores 1 when the
+    last number of the response equals the answer."""
+    max_prompts: int | None = None
+    """Use at most this many prompts of the file; ``None`` (default) uses them all."""
+    builtin_count: int = 256
+    """Number of prompts the built-in task generates (used when ``prompts`` is ``None``). Default 256."""
+
+    def __post_init__(self) -> None:
+        _check_literals(self)
+        _require(self.prompts is None or bool(self.prompts), "prompts", self.prompts, "a file path or unset")
+        _require(self.max_prompts is None or self.max_prompts >= 1, "max_prompts", self.max_prompts,
+                 "a positive integer or unset")
+        _require(self.builtin_count >= 1, "builtin_count", self.builtin_count, "a positive integer")
+
+
+class TrainerConfig(_Section):
+    """GRPO training with off-policy correction (``[trainer]``)."""
+
+    batch_groups: int = 4
+    """B: finished groups that make one training step. Default 4."""
+    group_size: int = 4
+    """n: samples per prompt (a GRPO group). Default 4; at least 2, as one sample has no advantage."""
+    learning_rate: float = 1e-6
+    """AdamW learning rate. Default 1e-6."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay. Default 0."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping. Default 1.0."""
+    grad_accum_steps: int = 1
+    """Micro-batches one step's B·n samples are split into (one optimizer step). Default 1."""
+    loss: Literal["tis", "ppo"] = "tis"
+    """Off-policy correction against the behavior logprobs: ``tis`` (default) weighs each token's
+    policy gradient by the truncated importance ratio min(π/μ, ``tis_cap``); ``ppo`` is the decoupled
+    PPO clipped objective with clip range ``clip_eps``."""
+    tis_cap: float = 2.0
+    """Truncation C of the importance ratio in the ``tis`` loss. Default 2.0."""
+    clip_eps: float = 0.2
+    """ε of the ``ppo`` loss: ratios are clipped to [1-ε, 1+ε]. Default 0.2."""
+    max_staleness: int = 1
+    """η: most policy versions a trained token may lag behind the version being trained. Default 1."""
+    staleness_policy: Literal["mask", "drop"] = "mask"
+    """What happens to tokens older than η: ``mask`` (default) removes them from the loss;
+    ``drop`` discards their whole sample. Both are counted in the metrics."""
+    normalize_std: bool = True
+    """Divide group-centred rewards by the group's standard deviation (GRPO). Default true."""
+    checkpoint_every: int = 0
+    """Save a checkpoint (weights, optimizer, step) every this many steps; 0 (default): only at the end
+    of the run. A trainer started on a run directory with a checkpoint resumes from it."""
+    weights_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of published weights on the wire; ``bfloat16`` halves the bytes. Default ``float32``."""
+    max_groups_in_flight: int = 8
+    """Groups dispatched to generators and not yet trained on, at most; at least ``batch_groups``.
+    Default 8."""
+    train_threads: int | None = None
+    """Torch intra-op CPU threads of the trainer; ``None`` (default) keeps torch's default."""
+
+    def __post_init__(self) -> None:
+        _check_literals(self)
+        _require(self.batch_groups >= 1, "batch_groups", self.batch_groups, "a positive integer")
+        _require(self.group_size >= 2, "group_size", self.group_size,
+                 "an integer >= 2 (a group of one sample has zero advantage)")
+        _require(self.learning_rate > 0 and math.isfinite(self.learning_rate), "learning_rate",
+                 self.learning_rate, "a positive finite number")
+        _require(self.weight_decay >= 0 and math.isfinite(self.weight_decay), "weight_decay", self.weight_decay,
+                 "a finite number >= 0")
+        _require(self.max_grad_norm >= 0 and math.isfinite(self.max_grad_norm), "max_grad_norm",
+                 self.max_grad_norm, "a finite number >= 0 (0 disables clipping)")
+        samples = self.batch_groups * self.group_size
+        _require(1 <= self.grad_accum_steps <= samples, "grad_accum_steps", self.grad_accum_steps,
+                 f"an integer in [1, batch_groups * group_size = {samples}]")
+        _require(self.tis_cap > 0, "tis_cap", self.tis_cap, "a positive number")
+        _require(0 < self.clip_eps < 1, "clip_eps", self.clip_eps, "a number in (0, 1)")
+        _require(self.max_staleness >= 0, "max_staleness", self.max_staleness, "an integer >= 0")
+        _require(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every,
+                 "an integer >= 0 (0 never checkpoints)")
+        _require(self.max_groups_in_flight >= self.batch_groups, "max_groups_in_flight", self.max_groups_in_flight,
+                 f"an integer >= batch_groups ({self.batch_groups}), or a step could never fill")
+        _require(self.train_threads is None or self.train_threads >= 1, "train_threads", self.train_threads,
+                 "a positive integer or unset")
+
+
+class GeneratorConfig(_Section):
+    """The generators: each wraps one engine and streams rollouts to the trainer (``[generator]``)."""
+
+    count: int = 1
+    """Generators ``specroll launch`` starts. Default 1."""
+    engine: EngineConfig = EngineConfig()
+    """The engine of each generator (``[generator.engine]``). Its ``model`` follows ``model.name``: leave
+    it unset (or equal to ``model.name``)."""
+    sampling: SamplingParams = SamplingParams()
+    """How rollouts are sampled (``[generator.sampling]``): temperature, top_p, top_k, max_tokens.
+    ``seed`` must stay unset: each request's seed derives from the run seed."""
+    kv_policy: Literal["keep", "recompute"] = "keep"
+    """What running requests do on a weight update: ``keep`` (default) reuses KV computed under the
+    older weights (recorded per token); ``recompute`` prefills it again under the new ones."""
+    stream_every_steps: int = 4
+    """Engine steps between rollout chunks sent to the trainer (finished samples are sent at once).
+    Default 4."""
+    heartbeat_s: float = 1.0
+    """Seconds between heartbeats to the trainer. Default 1.0."""
+    speculative: Literal["off", "suffix", "eagle", "auto"] = "off"
+    """Speculative decoding: ``off`` (default), ``suffix`` (model-free n-gram drafts), ``eagle``
+    (the learned drafter; needs ``[drafter]``) or ``auto`` (``eagle`` when a drafter is configured,
+    else ``suffix``)."""
+
+    def __post_init__(self) -> None:
+        _check_literals(self)
+        _require(self.count >= 1, "count", self.count, "a positive integer")
+        _require(self.sampling.seed is None, "sampling.seed", self.sampling.seed,
+                 "unset (per-request seeds derive from the run seed; one seed gives a group identical samples)")
+        _require(self.stream_every_steps >= 1, "stream_every_steps", self.stream_every_steps, "a positive integer")
+        _require(self.heartbeat_s > 0 and math.isfinite(self.heartbeat_s), "heartbeat_s", self.heartbeat_s,
+                 "a positive number of seconds")
+
+
+class DrafterConfig(_Section):
+    """The drafter trainer: trains an EAGLE-style drafter online on the rollouts (``[drafter]``).
+
+    It learns the current policy from finished rollouts while generators have idle capacity and
+    publishes drafter versions, which generators with ``generator.speculative = "eagle"`` (or
+    ``"auto"``) hot-swap between steps (``specroll.actors.drafter_trainer.actor``)."""
+
+    enabled: bool = False
+    """Start the drafter trainer and publish drafter versions to the generators. Default false."""
+    path: str | None = None
+    """Initial drafter directory (``config.json`` + ``model.safetensors``, as ``specroll init-drafter``
+    or ``specroll drafter train`` write): the warm start, served from the first step; ``None``
+    (default): cold start, the first version is built from the first rollouts."""
+    learning_rate: float = 1e-3
+    """AdamW learning rate of the drafter. Default 1e-3."""
+    window_rollouts: int = 256
+    """Replay buffer: the most recent finished rollouts the drafter trains on. Default 256."""
+    publish_every_steps: int = 20
+    """Drafter training steps between published drafter versions. Default 20."""
+    batch: int = 4
+    """Windows per drafter training step. Default 4."""
+    window_tokens: int = 128
+    """Tokens per training window (ending in the response); at least ``ttt_steps + 2``, as the first
+    draft predicts the token two past a window position. Default 128."""
+    ttt_steps: int = 3
+    """Unrolled draft steps of EAGLE-3's training-time-test loss. Default 3."""
+    hidden_weight: float = 0.0
+    """Weight of the optional hidden-state regression (SmoothL1 to the target's final hidden state,
+    as TLT adds it); 0 (default, as EAGLE-3) trains on the soft cross-entropy only."""
+    min_rollouts: int = 8
+    """Rollouts needed before a cold start's first step. Default 8."""
+    draft_vocab_size: int = 4096
+    """Draft vocabulary of a cold-started drafter (the rollouts' most frequent tokens); at most the
+    model's vocabulary (``specroll launch`` checks it). Default 4096."""
+    features: Literal["eagle3", "last"] = "eagle3"
+    """Target taps of a cold-started drafter: ``eagle3`` (low, mid, high layers; default) or ``last``."""
+    num_threads: int = 1
+    """Core budget: torch intra-op threads of the drafter trainer. Default 1."""
+    duty_cycle: float = 0.5
+    """Most fraction of wall time spent in training steps, in (0, 1]. Default 0.5."""
+    train_below: float = 1.0
+    """Train only while the generators' live batch is at most this fraction of their capacity
+    (1.0, the default, trains whenever the duty cycle allows; 0.25 trains in the tail phase only)."""
+    pause_during_train_step: bool = False
+    """Pause the drafter trainer while the trainer takes its own optimizer step (both on one
+    machine's cores). Default false."""
+    acceptance_floor: float = 0.0
+    """Warn when the acceptance length under a new policy version falls below this (a drafter not
+    keeping up, or not updated); 0 (default) never warns."""
+    kv_cache_gb: float = 0.25
+    """Memory of each generator for the drafter's own K/V, in GiB. Default 0.25."""
+
+    def __post_init__(self) -> None:
+        _check_literals(self)
+        _require(self.path is None or bool(self.path), "path", self.path, "a directory or unset")
+        _require(self.learning_rate > 0 and math.isfinite(self.learning_rate), "learning_rate",
+                 self.learning_rate, "a positive finite number")
+        for name in ("window_rollouts", "publish_every_steps", "batch", "window_tokens", "ttt_steps", "min_rollouts",
+                     "draft_vocab_size", "num_threads"):
+            _require(getattr(self, name) >= 1, name, getattr(self, name), "a positive integer")
+        _require(self.window_tokens >= self.ttt_steps + 2, "window_tokens", self.window_tokens,
+                 f"an integer >= ttt_steps + 2 = {self.ttt_steps + 2} (ttt_steps={self.ttt_steps}; the first draft "
+                 f"predicts x_(t+2))")
+        _require(self.hidden_weight >= 0 and math.isfinite(self.hidden_weight), "hidden_weight", self.hidden_weight,
+                 "a finite number >= 0")
+        _require(0 < self.duty_cycle <= 1, "duty_cycle", self.duty_cycle, "a number in (0, 1]")
+        _require(0 <= self.train_below <= 1, "train_below", self.train_below, "a number in [0, 1]")
+        _require(self.acceptance_floor >= 0 and math.isfinite(self.acceptance_floor), "acceptance_floor",
+                 self.acceptance_floor, "a finite number >= 0 (0 never warns)")
+        _require(self.kv_cache_gb > 0 and math.isfinite(self.kv_cache_gb), "kv_cache_gb", self.kv_cache_gb,
+                 "a positive number of GiB")
+
+
+class NetworkConfig(_Section):
+    """Where the trainer listens and how the channels behave (``[network]``)."""
+
+    host: str = "127.0.0.1"
+    """Address the trainer binds and generators connect to. Default ``127.0.0.1``; a non-loopback
+    address needs ``allow_public``."""
+    trainer_port: int = 0
+    """TCP port of the trainer; 0 (default) picks a free one (``specroll launch`` passes it on)."""
+    allow_public: bool = False
+    """Allow binding a non-loopback address. Default false: messages are not authenticated."""
+    hwm: int = 1000
+    """ZeroMQ high-water mark: messages queued per peer and direction. Default 1000
+    (``protocol.sockets.DEFAULT_HWM``)."""
+    window: int = 64
+    """Credit window: data messages a sender may have unconsumed at one receiver; below ``hwm``.
+    Default 64 (``protocol.channel.DEFAULT_WINDOW``)."""
+    heartbeat_timeout_s: float = 10.0
+    """Seconds of silence after which a peer is declared dead; above ``generator.heartbeat_s``.
+    Default 10.0."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.host), "host", self.host, "an address")
+        _require(self.allow_public or _is_loopback(self.host), "host", self.host,
+                 "a loopback address (127.0.0.1, ::1, localhost) unless allow_public = true")
+        _require(0 <= self.trainer_port <= 65535, "trainer_port", self.trainer_port, "a port in [0, 65535]")
+        _require(self.hwm >= 1, "hwm", self.hwm, "a positive integer")
+        _require(2 <= self.window < self.hwm, "window", self.window, f"an integer in [2, hwm = {self.hwm})")
+        _require(self.heartbeat_timeout_s > 0 and math.isfinite(self.heartbeat_timeout_s), "heartbeat_timeout_s",
+                 self.heartbeat_timeout_s, "a positive number of seconds")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
+    except ValueError:
+        return False  # a hostname, an interface name or "*": public
+
+
+class RunConfig(_Section):
+    """A whole run: ``specroll launch`` and every role read it. ``RunConfig()`` is a small CPU run."""
+
+    run_dir: str = "runs/default"
+    """Directory of the run: resolved config, metrics JSONL, checkpoints. Default ``runs/default``."""
+    seed: int = 0
+    """Seed of the run: prompt order, per-request sampling seeds, initialisation. Default 0."""
+    steps: int = 3
+    """GRPO steps to train. Default 3."""
+    model: ModelSection = ModelSection()
+    task: TaskConfig = TaskConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    generator: GeneratorConfig = GeneratorConfig()
+    drafter: DrafterConfig = DrafterConfig()
+    network: NetworkConfig = NetworkConfig()
+
+    def __post_init__(self) -> None:
+        _require(bool(self.run_dir), "run_dir", self.run_dir, "a directory path")
+        _require(self.seed >= 0, "seed", self.seed, "an integer >= 0")
+        _require(self.steps >= 1, "steps", self.steps, "a positive integer")
+        engine = self.generator.engine
+        if engine.model != self.model.name:
+            # The generators serve the policy: an engine model left at its default follows model.name.
+            _require(engine.model == DEFAULT_MODEL, "generator.engine.model", engine.model,
+                     f"unset or equal to model.name={self.model.name!r}")
+            generator = msgspec.structs.replace(self.generator, engine=msgspec.structs.replace(
+                engine, model=self.model.name))
+            msgspec.structs.force_setattr(self, "generator", generator)
+        _require(self.generator.speculative != "eagle" or self.drafter.enabled or self.drafter.path is not None,
+                 "generator.speculative", self.generator.speculative,
+                 "'off', 'suffix' or 'auto' unless drafter.enabled = true or drafter.path is set")
+        _require(self.network.heartbeat_timeout_s > self.generator.heartbeat_s, "network.heartbeat_timeout_s",
+                 self.network.heartbeat_timeout_s, f"more than generator.heartbeat_s = {self.generator.heartbeat_s}")
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read a TOML file (``None``: start from the defaults), apply ``--set`` overrides, validate.
+
+    Args:
+        path: The TOML file, or ``None``.
+        overrides: ``"a.b.c=value"`` strings, applied in order. The value is parsed as a TOML value
+            (``3``, ``0.5``, ``true``, ``"x"``, ``[1, 2]``, ``{a = 1}``); a bare word that is not valid
+            TOML (``runs/x``, ``data.jsonl``) is taken as a string.
+
+    Raises:
+        ConfigError: the file is missing or unreadable, not valid TOML (the message has the line), an
+            override is malformed, a key is unknown (close matches are suggested), a value has the
+            wrong type or is out of range. The message names the file and the dotted key.
+    """
+    source, data, set_by = read_document(path, overrides, RunConfig)
+    try:
+        return msgspec.convert(data, RunConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(explain(exc, source, set_by, RunConfig)) from exc

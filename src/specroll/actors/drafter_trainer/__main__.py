@@ -1,0 +1,5 @@
+import sys
+
+from specroll.actors.drafter_trainer.cli import main
+
+sys.exit(main())

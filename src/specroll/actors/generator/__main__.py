@@ -1,0 +1,5 @@
+import sys
+
+from specroll.actors.generator.cli import main
+
+sys.exit(main())

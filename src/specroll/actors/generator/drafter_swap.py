@@ -1,0 +1,151 @@
+"""A generator's learned drafter: which version it serves, and how a new one is checked and swapped in.
+
+With ``speculative = "eagle"`` a generator drafts with an EAGLE head: one loaded from a file at
+start (``drafter``, served as version 0) and/or the versions the drafter trainer publishes through
+the trainer. A received version is checked before the step loop sees it — its checksum recomputed
+over the received bytes must equal the published one, and the head must fit the target's
+vocabulary, width and depth — and a refused one changes nothing: the generator keeps serving what
+it served (no speculation, if nothing). An accepted version is swapped in between engine steps:
+copied into the served head when the shape is unchanged (live requests keep their draft state),
+else served by a new proposer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+from specroll.actors.generator.rollout_stream import DraftCounter
+from specroll.drafter.eagle import EagleProposer
+from specroll.drafter.eagle_head import DrafterError, EagleConfig, EagleHead, head_checksum
+from specroll.engine.engine import Engine
+from specroll.protocol.messages import AckDrafter, DrafterWeights
+
+log = logging.getLogger("specroll.generator")
+
+
+@dataclass
+class ReadyDrafter:
+    """A checked drafter version, queued for the step loop."""
+
+    version: int
+    checksum: str
+    head: EagleHead
+
+
+def check_drafter(msg: DrafterWeights, tensors: dict[str, torch.Tensor], engine: Engine) -> ReadyDrafter:
+    """Build the head a :class:`DrafterWeights` carries, checked against its checksum and the target.
+
+    Raises:
+        DrafterError: a checksum mismatch, a malformed config or tensors, or a head made for another
+            target (vocabulary, hidden size, depth); the message names the version and the values.
+    """
+    source = f"drafter version {msg.version}"
+    got = head_checksum(tensors)
+    if got != msg.checksum:
+        raise DrafterError(f"{source}: checksum of the received tensors {got[:16]}... differs from the published "
+                           f"{msg.checksum[:16]}...")
+    try:
+        config = msgspec.json.decode(msg.config, type=EagleConfig)
+    except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
+        raise DrafterError(f"{source}: malformed config ({exc})") from None
+    head = EagleHead.from_tensors(config, tensors, source)
+    head.check_target(engine.model_config, source)
+    return ReadyDrafter(msg.version, got, head)
+
+
+class DrafterSlot:
+    """The drafter a generator's engine serves, and its version (module docstring).
+
+    Args:
+        engine: the generator's engine; only the step loop calls :meth:`apply`.
+        counter: the engine's proposer (a :class:`DraftCounter`), or ``None`` before any drafter.
+        kv_cache_memory_gb: memory for a new proposer's head K/V.
+        seed: draft-sampling seed of a new proposer.
+    """
+
+    def __init__(self, engine: Engine, counter: DraftCounter | None, kv_cache_memory_gb: float = 0.25,
+                 seed: int = 0) -> None:
+        self.engine = engine
+        self.counter = counter
+        self.version = 0
+        """Drafter version served (0: a drafter loaded at start, or none)."""
+        self.checksum = ""
+        self.kv_cache_memory_gb = kv_cache_memory_gb
+        self.seed = seed
+
+    def apply(self, ready: ReadyDrafter, max_len: dict[str, int]) -> DraftCounter:
+        """Serve ``ready`` from the next step on; returns the (possibly new) draft counter.
+
+        Args:
+            max_len: live request id → its token cap, for a new counter's draft counting.
+
+        Raises:
+            DrafterError: the engine refused it (nothing changed then).
+        """
+        inner = self.counter.inner if self.counter is not None else None
+        if isinstance(inner, EagleProposer) and inner.head.config == ready.head.config:
+            inner.load_head(ready.head)
+        else:
+            proposer = EagleProposer(ready.head, sample_drafts=True, kv_cache_memory_gb=self.kv_cache_memory_gb,
+                                     page_size=self.engine.config.page_size, seed=self.seed)
+            counter = DraftCounter(proposer)
+            counter.max_len.update(max_len)
+            self.engine.set_proposer(counter)
+            self.counter = counter
+        self.version, self.checksum = ready.version, ready.checksum
+        assert self.counter is not None
+        return self.counter
+
+    def swap(self, ready: ReadyDrafter, token_caps: dict[str, int]) -> AckDrafter:
+        """:meth:`apply` ``ready`` and return the acknowledgement for the trainer (with the refusal,
+        when the engine refused it and nothing changed)."""
+        try:
+            self.apply(ready, token_caps)
+        except (DrafterError, ValueError) as e:
+            log.error("drafter version %d refused by the engine: %s; still serving drafter version %d",
+                      ready.version, e, self.version)
+            return AckDrafter(version=ready.version, checksum=ready.checksum, refused=str(e)[:500])
+        log.info("serving drafter version %d (checksum %s...)", ready.version, ready.checksum[:12])
+        return AckDrafter(version=ready.version, checksum=ready.checksum)
+
+
+@dataclass
+class DrafterFetch:
+    """Which drafter version a generator fetches: the newest announced one above the served one,
+    one fetch at a time. The trainer keeps only the newest version, so a fetch that a newer
+    announcement overtakes before its answer arrived is dropped and the newer one fetched."""
+
+    fetching: int = 0
+    """The version asked for and not yet served (0: none)."""
+    announced: int = 0
+    """The newest version announced."""
+
+    def on_announced(self, version: int, *, received: bool) -> None:
+        """``version`` was announced; ``received``: the version being fetched already arrived."""
+        self.announced = max(self.announced, version)
+        if self.fetching and version > self.fetching and not received:
+            self.fetching = 0  # superseded before it arrived
+
+    def next(self, served: int) -> int | None:
+        """The version to fetch now (and mark it fetching), or ``None``."""
+        if self.fetching or self.announced <= served:
+            return None
+        self.fetching = self.announced
+        return self.fetching
+
+    def superseded(self, version: int) -> bool:
+        """``version`` arrived unasked because a newer one was announced meanwhile."""
+        return version != self.fetching and version < self.announced
+
+    def refused(self, served: int) -> None:
+        """The fetched version was refused: fetch again only after a newer announcement."""
+        self.fetching, self.announced = 0, served
+
+    def done(self, version: int) -> None:
+        """``version`` was swapped in (or refused by the engine)."""
+        if self.fetching == version:
+            self.fetching = 0

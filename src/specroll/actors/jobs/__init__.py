@@ -1,0 +1,1 @@
+"""Offline jobs of the CLI: ``generate``, ``init-drafter`` and ``drafter train``."""

@@ -1,0 +1,1 @@
+"""``specroll launch``: preflight checks, one process group per role, and watching them."""

@@ -1,0 +1,129 @@
+"""The checks ``specroll launch`` makes before it starts anything: the model, the drafter and the
+prompt file load, the drafter fits the model, the trainer's port is free, the run directory's
+checkpoint leaves steps to train; and the run directory's lock, so two launches never share one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from specroll.actors.launch.launch import LaunchError
+
+if TYPE_CHECKING:
+    from specroll.actors.config.schema import RunConfig
+
+
+LOCK_FILENAME = "launch.lock"
+"""Holds the pid of the launcher running in a run directory; a second launch there is refused."""
+
+
+def preflight(config: RunConfig) -> str | None:
+    """Check what would otherwise fail only after every process started: the model and prompts are
+    there, ``drafter.path`` is a drafter made for the model, a cold-started drafter's vocabulary fits
+    the model's, the trainer's port is free. Returns a message when there is nothing to do (the run
+    directory's checkpoint already reached ``steps``), else None; says so when a run resumes.
+
+    Raises:
+        LaunchError: naming the key, the value and what was expected.
+    """
+    import socket
+
+    from specroll.actors.trainer.checkpoint import STATE_FILE, find_checkpoint
+    from specroll.engine.checkpoint import CheckpointError
+    from specroll.engine.registry import resolve_model
+    from specroll.rl.tasks import PromptFileError, load_prompts
+
+    try:
+        resolve_model(config.model.name)
+    except CheckpointError as e:
+        raise LaunchError(f"model.name: {e}") from None
+    _check_drafter(config)
+    if config.task.prompts is not None:
+        try:
+            load_prompts(config.task.prompts, limit=config.task.max_prompts)
+        except (PromptFileError, ValueError) as e:
+            raise LaunchError(f"task.prompts: {e}") from None
+    if config.network.trainer_port:
+        with socket.socket(socket.AF_INET6 if ":" in config.network.host else socket.AF_INET) as probe:
+            try:
+                probe.bind((config.network.host.strip("[]"), config.network.trainer_port))
+            except OSError as e:
+                raise LaunchError(f"network.trainer_port={config.network.trainer_port} on {config.network.host}: "
+                                  f"{e.strerror}; expected a free port (0 picks one)") from None
+    checkpoint = find_checkpoint(config.run_dir)
+    if checkpoint is not None:
+        step = json.loads((checkpoint / STATE_FILE).read_text(encoding="utf-8")).get("step", 0)
+        if isinstance(step, int) and step >= config.steps:
+            return (f"{config.run_dir} holds a checkpoint at step {step}, and steps={config.steps} is the total: "
+                    f"nothing to train (raise steps to continue, or use another run_dir)")
+        print(f"specroll launch: resuming from {checkpoint} (step {step} of {config.steps}; the metrics of later "
+              f"steps are replaced)", file=sys.stderr)
+    return None
+
+
+def _check_drafter(config: RunConfig) -> None:
+    """``drafter.path`` loads and was made for the model; a cold start's ``drafter.draft_vocab_size``
+    is at most the model's vocabulary. Reads the model's metadata only when one of them is in use.
+
+    Raises:
+        LaunchError: naming the key, the value and what was expected.
+    """
+    drafter = config.drafter
+    cold_start = drafter.enabled and drafter.path is None
+    if drafter.path is None and not cold_start:
+        return
+    from specroll.drafter.eagle_head import DrafterError, EagleHead
+    from specroll.engine.checkpoint import CheckpointError, load_model_config
+
+    try:
+        model = load_model_config(config.model.name)
+    except CheckpointError as e:
+        raise LaunchError(f"model.name: {e}") from None
+    if drafter.path is not None:
+        try:
+            EagleHead.load(drafter.path).check_target(model, f"drafter {drafter.path}")
+        except DrafterError as e:
+            raise LaunchError(f"drafter.path: {e}") from None
+    elif drafter.draft_vocab_size > model.vocab_size:
+        raise LaunchError(f"drafter.draft_vocab_size={drafter.draft_vocab_size} exceeds the vocabulary of "
+                          f"{config.model.name} ({model.vocab_size} tokens); expected at most {model.vocab_size}")
+
+
+def take_lock(lock: Path) -> None:
+    """Claim the run directory for this launcher (O_EXCL), taking over a lock whose launcher is gone.
+
+    Raises:
+        LaunchError: another live launcher holds it.
+    """
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            try:
+                holder = int(lock.read_text().strip() or 0)
+            except (OSError, ValueError):
+                holder = 0
+            if holder > 0 and _alive(holder):
+                raise LaunchError(f"run_dir {lock.parent} is in use by the launcher with pid {holder}; "
+                                  f"expected a run_dir no running launch uses") from None
+            lock.unlink(missing_ok=True)  # stale: its launcher is gone
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return
+    raise LaunchError(f"could not claim {lock}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,5 @@
+import sys
+
+from specroll.actors.trainer.trainer import main
+
+sys.exit(main())

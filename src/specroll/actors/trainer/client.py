@@ -1,0 +1,482 @@
+"""The embedding API: an async client that submits prompt groups to specroll generators, streams
+their rollouts back and pushes new policy weights — the rollout coordinator as a library.
+
+Generators connect to the client (its ROUTER binds, each generator's DEALER connects; see the
+README's socket map). The built-in trainer is built on this class; another RL stack uses it the
+same way::
+
+    async with RolloutClient(bind="tcp://127.0.0.1:5555") as client:
+        await client.wait_for_generators(2)
+        group_id = await client.submit(prompt_ids, n=8, sampling=SamplingParams(max_tokens=256))
+        group = await client.next_finished()          # every sample's tokens, logprobs, versions
+        await client.publish_weights(model.state_dict(), version=1)
+
+:class:`SyncRolloutClient` wraps it for code without an event loop.
+
+Drafter trainers connect to the same endpoint (``Hello(role="drafter")``); the client feeds them
+finished rollouts and the generators' load, and relays their drafter versions to the generators
+(:class:`~specroll.actors.trainer.drafter_relay.DrafterRelay`, :attr:`RolloutClient.drafters`).
+
+Inside, three tasks share one :class:`~specroll.protocol.channel.Channel`: a receive loop (which
+never waits on a send: replies go through an outgoing queue, so credit grants are always read), a
+sender, and a ticker that dispatches queued groups by free capacity and declares generators dead
+after ``heartbeat_timeout_s`` of silence (their groups resume elsewhere from their streamed tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import anyio
+import torch
+import zmq
+import zmq.asyncio
+from anyio.abc import TaskGroup
+
+from specroll.actors.trainer.drafter_relay import DrafterRelay
+from specroll.actors.trainer.foreign_groups import ForeignGroups
+from specroll.actors.trainer.peer_outboxes import Outboxes
+from specroll.actors.trainer.sync_client import SyncRolloutClient
+from specroll.actors.trainer.weights_publish import PublishedWeights
+from specroll.protocol.channel import DEFAULT_WINDOW, Channel, SequenceError
+from specroll.protocol.codec import ProtocolError
+from specroll.protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    AckDrafter,
+    AckWeights,
+    Dead,
+    Error,
+    FetchDrafter,
+    FetchWeights,
+    Heartbeat,
+    Hello,
+    PublishDrafter,
+    Refuse,
+    RolloutChunk,
+    Stats,
+    ToTrainer,
+    Welcome,
+)
+from specroll.protocol.sampling import SamplingParams
+from specroll.protocol.sockets import DEFAULT_HWM, close_socket, last_endpoint, make_socket
+from specroll.rl.coordinator import ChunkError, Group, RolloutCoordinator
+
+__all__ = ["RolloutClient", "SyncRolloutClient"]
+
+log = logging.getLogger("specroll.client")
+
+
+class RolloutClient:
+    """Coordinates generators: submit groups, receive rollouts, publish policy weights.
+
+    Args:
+        bind: the endpoint generators connect to (``tcp://127.0.0.1:0`` takes a free port; read
+            :attr:`endpoint` after start).
+        max_groups_in_flight: most groups dispatched and unfinished at once.
+        heartbeat_timeout_s: a generator silent this long is declared dead.
+        window: flow-control window (data messages), equal on both ends.
+        hwm: ZeroMQ high-water mark of the socket.
+        allow_public: permit binding to a non-loopback address.
+        on_chunk: called with ``(actor_id, chunk)`` for every merged chunk (partial rollouts).
+        actor_id: this side's id in the handshake.
+    """
+
+    def __init__(
+        self,
+        bind: str = "tcp://127.0.0.1:0",
+        *,
+        max_groups_in_flight: int = 64,
+        heartbeat_timeout_s: float = 10.0,
+        window: int = DEFAULT_WINDOW,
+        hwm: int = DEFAULT_HWM,
+        allow_public: bool = False,
+        on_chunk: Callable[[str, RolloutChunk], None] | None = None,
+        actor_id: str = "trainer",
+    ) -> None:
+        self.bind = bind
+        self.coordinator = RolloutCoordinator(max_groups_in_flight)
+        self._foreign = ForeignGroups(self.coordinator)  # group ids unique across incarnations
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.window, self.hwm, self.allow_public = window, hwm, allow_public
+        self.on_chunk = on_chunk
+        self.actor_id = actor_id
+        self.endpoint = ""
+        """The bound endpoint, e.g. ``tcp://127.0.0.1:41234`` (set by :meth:`start`)."""
+        self.generator_versions: dict[str, int] = {}
+        """Policy version each generator acknowledged serving."""
+        self.generator_stats: dict[str, Stats] = {}
+        """Each generator's last :class:`Stats`."""
+        self.dead_generators: list[str] = []
+        """Generators declared dead (by ``Dead`` or heartbeat timeout), in order."""
+        self.protocol_errors = 0
+        """Messages refused: malformed, out of sequence, from a peer without a handshake, or chunks
+        that cannot be merged (each logged, and answered with ``Error`` where credit allows)."""
+        self.drafters = DrafterRelay(self._queue)
+        """Drafter trainers, the current drafter version and acceptance per (drafter, policy) version."""
+        self.drafter_policy_versions: dict[str, int] = {}
+        """Policy version each drafter trainer acknowledged holding."""
+        self._load: dict[str, tuple[int, int]] = {}
+        """Each generator's live batch and its capacity in sequences (last heartbeat)."""
+        self._last_seen: dict[str, float] = {}
+        self._capacity_known: set[str] = set()
+        self._finished_event = anyio.Event()
+        self._version_event = anyio.Event()
+        self._weights = PublishedWeights()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self._channel: Channel[Any] | None = None
+        self._tg: TaskGroup | None = None
+        self._outboxes: Outboxes | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> RolloutClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Bind and start the receive, send and dispatch tasks.
+
+        Raises:
+            ValueError: a public bind without ``allow_public``, or a malformed endpoint.
+            zmq.ZMQError: the bind failed (e.g. the port is taken).
+        """
+        self._ctx = zmq.asyncio.Context()
+        try:
+            self._socket = make_socket(self._ctx, zmq.ROUTER, bind=self.bind, hwm=self.hwm,
+                                       allow_public=self.allow_public)
+        except BaseException:
+            self._ctx.term()
+            raise
+        self.endpoint = last_endpoint(self._socket)
+        self._channel = Channel(self._socket, ToTrainer, window=self.window)
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._outboxes = Outboxes(self._channel, self._tg)
+        self._tg.start_soon(self._receive_loop)
+        self._tg.start_soon(self._tick_loop)
+
+    async def aclose(self) -> None:
+        """Tell connected generators the coordinator is gone, stop the tasks, close the socket."""
+        if self._tg is None:
+            return
+        for actor in [*self.coordinator.generators, *self.drafters.drafters]:
+            self._queue(actor, Dead(actor_id=self.actor_id, reason="client closed"))
+        with anyio.move_on_after(0.5):
+            while self._outboxes is not None and self._outboxes.pending():
+                await anyio.sleep(0.01)
+        self._tg.cancel_scope.cancel()
+        await self._tg.__aexit__(None, None, None)
+        self._tg = None
+        if self._socket is not None:
+            close_socket(self._socket, linger_ms=100)
+        if self._ctx is not None:
+            self._ctx.term()
+
+    # ---- the API ------------------------------------------------------------------------------
+
+    async def submit(
+        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, payload: object = None
+    ) -> str:
+        """Queue a group of ``n`` samples of one prompt (token ids, chat template applied); it is
+        dispatched when a generator has room. Returns the group id.
+
+        Raises:
+            ValueError: empty prompt or ``n`` < 1.
+        """
+        group_id = self.coordinator.add_group(prompt_token_ids, n, sampling, payload)
+        self._dispatch()
+        return group_id
+
+    async def next_finished(self, timeout: float | None = None) -> Group:
+        """The oldest finished group, waiting for one if none is ready.
+
+        Raises:
+            TimeoutError: none finished within ``timeout`` seconds.
+        """
+        with anyio.fail_after(timeout):
+            while not self.coordinator.num_finished:
+                await self._finished_event.wait()
+        return self.coordinator.pop_finished(1)[0]
+
+    def pop_finished(self, limit: int | None = None) -> list[Group]:
+        """Finished groups ready now, oldest first, without waiting."""
+        return self.coordinator.pop_finished(limit)
+
+    @property
+    def num_finished(self) -> int:
+        return self.coordinator.num_finished
+
+    @property
+    def num_pending(self) -> int:
+        """Groups queued or in flight."""
+        return len(self.coordinator.groups)
+
+    async def abort(self, group_id: str) -> None:
+        """Drop a group; its generator stops it. Chunks arriving later are ignored.
+
+        Raises:
+            KeyError: no such group queued or in flight.
+        """
+        actor = self.coordinator.abort(group_id)
+        if actor is not None:
+            self._queue(actor, Abort(group_id=group_id))
+
+    async def wait_for_generators(self, count: int, timeout: float | None = None) -> None:
+        """Wait until ``count`` generators are ready: handshake done and capacity reported (their
+        first heartbeat), so groups submitted next spread over all of them.
+
+        Raises:
+            TimeoutError: fewer were ready within ``timeout`` seconds.
+        """
+        with anyio.fail_after(timeout):
+            while sum(a in self._capacity_known for a in self.coordinator.generators) < count:
+                await anyio.sleep(0.05)
+
+    async def publish_weights(
+        self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int,
+        dtype: str = "bfloat16",
+    ) -> None:
+        """Make ``version`` the policy generators should serve; each fetches it between its steps
+        (without draining) and acknowledges (:attr:`generator_versions`).
+
+        The tensors are snapshotted (cast to ``dtype``, on the CPU) before this returns, so
+        training may go on changing the originals.
+
+        Args:
+            named_tensors: Hugging Face parameter names → tensors.
+            version: a policy version above every earlier one.
+            dtype: ``bfloat16`` (half the bytes) or ``float32`` on the wire.
+
+        Raises:
+            ValueError: an unknown dtype or a version not above the last published one.
+        """
+        announce = self._weights.publish(named_tensors, version, dtype)
+        for actor in [*self.coordinator.generators, *self.drafters.drafters]:
+            self._queue(actor, announce)
+
+    def pause_drafter(self, paused: bool = True) -> None:
+        """Ask drafter trainers to stop training between their steps (``False``: go on); they hear it
+        within about half a second (:class:`~specroll.protocol.messages.Capacity`)."""
+        self.drafters.paused = paused
+
+    async def wait_for_version(self, version: int, count: int | None = None, timeout: float | None = None) -> None:
+        """Wait until ``count`` generators (default: all connected) acknowledged ``version`` or later.
+
+        Raises:
+            TimeoutError: not within ``timeout`` seconds.
+        """
+        with anyio.fail_after(timeout):
+            while True:
+                live = [a for a in self.coordinator.generators]
+                need = len(live) if count is None else count
+                if sum(self.generator_versions.get(a, -1) >= version for a in live) >= need:
+                    return
+                event = self._version_event
+                with anyio.move_on_after(0.1):
+                    await event.wait()
+
+    # ---- tasks --------------------------------------------------------------------------------
+
+    def _queue(self, actor: str, msg: Any, tensors: list[torch.Tensor] | None = None) -> None:
+        """Send to a generator or drafter trainer through its own outbox, in order; to any other peer,
+        a best-effort reply (:class:`~specroll.actors.trainer.peer_outboxes.Outboxes`)."""
+        if self._outboxes is None:
+            log.debug("not started: %s to %s dropped", type(msg).__name__, actor)
+            return
+        if actor not in self.coordinator.generators and actor not in self.drafters.drafters:
+            self._outboxes.reply(actor, msg)
+            return
+        self._outboxes.put(actor, msg, tensors)
+
+    async def _tick_loop(self) -> None:
+        last_capacity = 0.0
+        while True:
+            now = time.monotonic()
+            if now - last_capacity >= 0.5:
+                last_capacity = now
+                loads = [self._load[a] for a in self.coordinator.generators if a in self._load]
+                self.drafters.tick(sum(live for live, _ in loads), sum(cap for _, cap in loads))
+            for actor, seen in list(self._last_seen.items()):
+                if now - seen > self.heartbeat_timeout_s:
+                    self._generator_gone(actor, f"silent for {now - seen:.1f} s")
+            self._dispatch()
+            await anyio.sleep(0.05)
+
+    def _dispatch(self) -> None:
+        for actor, msg in self.coordinator.dispatch():
+            self._queue(actor, msg)
+
+    def _generator_gone(self, actor: str, why: str) -> None:
+        """A generator or drafter trainer died or left: forget it (a generator's groups resume elsewhere)."""
+        if actor in self.drafters.drafters:
+            self.drafters.remove(actor)
+            self.drafter_policy_versions.pop(actor, None)
+            self._forget(actor)
+            log.warning("drafter trainer %s is gone (%s); generators keep the drafter they serve", actor, why)
+            return
+        if actor not in self.coordinator.generators:
+            return
+        self.drafters.remove(actor)
+        self._load.pop(actor, None)
+        orphans = self.coordinator.remove_generator(actor)
+        self._capacity_known.discard(actor)
+        self.generator_versions.pop(actor, None)
+        self.dead_generators.append(actor)
+        self._forget(actor)
+        log.warning("generator %s is gone (%s); %d groups resume elsewhere", actor, why, len(orphans))
+        self._dispatch()
+
+    def _forget(self, actor: str) -> None:
+        """Drop a gone peer's liveness, outbox and channel state."""
+        self._last_seen.pop(actor, None)
+        if self._outboxes is not None:
+            self._outboxes.forget(actor)
+        if self._channel is not None:
+            self._channel.forget(actor.encode())
+
+    async def _receive_loop(self) -> None:
+        assert self._channel is not None
+        while True:
+            try:
+                received = await self._channel.recv()
+            except SequenceError as e:
+                self.protocol_errors += 1
+                log.warning("%s", e)
+                received = e.received
+                if received.seq < e.expected and not received.first:
+                    continue  # a duplicate: already handled once
+            except ProtocolError as e:
+                self.protocol_errors += 1
+                actor = e.peer.decode(errors="replace") if e.peer else "?"
+                log.warning("malformed message from %s: %s", actor, e)
+                if actor in self.coordinator.generators and self._channel.can_send(e.peer):
+                    self._queue(actor, Error(code="malformed", message=str(e)[:500], seq=e.seq))
+                continue
+            actor = (received.peer or b"").decode(errors="replace")
+            try:
+                self._handle(actor, received.msg, received.tensors)
+            except ChunkError as e:
+                self.protocol_errors += 1
+                log.warning("chunk from %s refused: %s", actor, e)
+                self._queue(actor, Error(code="bad_request", message=str(e)[:500], seq=received.seq))
+
+    def _handle(self, actor: str, msg: Any, tensors: dict[str, torch.Tensor]) -> None:
+        if isinstance(msg, Hello):
+            self._on_hello(actor, msg)
+            return
+        if actor in self.drafters.drafters:
+            self._handle_drafter(actor, msg, tensors)
+            return
+        if actor not in self.coordinator.generators:
+            if not isinstance(msg, Dead):
+                self.protocol_errors += 1
+                log.info("%s from %s, which never said Hello: refused", type(msg).__name__, actor)
+                self._queue(actor, Error(code="unknown_peer", message="send Hello first"))
+            return
+        self._last_seen[actor] = time.monotonic()
+        match msg:
+            case RolloutChunk():
+                if self._foreign.is_foreign(msg.group_id):
+                    self._on_foreign_chunk(actor, msg.group_id)
+                    return
+                finished = self.coordinator.on_chunk(actor, msg)
+                self.drafters.on_chunk(msg)
+                if finished is not None:
+                    self.drafters.on_group_finished(finished)
+                    self._finished_event.set()
+                    self._finished_event = anyio.Event()
+                if self.on_chunk is not None:
+                    self.on_chunk(actor, msg)
+            case Heartbeat():
+                self.coordinator.on_heartbeat(actor, msg.free_groups, msg.policy_version)
+                self._load[actor] = (msg.batch_size, msg.batch_size + msg.free_seqs)
+                self._capacity_known.add(actor)
+                self._dispatch()
+            case FetchWeights():
+                self._on_fetch(actor, msg.version)
+            case AckWeights():
+                self.generator_versions[actor] = msg.version
+                self._version_event.set()
+                self._version_event = anyio.Event()
+            case Stats():
+                self.generator_stats[actor] = msg
+            case Error():
+                log.warning("generator %s reports %s: %s", actor, msg.code, msg.message)
+            case Dead():
+                self._generator_gone(actor, f"it exited ({msg.reason or 'no reason given'})")
+            case FetchDrafter():
+                self.drafters.on_fetch(actor, msg)
+            case AckDrafter():
+                self.drafters.on_ack(actor, msg)
+            case _:
+                self.protocol_errors += 1
+                self._queue(actor, Error(code="bad_request", message=f"{type(msg).__name__} is not for a generator "
+                                                                     "to send"))
+
+    def _handle_drafter(self, actor: str, msg: Any, tensors: dict[str, torch.Tensor]) -> None:
+        self._last_seen[actor] = time.monotonic()
+        match msg:
+            case PublishDrafter():
+                self.drafters.on_publish(actor, msg, tensors)
+                self.drafters.announce_to(list(self.coordinator.generators))
+            case FetchWeights():
+                self._on_fetch(actor, msg.version)
+            case AckWeights():
+                self.drafter_policy_versions[actor] = msg.version
+            case Heartbeat() | Stats():
+                pass
+            case Error():
+                log.warning("drafter trainer %s reports %s: %s", actor, msg.code, msg.message)
+            case Dead():
+                self._generator_gone(actor, f"it exited ({msg.reason or 'no reason given'})")
+            case _:
+                self.protocol_errors += 1
+                self._queue(actor, Error(code="bad_request", message=f"{type(msg).__name__} is not for a drafter "
+                                                                     "trainer to send"))
+
+    def _on_foreign_chunk(self, actor: str, group_id: str) -> None:
+        """Stop a group this client does not know on the generator that runs it (once per group
+        and generator), instead of letting it use capacity until its ``max_tokens``."""
+        if self._foreign.first_chunk(actor, group_id):
+            log.info("generator %s streams group %s, unknown here (an earlier client's?); aborting it", actor,
+                     group_id)
+            self._queue(actor, Abort(group_id=group_id))
+
+    def _on_hello(self, actor: str, msg: Hello) -> None:
+        if msg.protocol_version != PROTOCOL_VERSION:
+            self._queue(actor, Refuse(reason=f"protocol version {msg.protocol_version}, this trainer speaks "
+                                             f"{PROTOCOL_VERSION}; run the same specroll version on both"))
+            return
+        if msg.role not in ("generator", "drafter"):
+            self._queue(actor, Refuse(reason=f"role {msg.role!r}: this endpoint serves 'generator' and 'drafter'"))
+            return
+        if msg.role == "drafter":
+            if actor in self.drafters.drafters:
+                self._generator_gone(actor, "it said Hello again")
+            self.drafters.add_drafter(actor)
+            self._last_seen[actor] = time.monotonic()
+            self._queue(actor, Welcome(protocol_version=PROTOCOL_VERSION, actor_id=self.actor_id))
+            if self._weights.announcement is not None:
+                self._queue(actor, self._weights.announcement)
+            self.drafters.on_generator_hello(actor)  # a restarted drafter trainer numbers above it
+            return
+        if actor in self.coordinator.generators:  # it restarted under the same id: its groups are gone
+            self._generator_gone(actor, "it said Hello again")
+        self.coordinator.add_generator(actor)
+        self._last_seen[actor] = time.monotonic()
+        self._queue(actor, Welcome(protocol_version=PROTOCOL_VERSION, actor_id=self.actor_id))
+        if self._weights.announcement is not None:
+            self._queue(actor, self._weights.announcement)
+        self.drafters.on_generator_hello(actor)
+
+    def _on_fetch(self, actor: str, version: int) -> None:
+        for msg, tensors in self._weights.answer_fetch(version):
+            self._queue(actor, msg, tensors)

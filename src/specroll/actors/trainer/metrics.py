@@ -1,0 +1,117 @@
+"""The trainer's metrics: one record per step for ``RUN_DIR/metrics.jsonl`` (rewards, the loss and
+its diagnostics, staleness, generation rate, acceptance length, the generators' state), and the
+trimming of that file back to a checkpoint's step when a run resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from specroll.actors.files import write_text_atomic
+from specroll.actors.trainer.client import RolloutClient
+from specroll.rl.coordinator import Group
+from specroll.rl.grpo_step import StepResult
+
+log = logging.getLogger("specroll.trainer")
+
+
+class StepMetrics:
+    """Builds each training step's metrics record from the step and the client's view of the generators.
+
+    Args:
+        client: the trainer's client (generator stats, versions, deaths; drafter versions).
+        acceptance_floor: ``drafter.acceptance_floor``: the drafter report warns below it.
+    """
+
+    def __init__(self, client: RolloutClient, acceptance_floor: float) -> None:
+        self.client, self.acceptance_floor = client, acceptance_floor
+        self._gen_rate: dict[str, tuple[int, float, float]] = {}  # actor → (tokens, clock s, tokens/s)
+
+    def _generation_rate(self) -> float | None:
+        """Tokens/s of all live generators, each from its last two distinct ``Stats`` messages
+        (None before any generator sent its first)."""
+        total = 0.0
+        live = [(a, s) for a, s in self.client.generator_stats.items() if a in self.client.coordinator.generators]
+        if not live:
+            return None
+        for actor, s in live:
+            clock = s.busy_s + s.idle_s
+            prev = self._gen_rate.get(actor)
+            if prev is None or clock < prev[1] or s.num_tokens < prev[0]:  # first stats, or it restarted
+                rate = s.num_tokens / clock if clock > 0 else 0.0
+            elif clock > prev[1]:
+                rate = (s.num_tokens - prev[0]) / (clock - prev[1])
+            else:
+                rate = prev[2]  # no new stats since the last step
+            self._gen_rate[actor] = (s.num_tokens, clock, rate)
+            total += rate
+        return total
+
+    def _acceptance_length(self) -> float | None:
+        """1 + accepted drafts per draft step over all generators (None without speculation)."""
+        specs = [s.spec for s in self.client.generator_stats.values() if s.spec is not None]
+        steps = sum(s.num_draft_steps for s in specs)
+        return 1 + sum(s.num_accepted for s in specs) / steps if steps else None
+
+    def record(self, step: int, version: int, groups: list[Group], rewards: torch.Tensor, r: StepResult,
+               trained_version: int, step_s: float, wait_s: float) -> dict[str, object]:
+        """The record of step ``step``, after which the policy is at ``version``.
+
+        Args:
+            groups: the groups trained on; ``rewards`` their rewards ``[G, n]``.
+            r: the optimizer step's result.
+            trained_version: the policy version the step trained.
+            step_s: seconds the step took; ``wait_s`` seconds it waited for its groups.
+        """
+        lengths = [len(s.token_ids) for g in groups for s in g.samples]
+        return {
+            "step": step,
+            "policy_version": version,
+            "trained_version": trained_version,
+            "reward_mean": float(rewards.mean()),
+            "accuracy": float((rewards >= 1.0).float().mean()),
+            "loss": r.loss,
+            "is_weight_mean": r.is_weight_mean,
+            "truncated_fraction": r.truncated_fraction,
+            "clip_fraction": r.clip_fraction,
+            "approx_kl": r.approx_kl,
+            "grad_norm": r.grad_norm,
+            "trained_tokens": r.trained_tokens,
+            "tokens_masked_stale": r.tokens_masked_stale,
+            "samples_dropped_stale": r.samples_dropped_stale,
+            "staleness": {str(lag): count for lag, count in r.staleness.items()},
+            "max_lag": r.max_lag,
+            "response_tokens_mean": sum(lengths) / len(lengths),
+            "gen_tokens_per_s": self._generation_rate(),
+            "acceptance_length": self._acceptance_length(),
+            **self.client.drafters.report(self.acceptance_floor),
+            "generators_alive": len(self.client.coordinator.generators),
+            "generators_dead": len(self.client.dead_generators),
+            "generator_versions": dict(self.client.generator_versions),
+            "groups_resumed": self.client.coordinator.resumed_groups,
+            "step_s": step_s,
+            "wait_s": wait_s,
+        }
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the metrics of steps up to ``step`` (the checkpoint resumed from): the steps a killed
+    trainer ran past its checkpoint are trained again, so their lines are replaced, not repeated."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by the kill
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) != len(lines):
+        log.info("metrics: dropping %d lines of steps after the checkpoint's step %d", len(lines) - len(kept), step)
+        write_text_atomic(path, "".join(kept))

@@ -1,0 +1,398 @@
+"""The trainer actor: GRPO on rollouts streamed by generators, built on :class:`RolloutClient`.
+
+Run as ``python -m specroll.actors.trainer --config FILE [--set a.b=value ...]`` (no file: the
+defaults). Contract with the launcher: the trainer binds ``tcp://{network.host}:{network.trainer_port}``
+(port 0: a free one) and, once bound, writes the endpoint to ``RUN_DIR/trainer.endpoint``
+(atomically); it writes the resolved config to ``RUN_DIR/config.toml``; after ``steps`` GRPO steps
+it closes the client (generators get ``Dead``) and exits 0. Errors end it with one log line and a
+non-zero code: 1 a failure, 2 a bad config, 3 no generator connected for ``3 × network.heartbeat_timeout_s``,
+128 + signal number after SIGTERM/SIGINT.
+
+Timeline:
+
+1. bind, write the endpoint, load the policy (and the checkpoint, when ``RUN_DIR/checkpoint/``
+   exists) while generators start and connect;
+2. on resume only: wait for a generator, let every connected one heartbeat for
+   ``2 × generator.heartbeat_s + 0.5`` s, publish the restored weights as version
+   ``max(saved version, highest version any generator reports) + 1`` and wait (at most
+   ``network.heartbeat_timeout_s``) for the acknowledgements — a generator may serve a version the
+   dead trainer published after its last checkpoint, and versions must only ever increase;
+3. a feeder task keeps ``groups queued + in flight + finished but not yet trained`` at
+   ``trainer.max_groups_in_flight`` (``client.submit``, prompts in a seeded cyclic order);
+4. step t starts as soon as ``batch_groups`` groups finished (oldest first; the tail never
+   blocks it): rewards → padded batch → staleness bound → loss → AdamW, in a worker thread so the
+   client keeps receiving; then the new weights are published as the next version, a metrics line is
+   appended to ``RUN_DIR/metrics.jsonl`` and the progress line updated; a checkpoint every
+   ``checkpoint_every`` steps and at the end;
+5. before the last metrics line: wait (at most ``network.heartbeat_timeout_s``) until every
+   connected generator acknowledged the final version.
+
+Policy version: the number of optimizer steps taken, plus any jumps made so that a version is
+never below one a generator already reports (step 2, and whenever a generator or a rollout token
+reports a version above the trainer's; the current weights are then republished above it).
+
+Beside this module: the prompt order in ``prompt_cycle.py``, the metrics records in
+``trainer_metrics.py``, checkpoints in ``trainer_checkpoint.py``, the GRPO maths in ``grpo.py`` and
+``grpo_step.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import msgspec
+import torch
+from tqdm import tqdm
+
+from specroll.actors.config.dump import write_resolved
+from specroll.actors.config.schema import ConfigError, RunConfig, load_config
+from specroll.actors.files import write_text_atomic
+from specroll.actors.trainer.checkpoint import (
+    TrainerState,
+    find_checkpoint,
+    load_trainer_checkpoint,
+    save_checkpoint,
+)
+from specroll.actors.trainer.client import RolloutClient
+from specroll.actors.trainer.metrics import StepMetrics, truncate_metrics
+from specroll.actors.trainer.prompt_cycle import PromptCycle
+from specroll.engine.checkpoint import load_checkpoint
+from specroll.engine.model import CausalLM
+from specroll.engine.tokenizer import Tokenizer
+from specroll.rl.coordinator import Group
+from specroll.rl.grpo_step import StepResult, build_batch, train_step
+from specroll.rl.tasks import RewardFn, builtin_prompts, format_question, get_reward, load_prompts
+
+log = logging.getLogger("specroll.trainer")
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+EXIT_NO_GENERATOR = 3
+
+ENDPOINT_FILENAME = "trainer.endpoint"
+METRICS_FILENAME = "metrics.jsonl"
+NO_GENERATOR_FACTOR = 3
+"""The trainer gives up after ``NO_GENERATOR_FACTOR × network.heartbeat_timeout_s`` without generators."""
+_POLL_S = 0.02
+
+
+class TrainerError(RuntimeError):
+    """The trainer cannot go on; ``exit_code`` is the process exit status."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# ---- setup ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Setup:
+    model: CausalLM
+    tokenizer: Tokenizer
+    optimizer: torch.optim.Optimizer
+    prompts: PromptCycle
+    state: TrainerState
+    resumed_from: Path | None
+
+
+def _load(config: RunConfig) -> _Setup:
+    """The policy, tokenizer, optimizer and prompts; restored from ``RUN_DIR/checkpoint`` if present."""
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.model.dtype]
+    ckpt = load_checkpoint(config.model.name, dtype)
+    model = CausalLM(ckpt.config).to(dtype)
+    model.load_weights(ckpt.weights)
+    tc = config.trainer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.learning_rate, weight_decay=tc.weight_decay)
+    task = config.task
+    prompts = (load_prompts(task.prompts, task.max_prompts) if task.prompts is not None
+               else builtin_prompts(task.builtin_count, config.seed))
+    token_ids = [ckpt.tokenizer.encode_chat(format_question(p.question)) for p in prompts]
+    state = TrainerState(step=0, policy_version=0, prompt_cursor=0, seed=config.seed, model=config.model.name)
+    path = find_checkpoint(config.run_dir)
+    if path is not None:
+        state = load_trainer_checkpoint(path, model, optimizer)
+        if state.seed != config.seed:
+            raise TrainerError(f"{path}: saved with seed {state.seed}, but the config has seed={config.seed}; "
+                               "resume with the same seed or use another run_dir")
+    cycle = PromptCycle(token_ids, [p.answer for p in prompts], config.seed, state.prompt_cursor)
+    return _Setup(model, ckpt.tokenizer, optimizer, cycle, state, path)
+
+
+def _bind_address(config: RunConfig) -> str:
+    host = config.network.host
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # an IPv6 literal
+    return f"tcp://{host}:{config.network.trainer_port}"
+
+
+# ---- the actor ----------------------------------------------------------------------------------
+
+
+class Trainer:
+    """Drives one run: feeds groups, trains on finished ones, publishes versions (module docstring).
+
+    Args:
+        config: the run.
+        setup: the loaded policy, optimizer, prompts and restored state.
+        client: a started client generators connect to.
+    """
+
+    def __init__(self, config: RunConfig, setup: _Setup, client: RolloutClient) -> None:
+        self.config, self.client = config, client
+        self.model, self.optimizer, self.tokenizer = setup.model, setup.optimizer, setup.tokenizer
+        self.prompts = setup.prompts
+        self.step, self.version = setup.state.step, setup.state.policy_version
+        self.resumed_from = setup.resumed_from
+        self.reward_fn: RewardFn = get_reward(config.task.reward)
+        self.run_dir = Path(config.run_dir)
+        self.no_generator_s = NO_GENERATOR_FACTOR * config.network.heartbeat_timeout_s
+        self._alone_since: float | None = None
+        self.step_metrics = StepMetrics(client, config.drafter.acceptance_floor)
+        self._last_checkpoint = self.step
+
+    async def run(self) -> None:
+        """Train until ``config.steps`` steps are done.
+
+        Raises:
+            TrainerError: no generator connected for ``3 × heartbeat_timeout_s``.
+        """
+        if self.resumed_from is not None:
+            log.info("resuming from %s: step %d, policy version %d", self.resumed_from, self.step, self.version)
+            if self.step >= self.config.steps:
+                log.info("the checkpoint is already at step %d of %d: nothing to train", self.step, self.config.steps)
+                return
+            await self._publish_after_resume()
+            truncate_metrics(self.run_dir / METRICS_FILENAME, self.step)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._feed)
+            # disable=None: no bar when stderr is a log file (the launcher prints a line per step instead)
+            with tqdm(total=self.config.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                      file=sys.stderr, disable=None) as bar:
+                while self.step < self.config.steps:
+                    await self._one_step(bar)
+            if self._last_checkpoint != self.step:
+                await self._checkpoint()
+            tg.cancel_scope.cancel()
+
+    # ---- the feeder and the wait ----------------------------------------------------------------
+
+    async def _feed(self) -> None:
+        """Keep ``trainer.max_groups_in_flight`` groups queued, generating or finished-untrained."""
+        tc, sampling = self.config.trainer, self.config.generator.sampling
+        while True:
+            while self.client.num_pending + self.client.num_finished < tc.max_groups_in_flight:
+                token_ids, answer, seed = self.prompts.next()
+                await self.client.submit(token_ids, tc.group_size, msgspec.structs.replace(sampling, seed=seed),
+                                         payload=answer)
+            await anyio.sleep(_POLL_S)
+
+    def _check_generators(self) -> None:
+        """Raise once no generator has been connected for ``no_generator_s``."""
+        if self.client.coordinator.generators:
+            self._alone_since = None
+            return
+        now = time.monotonic()
+        if self._alone_since is None:
+            self._alone_since = now
+        elif now - self._alone_since > self.no_generator_s:
+            raise TrainerError(
+                f"no generator connected to {self.client.endpoint} for {self.no_generator_s:.0f} s "
+                f"({NO_GENERATOR_FACTOR} x network.heartbeat_timeout_s); are generators running and pointed here?",
+                EXIT_NO_GENERATOR)
+
+    async def _wait_for_batch(self) -> list[Group]:
+        while self.client.num_finished < self.config.trainer.batch_groups:
+            self._check_generators()
+            await anyio.sleep(_POLL_S)
+        return self.client.pop_finished(self.config.trainer.batch_groups)
+
+    # ---- versions -------------------------------------------------------------------------------
+
+    def _reported_version(self) -> int:
+        """Highest policy version any connected generator reports (heartbeat or acknowledgement)."""
+        versions = [g.policy_version for g in self.client.coordinator.generators.values()]
+        versions += list(self.client.generator_versions.values())
+        return max(versions, default=-1)
+
+    async def _publish(self) -> None:
+        await self.client.publish_weights(self.model.hf_weights(), self.version,
+                                          dtype=self.config.trainer.weights_dtype)
+
+    async def _publish_after_resume(self) -> None:
+        """Publish the restored weights above every version a generator may serve (timeline step 2)."""
+        while not self.client.coordinator.generators:
+            self._check_generators()
+            await anyio.sleep(_POLL_S)
+        await anyio.sleep(2 * self.config.generator.heartbeat_s + 0.5)  # every connected generator heartbeats
+        saved, reported = self.version, self._reported_version()
+        self.version = max(saved, reported) + 1
+        log.info("publishing the restored weights as policy version %d (saved %d, generators report %d)",
+                 self.version, saved, reported)
+        await self._publish()
+        await self._wait_acks()
+
+    async def _overtake(self, groups: Sequence[Group]) -> None:
+        """A generator or a rollout token reports a version above ours (an earlier incarnation of this
+        trainer published it): republish the current weights above it, so versions only increase."""
+        tokens = max((v for g in groups for s in g.samples for v in s.versions), default=-1)
+        seen = max(self._reported_version(), tokens)
+        if seen > self.version:
+            log.warning("version %d is in use, above this trainer's %d; republishing the current weights as %d",
+                        seen, self.version, seen + 1)
+            self.version = seen + 1
+            await self._publish()
+
+    async def _wait_acks(self) -> None:
+        """Wait (at most ``heartbeat_timeout_s``) until every connected generator serves ``version``."""
+        try:
+            await self.client.wait_for_version(self.version, timeout=self.config.network.heartbeat_timeout_s)
+        except TimeoutError:
+            behind = {a: v for a, v in self.client.generator_versions.items() if v < self.version}
+            log.warning("not every generator acknowledged policy version %d within %.0f s: %s", self.version,
+                        self.config.network.heartbeat_timeout_s, behind or "no acknowledgement yet")
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    async def _one_step(self, bar: tqdm) -> None:
+        wait_start = time.monotonic()
+        groups = await self._wait_for_batch()
+        start = time.monotonic()
+        await self._overtake(groups)
+        trained_version = self.version
+        pause = self.config.drafter.pause_during_train_step
+        if pause:
+            self.client.pause_drafter(True)
+        try:
+            rewards, result = await anyio.to_thread.run_sync(self._train, groups, trained_version)
+        finally:
+            if pause:
+                self.client.pause_drafter(False)
+        self.step += 1
+        self.version += 1
+        await self._publish()
+        if self.step == self.config.steps:
+            await self._wait_acks()
+        metrics = self.step_metrics.record(self.step, self.version, groups, rewards, result, trained_version,
+                                           time.monotonic() - start, start - wait_start)
+        with open(self.run_dir / METRICS_FILENAME, "a", encoding="utf-8") as f:
+            f.write(json.dumps(metrics) + "\n")
+        accept = metrics["acceptance_length"]
+        bar.set_postfix_str(f"v{self.version} reward {metrics['reward_mean']:.3f} "
+                            + (f"{metrics['gen_tokens_per_s']:.0f} tok/s " if metrics["gen_tokens_per_s"] is not None
+                               else "") + f"lag<={result.max_lag} "
+                            f"masked {result.tokens_masked_stale}"
+                            + (f" accept {accept:.2f}" if accept is not None else ""), refresh=False)
+        bar.update(1)
+        every = self.config.trainer.checkpoint_every
+        if every and self.step % every == 0:
+            await self._checkpoint()
+
+    def _train(self, groups: list[Group], version: int) -> tuple[torch.Tensor, StepResult]:
+        """Rewards and one optimizer step (runs in a worker thread). Returns rewards ``[G, n]``."""
+        answers = [g.payload if isinstance(g.payload, str) else None for g in groups]
+        rewards = torch.tensor([[self.reward_fn(self.tokenizer.decode(s.token_ids), answer) for s in g.samples]
+                                for g, answer in zip(groups, answers, strict=True)], dtype=torch.float32)  # [G, n]
+        batch = build_batch(groups, rewards, normalize_std=self.config.trainer.normalize_std, fill_version=version)
+        return rewards, train_step(self.model, self.optimizer, batch, version, self.config.trainer)
+
+    async def _checkpoint(self) -> None:
+        state = TrainerState(step=self.step, policy_version=self.version, prompt_cursor=self.prompts.cursor,
+                             seed=self.config.seed, model=self.config.model.name)
+        path = await anyio.to_thread.run_sync(save_checkpoint, self.run_dir, self.model, self.optimizer, state)
+        self._last_checkpoint = self.step
+        log.info("checkpoint of step %d (policy version %d) written to %s", self.step, self.version, path)
+
+# ---- entry points -------------------------------------------------------------------------------
+
+
+async def run_trainer(config: RunConfig) -> int:
+    """Run the trainer of ``config`` to the end; return the exit code: 0 after ``config.steps``
+    steps; otherwise the error is logged in one line and the code is 1 (a failure), 3 (no generator)
+    or 128 + the signal number (SIGTERM/SIGINT, watched when called from the main thread: training
+    stops, the client still says ``Dead`` to the generators).
+    """
+    try:
+        return await _run(config)
+    except Exception as e:  # the actor's death: reported in one line, the traceback at DEBUG
+        e = _leaf(e)
+        code = e.exit_code if isinstance(e, TrainerError) else EXIT_FAILED
+        log.error("trainer failed: %s", e if isinstance(e, TrainerError) else f"{type(e).__name__}: {e}")
+        log.debug("traceback", exc_info=e)
+        return code
+
+
+async def _run(config: RunConfig) -> int:
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_resolved(config)
+    if config.trainer.train_threads is not None:
+        torch.set_num_threads(config.trainer.train_threads)
+    net = config.network
+    client = RolloutClient(_bind_address(config), max_groups_in_flight=config.trainer.max_groups_in_flight,
+                           heartbeat_timeout_s=net.heartbeat_timeout_s, window=net.window, hwm=net.hwm,
+                           allow_public=net.allow_public)
+    code = EXIT_OK
+    async with client:  # closing it sends Dead to every connected generator
+        write_text_atomic(run_dir / ENDPOINT_FILENAME, client.endpoint)
+        log.info("trainer listening on %s; loading %s", client.endpoint, config.model.name)
+        async with anyio.create_task_group() as tg:
+
+            async def watch_signals() -> None:
+                nonlocal code
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        log.error("trainer stopped by %s", signal.Signals(signum).name)
+                        code = 128 + signum
+                        tg.cancel_scope.cancel()
+
+            if threading.current_thread() is threading.main_thread():
+                tg.start_soon(watch_signals)
+            setup = await anyio.to_thread.run_sync(_load, config)  # generators connect meanwhile
+            trainer = Trainer(config, setup, client)
+            await trainer.run()
+            log.info("trained %d steps; final policy version %d", trainer.step, trainer.version)
+            tg.cancel_scope.cancel()
+    return code
+
+
+def _leaf(e: BaseException) -> BaseException:
+    """The one exception inside nested single-member exception groups (task groups wrap errors)."""
+    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+        e = e.exceptions[0]
+    return e
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m specroll.actors.trainer",
+                                description="Run the trainer actor: GRPO on rollouts from connected generators.")
+    p.add_argument("--config", default=None, help="run config TOML (default: the built-in defaults)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set trainer.batch_groups=2 (repeatable)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: parse, load the config, run; return the exit code."""
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        log.error("%s", e)
+        return EXIT_CONFIG
+    return anyio.run(run_trainer, config, backend="asyncio")
