@@ -15,7 +15,8 @@ import zmq
 import zmq.asyncio
 from conftest import generator_process
 
-from specroll.actors.trainer.client import RolloutClient, SyncRolloutClient
+from specroll.actors.trainer.client import RolloutClient
+from specroll.actors.trainer.sync_client import SyncRolloutClient
 from specroll.engine.checkpoint import load_checkpoint
 from specroll.protocol.codec import encode
 from specroll.protocol.messages import AckWeights, FetchWeights, Heartbeat, RolloutChunk

@@ -86,6 +86,8 @@ class GeneratorState:
     free_groups: int = 0
     """Groups it can still take, as of its last heartbeat minus groups sent since."""
     policy_version: int = 0
+    """The policy version it serves: the newest its heartbeats or acknowledgements reported (one
+    incarnation's engine only moves forward; the two messages may arrive in either order)."""
     groups: set[str] = field(default_factory=set)
 
 
@@ -139,7 +141,18 @@ class RolloutCoordinator:
         """Record a generator's reported capacity and served policy version."""
         gen = self.generators.get(actor_id)
         if gen is not None:
-            gen.free_groups, gen.policy_version = free_groups, policy_version
+            gen.free_groups = free_groups
+            gen.policy_version = max(gen.policy_version, policy_version)
+
+    def on_served(self, actor_id: str, policy_version: int) -> None:
+        """A generator acknowledged serving ``policy_version`` (``AckWeights``)."""
+        gen = self.generators.get(actor_id)
+        if gen is not None:
+            gen.policy_version = max(gen.policy_version, policy_version)
+
+    def served_versions(self) -> dict[str, int]:
+        """The policy version each connected generator serves, by actor id."""
+        return {a: g.policy_version for a, g in self.generators.items()}
 
     def remove_generator(self, actor_id: str) -> list[str]:
         """A generator died or left: its unfinished groups go back to the front of the queue, to

@@ -40,6 +40,8 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from specroll.actors.files import write_text_atomic
+from specroll.actors.launch.errors import LaunchError
+from specroll.actors.launch.preflight import LOCK_FILENAME, preflight, take_lock
 from specroll.actors.launch.role_process import RoleProcess, describe_exit, killpg, observe_exit, start_role, tail
 
 if TYPE_CHECKING:
@@ -49,7 +51,6 @@ __all__ = [
     "ENDPOINT_FILENAME",
     "PIDS_FILENAME",
     "TRAINER_MODULE",
-    "LaunchError",
     "Launcher",
     "run_launch",
 ]
@@ -70,15 +71,6 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 _WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::")
-
-
-class LaunchError(Exception):
-    """The run cannot go on: a one-line reason (plus an optional log tail) and the exit code."""
-
-    def __init__(self, message: str, code: int = EXIT_FAILED, detail: str = "") -> None:
-        super().__init__(message)
-        self.code = code
-        self.detail = detail
 
 
 PROGRESS_FIELDS = ("policy_version", "reward_mean", "accuracy", "loss", "gen_tokens_per_s", "max_lag",
@@ -318,7 +310,6 @@ def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = 
     from specroll.actors.config.schema import ConfigError, load_config
     from specroll.actors.generator.actor import GeneratorSettings
     from specroll.actors.generator.cli import settings_from_config
-    from specroll.actors.launch.preflight import LOCK_FILENAME, preflight, take_lock
 
     try:
         config = load_config(config_path, overrides)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specroll.actors.launch.launch import LaunchError
+from specroll.actors.launch.errors import LaunchError
 
 if TYPE_CHECKING:
     from specroll.actors.config.schema import RunConfig

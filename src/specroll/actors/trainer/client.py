@@ -11,7 +11,7 @@ same way::
         group = await client.next_finished()          # every sample's tokens, logprobs, versions
         await client.publish_weights(model.state_dict(), version=1)
 
-:class:`SyncRolloutClient` wraps it for code without an event loop.
+:class:`~specroll.actors.trainer.sync_client.SyncRolloutClient` wraps it for code without an event loop.
 
 Drafter trainers connect to the same endpoint (``Hello(role="drafter")``); the client feeds them
 finished rollouts and the generators' load, and relays their drafter versions to the generators
@@ -39,8 +39,8 @@ from anyio.abc import TaskGroup
 from specroll.actors.trainer.drafter_relay import DrafterRelay
 from specroll.actors.trainer.foreign_groups import ForeignGroups
 from specroll.actors.trainer.peer_outboxes import Outboxes
-from specroll.actors.trainer.sync_client import SyncRolloutClient
 from specroll.actors.trainer.weights_publish import PublishedWeights
+from specroll.actors.wakeup import Wakeup
 from specroll.protocol.channel import DEFAULT_WINDOW, Channel, SequenceError
 from specroll.protocol.codec import ProtocolError
 from specroll.protocol.messages import (
@@ -65,7 +65,7 @@ from specroll.protocol.sampling import SamplingParams
 from specroll.protocol.sockets import DEFAULT_HWM, close_socket, last_endpoint, make_socket
 from specroll.rl.coordinator import ChunkError, Group, RolloutCoordinator
 
-__all__ = ["RolloutClient", "SyncRolloutClient"]
+__all__ = ["RolloutClient"]
 
 log = logging.getLogger("specroll.client")
 
@@ -106,8 +106,6 @@ class RolloutClient:
         self.actor_id = actor_id
         self.endpoint = ""
         """The bound endpoint, e.g. ``tcp://127.0.0.1:41234`` (set by :meth:`start`)."""
-        self.generator_versions: dict[str, int] = {}
-        """Policy version each generator acknowledged serving."""
         self.generator_stats: dict[str, Stats] = {}
         """Each generator's last :class:`Stats`."""
         self.dead_generators: list[str] = []
@@ -123,8 +121,9 @@ class RolloutClient:
         """Each generator's live batch and its capacity in sequences (last heartbeat)."""
         self._last_seen: dict[str, float] = {}
         self._capacity_known: set[str] = set()
-        self._finished_event = anyio.Event()
-        self._version_event = anyio.Event()
+        self._finished_event = Wakeup()
+        self._version_event = Wakeup()
+        self._generators_event = Wakeup()
         self._weights = PublishedWeights()
         self._ctx: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
@@ -201,10 +200,18 @@ class RolloutClient:
         Raises:
             TimeoutError: none finished within ``timeout`` seconds.
         """
-        with anyio.fail_after(timeout):
-            while not self.coordinator.num_finished:
-                await self._finished_event.wait()
+        await self.wait_finished(1, timeout)
         return self.coordinator.pop_finished(1)[0]
+
+    async def wait_finished(self, count: int, timeout: float | None = None) -> None:
+        """Wait until at least ``count`` finished groups are ready (none is taken).
+
+        Raises:
+            TimeoutError: fewer finished within ``timeout`` seconds.
+        """
+        with anyio.fail_after(timeout):
+            while self.coordinator.num_finished < count:
+                await self._finished_event.wait()
 
     def pop_finished(self, limit: int | None = None) -> list[Group]:
         """Finished groups ready now, oldest first, without waiting."""
@@ -213,6 +220,12 @@ class RolloutClient:
     @property
     def num_finished(self) -> int:
         return self.coordinator.num_finished
+
+    @property
+    def generator_versions(self) -> dict[str, int]:
+        """The policy version each connected generator serves (its newest heartbeat or
+        acknowledgement), by actor id; one record per generator, kept by the coordinator."""
+        return self.coordinator.served_versions()
 
     @property
     def num_pending(self) -> int:
@@ -238,7 +251,7 @@ class RolloutClient:
         """
         with anyio.fail_after(timeout):
             while sum(a in self._capacity_known for a in self.coordinator.generators) < count:
-                await anyio.sleep(0.05)
+                await self._generators_event.wait()
 
     async def publish_weights(
         self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int,
@@ -277,11 +290,10 @@ class RolloutClient:
             while True:
                 live = [a for a in self.coordinator.generators]
                 need = len(live) if count is None else count
-                if sum(self.generator_versions.get(a, -1) >= version for a in live) >= need:
+                served = self.generator_versions
+                if sum(served.get(a, -1) >= version for a in live) >= need:
                     return
-                event = self._version_event
-                with anyio.move_on_after(0.1):
-                    await event.wait()
+                await self._version_event.wait()  # an acknowledgement, a heartbeat or a generator gone
 
     # ---- tasks --------------------------------------------------------------------------------
 
@@ -328,9 +340,9 @@ class RolloutClient:
         self._load.pop(actor, None)
         orphans = self.coordinator.remove_generator(actor)
         self._capacity_known.discard(actor)
-        self.generator_versions.pop(actor, None)
         self.dead_generators.append(actor)
         self._forget(actor)
+        self._version_event.notify()  # one fewer generator to wait for
         log.warning("generator %s is gone (%s); %d groups resume elsewhere", actor, why, len(orphans))
         self._dispatch()
 
@@ -391,21 +403,22 @@ class RolloutClient:
                 self.drafters.on_chunk(msg)
                 if finished is not None:
                     self.drafters.on_group_finished(finished)
-                    self._finished_event.set()
-                    self._finished_event = anyio.Event()
+                    self._finished_event.notify()
                 if self.on_chunk is not None:
                     self.on_chunk(actor, msg)
             case Heartbeat():
                 self.coordinator.on_heartbeat(actor, msg.free_groups, msg.policy_version)
                 self._load[actor] = (msg.batch_size, msg.batch_size + msg.free_seqs)
-                self._capacity_known.add(actor)
+                if actor not in self._capacity_known:
+                    self._capacity_known.add(actor)
+                    self._generators_event.notify()
+                self._version_event.notify()  # a heartbeat may report a newer served version
                 self._dispatch()
             case FetchWeights():
                 self._on_fetch(actor, msg.version)
             case AckWeights():
-                self.generator_versions[actor] = msg.version
-                self._version_event.set()
-                self._version_event = anyio.Event()
+                self.coordinator.on_served(actor, msg.version)
+                self._version_event.notify()
             case Stats():
                 self.generator_stats[actor] = msg
             case Error():

@@ -1,6 +1,5 @@
 """A blocking :class:`~specroll.actors.trainer.client.RolloutClient` for code without an event loop: the
 client runs in a background thread (an anyio blocking portal) and each call waits for its result.
-Also importable from :mod:`specroll.actors.trainer.client`.
 """
 
 from __future__ import annotations
@@ -9,7 +8,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from anyio.from_thread import start_blocking_portal
 
+from specroll.actors.trainer.client import RolloutClient
 from specroll.protocol.sampling import SamplingParams
 from specroll.rl.coordinator import Group
 
@@ -21,10 +22,6 @@ class SyncRolloutClient:
     """
 
     def __init__(self, bind: str = "tcp://127.0.0.1:0", **kwargs: Any) -> None:
-        from anyio.from_thread import start_blocking_portal
-
-        from specroll.actors.trainer.client import RolloutClient  # here: client.py re-exports this class
-
         self._portal_cm = start_blocking_portal("asyncio")
         self._portal = self._portal_cm.__enter__()
         self.client = RolloutClient(bind, **kwargs)

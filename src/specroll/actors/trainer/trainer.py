@@ -66,6 +66,7 @@ from specroll.actors.trainer.checkpoint import (
 from specroll.actors.trainer.client import RolloutClient
 from specroll.actors.trainer.metrics import StepMetrics, truncate_metrics
 from specroll.actors.trainer.prompt_cycle import PromptCycle
+from specroll.actors.wakeup import Wakeup
 from specroll.engine.checkpoint import load_checkpoint
 from specroll.engine.model import CausalLM
 from specroll.engine.tokenizer import Tokenizer
@@ -84,7 +85,6 @@ ENDPOINT_FILENAME = "trainer.endpoint"
 METRICS_FILENAME = "metrics.jsonl"
 NO_GENERATOR_FACTOR = 3
 """The trainer gives up after ``NO_GENERATOR_FACTOR × network.heartbeat_timeout_s`` without generators."""
-_POLL_S = 0.02
 
 
 class TrainerError(RuntimeError):
@@ -160,6 +160,10 @@ class Trainer:
         self.run_dir = Path(config.run_dir)
         self.no_generator_s = NO_GENERATOR_FACTOR * config.network.heartbeat_timeout_s
         self._alone_since: float | None = None
+        self._check_s = min(1.0, self.no_generator_s / 4)
+        """Seconds between checks that some generator is connected, while waiting for one."""
+        self._room = Wakeup()
+        """Notified when a step takes finished groups, so the feeder submits more."""
         self.step_metrics = StepMetrics(client, config.drafter.acceptance_floor)
         self._last_checkpoint = self.step
 
@@ -197,7 +201,7 @@ class Trainer:
                 token_ids, answer, seed = self.prompts.next()
                 await self.client.submit(token_ids, tc.group_size, msgspec.structs.replace(sampling, seed=seed),
                                          payload=answer)
-            await anyio.sleep(_POLL_S)
+            await self._room.wait()  # no await between the check above and this wait: no wake-up is missed
 
     def _check_generators(self) -> None:
         """Raise once no generator has been connected for ``no_generator_s``."""
@@ -214,10 +218,14 @@ class Trainer:
                 EXIT_NO_GENERATOR)
 
     async def _wait_for_batch(self) -> list[Group]:
-        while self.client.num_finished < self.config.trainer.batch_groups:
+        batch = self.config.trainer.batch_groups
+        while self.client.num_finished < batch:
             self._check_generators()
-            await anyio.sleep(_POLL_S)
-        return self.client.pop_finished(self.config.trainer.batch_groups)
+            with anyio.move_on_after(self._check_s):  # woken by the client when groups finish
+                await self.client.wait_finished(batch)
+        groups = self.client.pop_finished(batch)
+        self._room.notify()  # the feeder refills what this step takes
+        return groups
 
     # ---- versions -------------------------------------------------------------------------------
 
@@ -235,7 +243,8 @@ class Trainer:
         """Publish the restored weights above every version a generator may serve (timeline step 2)."""
         while not self.client.coordinator.generators:
             self._check_generators()
-            await anyio.sleep(_POLL_S)
+            with anyio.move_on_after(self._check_s):
+                await self.client.wait_for_generators(1)
         await anyio.sleep(2 * self.config.generator.heartbeat_s + 0.5)  # every connected generator heartbeats
         saved, reported = self.version, self._reported_version()
         self.version = max(saved, reported) + 1
