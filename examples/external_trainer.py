@@ -9,11 +9,8 @@ import sys
 
 import torch
 
-from specroll.actors.trainer.client import SyncRolloutClient
-from specroll.engine.checkpoint import load_checkpoint
-from specroll.engine.model import CausalLM
-from specroll.protocol.sampling import SamplingParams
-from specroll.rl.tasks import builtin_prompts, format_question, gsm8k_reward
+from specroll.actors import SyncRolloutClient, builtin_prompts, format_question, gsm8k_reward
+from specroll.engine import CausalLM, SamplingParams, load_checkpoint
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="smollm2-135m")

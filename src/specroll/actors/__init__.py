@@ -1,1 +1,59 @@
-"""The I/O shell: the ``specroll`` CLI, the generate job, tasks and rewards."""
+"""The I/O shell: one package per owner (``trainer``, ``generator``, ``drafter_trainer``, ``peer``
+for what both peers share, ``launch``, ``config``, ``jobs`` for the offline CLI jobs) and the
+``specroll`` command (``cli.py``).
+
+This module is also the embedding API for another RL stack: the rollout client, the run config and
+the built-in tasks, importable as ``from specroll.actors import RolloutClient, SyncRolloutClient,
+load_config, builtin_prompts, ...``. Names are resolved on first use (PEP 562), so importing a role
+or the CLI never pays for what it does not use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from specroll.actors.config.schema import ConfigError, RunConfig, load_config
+    from specroll.actors.trainer.client import RolloutClient
+    from specroll.actors.trainer.sync_client import SyncRolloutClient
+    from specroll.rl.coordinator import Group, Sample
+    from specroll.rl.tasks import Prompt, builtin_prompts, format_question, gsm8k_reward, load_prompts
+
+_EXPORTS = {
+    "RolloutClient": "specroll.actors.trainer.client",
+    "SyncRolloutClient": "specroll.actors.trainer.sync_client",
+    "RunConfig": "specroll.actors.config.schema",
+    "ConfigError": "specroll.actors.config.schema",
+    "load_config": "specroll.actors.config.schema",
+    "Group": "specroll.rl.coordinator",
+    "Sample": "specroll.rl.coordinator",
+    "Prompt": "specroll.rl.tasks",
+    "builtin_prompts": "specroll.rl.tasks",
+    "format_question": "specroll.rl.tasks",
+    "gsm8k_reward": "specroll.rl.tasks",
+    "load_prompts": "specroll.rl.tasks",
+}
+__all__ = [
+    "ConfigError",
+    "Group",
+    "Prompt",
+    "RolloutClient",
+    "RunConfig",
+    "Sample",
+    "SyncRolloutClient",
+    "builtin_prompts",
+    "format_question",
+    "gsm8k_reward",
+    "load_config",
+    "load_prompts",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'specroll.actors' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
