@@ -18,9 +18,10 @@ finished rollouts and the generators' load, and relays their drafter versions to
 (:class:`~specroll.actors.trainer.drafter_relay.DrafterRelay`, :attr:`RolloutClient.drafters`).
 
 Inside, three tasks share one :class:`~specroll.protocol.channel.Channel`: a receive loop (which
-never waits on a send: replies go through an outgoing queue, so credit grants are always read), a
-sender, and a ticker that dispatches queued groups by free capacity and declares generators dead
-after ``heartbeat_timeout_s`` of silence (their groups resume elsewhere from their streamed tokens).
+never waits on a send: replies go through an outgoing queue, so credit grants are always read;
+``client_receive.py``), a sender per peer, and a ticker that dispatches queued groups by free
+capacity and declares generators dead after ``heartbeat_timeout_s`` of silence (their groups resume
+elsewhere from their streamed tokens).
 """
 
 from __future__ import annotations
@@ -36,41 +37,30 @@ import zmq
 import zmq.asyncio
 from anyio.abc import TaskGroup
 
+from specroll.actors.trainer.client_receive import ClientReceive
 from specroll.actors.trainer.drafter_relay import DrafterRelay
 from specroll.actors.trainer.foreign_groups import ForeignGroups
 from specroll.actors.trainer.peer_outboxes import Outboxes
 from specroll.actors.trainer.weights_publish import PublishedWeights
 from specroll.actors.wakeup import Wakeup
-from specroll.protocol.channel import DEFAULT_WINDOW, Channel, SequenceError
-from specroll.protocol.codec import ProtocolError
+from specroll.protocol.channel import DEFAULT_WINDOW, Channel
 from specroll.protocol.messages import (
-    PROTOCOL_VERSION,
     Abort,
-    AckDrafter,
-    AckWeights,
     Dead,
-    Error,
-    FetchDrafter,
-    FetchWeights,
-    Heartbeat,
-    Hello,
-    PublishDrafter,
-    Refuse,
     RolloutChunk,
     Stats,
     ToTrainer,
-    Welcome,
 )
 from specroll.protocol.sampling import SamplingParams
 from specroll.protocol.sockets import DEFAULT_HWM, close_socket, last_endpoint, make_socket
-from specroll.rl.coordinator import ChunkError, Group, RolloutCoordinator
+from specroll.rl.coordinator import Group, RolloutCoordinator
 
 __all__ = ["RolloutClient"]
 
 log = logging.getLogger("specroll.client")
 
 
-class RolloutClient:
+class RolloutClient(ClientReceive):
     """Coordinates generators: submit groups, receive rollouts, publish policy weights.
 
     Args:
@@ -325,171 +315,3 @@ class RolloutClient:
     def _dispatch(self) -> None:
         for actor, msg in self.coordinator.dispatch():
             self._queue(actor, msg)
-
-    def _generator_gone(self, actor: str, why: str) -> None:
-        """A generator or drafter trainer died or left: forget it (a generator's groups resume elsewhere)."""
-        if actor in self.drafters.drafters:
-            self.drafters.remove(actor)
-            self.drafter_policy_versions.pop(actor, None)
-            self._forget(actor)
-            log.warning("drafter trainer %s is gone (%s); generators keep the drafter they serve", actor, why)
-            return
-        if actor not in self.coordinator.generators:
-            return
-        self.drafters.remove(actor)
-        self._load.pop(actor, None)
-        orphans = self.coordinator.remove_generator(actor)
-        self._capacity_known.discard(actor)
-        self.dead_generators.append(actor)
-        self._forget(actor)
-        self._version_event.notify()  # one fewer generator to wait for
-        log.warning("generator %s is gone (%s); %d groups resume elsewhere", actor, why, len(orphans))
-        self._dispatch()
-
-    def _forget(self, actor: str) -> None:
-        """Drop a gone peer's liveness, outbox and channel state."""
-        self._last_seen.pop(actor, None)
-        if self._outboxes is not None:
-            self._outboxes.forget(actor)
-        if self._channel is not None:
-            self._channel.forget(actor.encode())
-
-    async def _receive_loop(self) -> None:
-        assert self._channel is not None
-        while True:
-            try:
-                received = await self._channel.recv()
-            except SequenceError as e:
-                self.protocol_errors += 1
-                log.warning("%s", e)
-                received = e.received
-                if received.seq < e.expected and not received.first:
-                    continue  # a duplicate: already handled once
-            except ProtocolError as e:
-                self.protocol_errors += 1
-                actor = e.peer.decode(errors="replace") if e.peer else "?"
-                log.warning("malformed message from %s: %s", actor, e)
-                if actor in self.coordinator.generators and self._channel.can_send(e.peer):
-                    self._queue(actor, Error(code="malformed", message=str(e)[:500], seq=e.seq))
-                continue
-            actor = (received.peer or b"").decode(errors="replace")
-            try:
-                self._handle(actor, received.msg, received.tensors)
-            except ChunkError as e:
-                self.protocol_errors += 1
-                log.warning("chunk from %s refused: %s", actor, e)
-                self._queue(actor, Error(code="bad_request", message=str(e)[:500], seq=received.seq))
-
-    def _handle(self, actor: str, msg: Any, tensors: dict[str, torch.Tensor]) -> None:
-        if isinstance(msg, Hello):
-            self._on_hello(actor, msg)
-            return
-        if actor in self.drafters.drafters:
-            self._handle_drafter(actor, msg, tensors)
-            return
-        if actor not in self.coordinator.generators:
-            if not isinstance(msg, Dead):
-                self.protocol_errors += 1
-                log.info("%s from %s, which never said Hello: refused", type(msg).__name__, actor)
-                self._queue(actor, Error(code="unknown_peer", message="send Hello first"))
-            return
-        self._last_seen[actor] = time.monotonic()
-        match msg:
-            case RolloutChunk():
-                if self._foreign.is_foreign(msg.group_id):
-                    self._on_foreign_chunk(actor, msg.group_id)
-                    return
-                finished = self.coordinator.on_chunk(actor, msg)
-                self.drafters.on_chunk(msg)
-                if finished is not None:
-                    self.drafters.on_group_finished(finished)
-                    self._finished_event.notify()
-                if self.on_chunk is not None:
-                    self.on_chunk(actor, msg)
-            case Heartbeat():
-                self.coordinator.on_heartbeat(actor, msg.free_groups, msg.policy_version)
-                self._load[actor] = (msg.batch_size, msg.batch_size + msg.free_seqs)
-                if actor not in self._capacity_known:
-                    self._capacity_known.add(actor)
-                    self._generators_event.notify()
-                self._version_event.notify()  # a heartbeat may report a newer served version
-                self._dispatch()
-            case FetchWeights():
-                self._on_fetch(actor, msg.version)
-            case AckWeights():
-                self.coordinator.on_served(actor, msg.version)
-                self._version_event.notify()
-            case Stats():
-                self.generator_stats[actor] = msg
-            case Error():
-                log.warning("generator %s reports %s: %s", actor, msg.code, msg.message)
-            case Dead():
-                self._generator_gone(actor, f"it exited ({msg.reason or 'no reason given'})")
-            case FetchDrafter():
-                self.drafters.on_fetch(actor, msg)
-            case AckDrafter():
-                self.drafters.on_ack(actor, msg)
-            case _:
-                self.protocol_errors += 1
-                self._queue(actor, Error(code="bad_request", message=f"{type(msg).__name__} is not for a generator "
-                                                                     "to send"))
-
-    def _handle_drafter(self, actor: str, msg: Any, tensors: dict[str, torch.Tensor]) -> None:
-        self._last_seen[actor] = time.monotonic()
-        match msg:
-            case PublishDrafter():
-                self.drafters.on_publish(actor, msg, tensors)
-                self.drafters.announce_to(list(self.coordinator.generators))
-            case FetchWeights():
-                self._on_fetch(actor, msg.version)
-            case AckWeights():
-                self.drafter_policy_versions[actor] = msg.version
-            case Heartbeat() | Stats():
-                pass
-            case Error():
-                log.warning("drafter trainer %s reports %s: %s", actor, msg.code, msg.message)
-            case Dead():
-                self._generator_gone(actor, f"it exited ({msg.reason or 'no reason given'})")
-            case _:
-                self.protocol_errors += 1
-                self._queue(actor, Error(code="bad_request", message=f"{type(msg).__name__} is not for a drafter "
-                                                                     "trainer to send"))
-
-    def _on_foreign_chunk(self, actor: str, group_id: str) -> None:
-        """Stop a group this client does not know on the generator that runs it (once per group
-        and generator), instead of letting it use capacity until its ``max_tokens``."""
-        if self._foreign.first_chunk(actor, group_id):
-            log.info("generator %s streams group %s, unknown here (an earlier client's?); aborting it", actor,
-                     group_id)
-            self._queue(actor, Abort(group_id=group_id))
-
-    def _on_hello(self, actor: str, msg: Hello) -> None:
-        if msg.protocol_version != PROTOCOL_VERSION:
-            self._queue(actor, Refuse(reason=f"protocol version {msg.protocol_version}, this trainer speaks "
-                                             f"{PROTOCOL_VERSION}; run the same specroll version on both"))
-            return
-        if msg.role not in ("generator", "drafter"):
-            self._queue(actor, Refuse(reason=f"role {msg.role!r}: this endpoint serves 'generator' and 'drafter'"))
-            return
-        if msg.role == "drafter":
-            if actor in self.drafters.drafters:
-                self._generator_gone(actor, "it said Hello again")
-            self.drafters.add_drafter(actor)
-            self._last_seen[actor] = time.monotonic()
-            self._queue(actor, Welcome(protocol_version=PROTOCOL_VERSION, actor_id=self.actor_id))
-            if self._weights.announcement is not None:
-                self._queue(actor, self._weights.announcement)
-            self.drafters.on_generator_hello(actor)  # a restarted drafter trainer numbers above it
-            return
-        if actor in self.coordinator.generators:  # it restarted under the same id: its groups are gone
-            self._generator_gone(actor, "it said Hello again")
-        self.coordinator.add_generator(actor)
-        self._last_seen[actor] = time.monotonic()
-        self._queue(actor, Welcome(protocol_version=PROTOCOL_VERSION, actor_id=self.actor_id))
-        if self._weights.announcement is not None:
-            self._queue(actor, self._weights.announcement)
-        self.drafters.on_generator_hello(actor)
-
-    def _on_fetch(self, actor: str, version: int) -> None:
-        for msg, tensors in self._weights.answer_fetch(version):
-            self._queue(actor, msg, tensors)
