@@ -13,7 +13,9 @@ from typing import Protocol
 import torch
 
 from specroll.engine.batch import AttentionMetadata
+from specroll.engine.flashinfer_attention import FlashInferAttention
 from specroll.engine.model_config import ModelConfig
+from specroll.engine.torch_attention import TorchAttention
 
 
 class AttentionBackend(Protocol):
@@ -69,8 +71,6 @@ def select_backend(
         ValueError: ``name`` is unknown, or ``flashinfer`` is forced where it cannot run (the
             message says why).
     """
-    from specroll.engine.torch_attention import TorchAttention
-
     if name not in ("auto", "torch", "flashinfer"):
         raise ValueError(f"attention backend {name!r}: expected 'auto', 'torch' or 'flashinfer'")
     reference = TorchAttention(config.num_heads, config.num_kv_heads, config.head_dim, device)
@@ -81,8 +81,6 @@ def select_backend(
         if name == "auto":
             return reference
         raise ValueError(f"attention backend 'flashinfer' {problem}")
-    from specroll.engine.flashinfer_attention import FlashInferAttention
-
     return FlashInferAttention(config.num_heads, config.num_kv_heads, config.head_dim, device, dtype)
 
 
