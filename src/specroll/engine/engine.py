@@ -29,8 +29,9 @@ from specroll.engine.model import CausalLM
 from specroll.engine.proposal import Proposer
 from specroll.engine.sampler import sample
 from specroll.engine.scheduler import ScheduledSequence, Scheduler
-from specroll.engine.sequence import Completion, FinishReason, Sequence, SequenceStatus, StepOutput
+from specroll.engine.sequence import Completion, Sequence, SequenceStatus, StepOutput
 from specroll.engine.speculative import SpeculativeStats, verify_drafts
+from specroll.protocol.messages import FinishReason
 from specroll.protocol.sampling import SamplingParams
 
 
