@@ -8,6 +8,7 @@ positions ≤ L − q + i), as FlashInfer's ``causal=True`` does.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Protocol
 
 import torch
@@ -98,8 +99,6 @@ def flashinfer_problem(device: torch.device, dtype: torch.dtype, head_dim: int |
         return f"runs bfloat16 or float16; got dtype {str(dtype).removeprefix('torch.')}"
     if head_dim is not None and head_dim not in FLASHINFER_HEAD_DIMS:
         return f"supports head_dim {FLASHINFER_HEAD_DIMS}; the model has {head_dim}"
-    import importlib.util
-
     if importlib.util.find_spec("flashinfer") is None:
         return "needs the flashinfer package: pip install -e '.[cuda]' (from a checkout) or 'specroll[cuda]'"
     try:
