@@ -76,8 +76,8 @@ from specroll.rl.tasks import PromptFileError, format_question, load_prompts
 
 if TYPE_CHECKING:
     from specroll.engine.engine import Engine
-    from specroll.engine.proposal import Proposer
     from specroll.engine.sequence import Completion
+    from specroll.engine.spec.proposer import Proposer
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 """GSM8K test split in the ``shared/`` folder next to the repository."""

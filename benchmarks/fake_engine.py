@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, cast
 
-from specroll.engine.sequence import Completion, FinishReason, StepOutput
+from specroll.engine.sequence import Completion, StepOutput
+from specroll.protocol.messages import FinishReason
 
 if TYPE_CHECKING:
     import torch

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from specroll.engine.draft_length import DraftLengthBandit
+from specroll.engine.spec.draft_length import DraftLengthBandit
 
 TOKENS = 100  # tokens emitted per simulated step; the step time sets the rate
 

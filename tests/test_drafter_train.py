@@ -13,13 +13,8 @@ from specroll.actors.cli import main
 from specroll.drafter.eagle import EagleProposer
 from specroll.drafter.eagle_head import EagleConfig, EagleHead, build_draft_vocab, eagle3_feature_layers
 from specroll.drafter.learner import DrafterLearner, LearnerConfig
-from specroll.drafter.train import (
-    Rollout,
-    expected_acceptance_length,
-    target_features,
-    train_drafter,
-    ttt_loss,
-)
+from specroll.drafter.train import expected_acceptance_length, train_drafter
+from specroll.drafter.ttt import Rollout, target_features, ttt_loss
 from specroll.engine.attention import allocate_kv_cache
 from specroll.engine.batch import build_metadata
 from specroll.engine.checkpoint import load_checkpoint
@@ -109,7 +104,7 @@ def test_dense_step0_matches_the_paged_forward(setup):
 def test_dense_step1_is_a_draft_step_over_the_paged_cache(setup):
     """Row t of unrolled step 1 is the engine's second draft from last verified position t: the head's
     own output as feature, at position t + 1, attending to the step-0 K/V of rows 0..t and itself."""
-    from specroll.drafter.train import unroll
+    from specroll.drafter.ttt import unroll
 
     target, head = setup["target"], setup["head"]
     ids = torch.tensor([setup["held"][1].token_ids])

@@ -107,7 +107,7 @@ class RecordingProposer:
         pass
 
     def propose(self, batch, k):
-        from specroll.engine.proposal import Proposal
+        from specroll.engine.spec.proposer import Proposal
 
         # Repeat the last token: sometimes right, so acceptances and rejections both happen.
         drafts = torch.tensor([[seq.token_ids[-1]] * k for seq in batch], dtype=torch.long)

@@ -134,7 +134,7 @@ class StandInKernels:
         return torch.multinomial(probs, 1, generator=self.gen).squeeze(-1).int()
 
     def chain_speculative_sampling(self, draft_probs, draft_token_ids, target_probs, generator=None):
-        from specroll.engine.rejection_sampler import chain_rejection_sample
+        from specroll.engine.spec.verify import chain_rejection_sample
 
         b, n = draft_token_ids.shape
         self.calls.append((b, n))

@@ -24,8 +24,8 @@ from specroll.engine.config import EngineConfig  # noqa: E402
 from specroll.engine.driver import run_to_completion  # noqa: E402
 from specroll.engine.engine import Engine  # noqa: E402
 from specroll.engine.model_config import SMOLLM2_135M  # noqa: E402
-from specroll.engine.rejection_sampler import chain_rejection_sample  # noqa: E402
 from specroll.engine.sampler import processed_logprobs  # noqa: E402
+from specroll.engine.spec.verify import chain_rejection_sample  # noqa: E402
 from specroll.protocol.sampling import SamplingParams  # noqa: E402
 
 PAGE = 16

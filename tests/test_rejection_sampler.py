@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specroll.engine.rejection_sampler import chain_rejection_sample
 from specroll.engine.sampler import processed_logprobs
+from specroll.engine.spec.verify import chain_rejection_sample
 from specroll.protocol.sampling import SamplingParams
 
 V, K, N = 6, 3, 200_000

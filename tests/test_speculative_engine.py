@@ -110,7 +110,7 @@ class SkewedProposer:
         pass
 
     def propose(self, batch, k):
-        from specroll.engine.proposal import Proposal
+        from specroll.engine.spec.proposer import Proposal
 
         probs = torch.stack([self.qs[int(seq.request_id[1:]) % 2] for seq in batch])[:, None, :]  # [B, 1, V]
         drafts = torch.multinomial(probs[:, 0], 1, generator=self.generator)  # [B, 1]
@@ -249,7 +249,7 @@ class BrokenProposer(SkewedProposer):
         self.fault = fault
 
     def propose(self, batch, k):
-        from specroll.engine.proposal import Proposal
+        from specroll.engine.spec.proposer import Proposal
 
         probs = torch.full((len(batch), k, 320), 1 / 320)
         drafts = torch.full((len(batch), k), 7)

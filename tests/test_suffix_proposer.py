@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specroll.drafter.suffix import SuffixProposer
-from specroll.engine.proposal import DraftInput
+from specroll.engine.spec.proposer import DraftInput
 from specroll.protocol.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -34,8 +34,8 @@ from specroll.engine.attention import allocate_kv_cache, kv_bytes_per_page
 from specroll.engine.batch import build_metadata
 from specroll.engine.block_manager import BlockManager, PageKey, page_keys
 from specroll.engine.model import CausalLM
-from specroll.engine.proposal import DraftInput, FeatureUpdate, Proposal
 from specroll.engine.sampler import draw_inverse_cdf, processed_logprobs
+from specroll.engine.spec.proposer import DraftInput, FeatureUpdate, Proposal
 from specroll.engine.torch_attention import TorchAttention
 
 
@@ -244,6 +244,9 @@ class EagleProposer:
             return False
         if state.num_features == state.num_computed_tokens:
             return False
+        # The head's own K/V for k drafts: each draft after the first is a head step at positions
+        # num_features .. num_features + k - 2.
+        # Not the engine's draft_cap: the head drafts k and the engine trims to the request's limit.
         return self.block_manager.grow(state, state.num_features + k - 1)  # type: ignore[arg-type]
 
     def _catch_up(self, batch: list[DraftInput], states: list[_DraftState]) -> torch.Tensor:

@@ -36,7 +36,7 @@ from specroll.drafter.eagle_head import (
     eagle3_feature_layers,
     head_checksum,
 )
-from specroll.drafter.train import Rollout, target_features, ttt_loss, window_start
+from specroll.drafter.ttt import Rollout, target_features, ttt_loss, window_start
 from specroll.engine.model import CausalLM
 
 

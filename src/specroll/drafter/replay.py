@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from specroll.engine.model import CausalLM
-from specroll.engine.proposal import DraftInput, FeatureUpdate, Proposal
+from specroll.engine.spec.proposer import DraftInput, FeatureUpdate, Proposal
 
 
 class ReplayProposer:

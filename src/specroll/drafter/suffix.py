@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from specroll.engine.model import CausalLM
-from specroll.engine.proposal import DraftInput, FeatureUpdate, Proposal
+from specroll.engine.spec.proposer import DraftInput, FeatureUpdate, Proposal
 
 
 class _NgramIndex:

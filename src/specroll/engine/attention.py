@@ -8,12 +8,15 @@ positions ≤ L − q + i), as FlashInfer's ``causal=True`` does.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Protocol
 
 import torch
 
 from specroll.engine.batch import AttentionMetadata
+from specroll.engine.flashinfer_attention import FlashInferAttention
 from specroll.engine.model_config import ModelConfig
+from specroll.engine.torch_attention import TorchAttention
 
 
 class AttentionBackend(Protocol):
@@ -69,8 +72,6 @@ def select_backend(
         ValueError: ``name`` is unknown, or ``flashinfer`` is forced where it cannot run (the
             message says why).
     """
-    from specroll.engine.torch_attention import TorchAttention
-
     if name not in ("auto", "torch", "flashinfer"):
         raise ValueError(f"attention backend {name!r}: expected 'auto', 'torch' or 'flashinfer'")
     reference = TorchAttention(config.num_heads, config.num_kv_heads, config.head_dim, device)
@@ -81,8 +82,6 @@ def select_backend(
         if name == "auto":
             return reference
         raise ValueError(f"attention backend 'flashinfer' {problem}")
-    from specroll.engine.flashinfer_attention import FlashInferAttention
-
     return FlashInferAttention(config.num_heads, config.num_kv_heads, config.head_dim, device, dtype)
 
 
@@ -100,8 +99,6 @@ def flashinfer_problem(device: torch.device, dtype: torch.dtype, head_dim: int |
         return f"runs bfloat16 or float16; got dtype {str(dtype).removeprefix('torch.')}"
     if head_dim is not None and head_dim not in FLASHINFER_HEAD_DIMS:
         return f"supports head_dim {FLASHINFER_HEAD_DIMS}; the model has {head_dim}"
-    import importlib.util
-
     if importlib.util.find_spec("flashinfer") is None:
         return "needs the flashinfer package: pip install -e '.[cuda]' (from a checkout) or 'specroll[cuda]'"
     try:

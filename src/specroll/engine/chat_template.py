@@ -19,11 +19,7 @@ import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from specroll.engine.checkpoint import CheckpointError
-
-
-class ChatTemplateError(ValueError):
-    """The checkpoint has no chat template, or its template rejected the conversation."""
+from specroll.engine.errors import ChatTemplateError, CheckpointError
 
 
 def read_hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:

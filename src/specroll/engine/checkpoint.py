@@ -10,20 +10,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from specroll.engine.errors import CheckpointError
+from specroll.engine.gguf_loader import load_gguf, read_gguf
 from specroll.engine.model_config import Architecture, ModelConfig
-
-if TYPE_CHECKING:
-    from specroll.engine.tokenizer import Tokenizer
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, unreadable, or describes a model specroll does not implement."""
+from specroll.engine.registry import resolve_model
+from specroll.engine.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -56,15 +53,12 @@ def load_checkpoint(model: str | Path, dtype: torch.dtype = torch.float32) -> Ch
         CheckpointError: the path does not exist, is neither a directory with config.json nor a
             .gguf file, or anything in it is malformed or unsupported.
     """
-    # Imported here, not at the top: these modules import CheckpointError from this one.
-    from specroll.engine.gguf_loader import load_gguf
-    from specroll.engine.registry import resolve_model
-
     if not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype}, expected a floating-point torch dtype")
     path = resolve_model(str(model))
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, dtype)
+        config, weights, tokenizer = load_gguf(path, dtype)
+        return Checkpoint(config, check_weights(config, weights, str(path)), tokenizer, str(path))
     if path.is_dir():
         return _load_hf_dir(path, dtype)
     raise CheckpointError(f"{path}: expected a Hugging Face checkpoint directory or a .gguf file")
@@ -77,9 +71,6 @@ def load_model_config(model: str | Path) -> ModelConfig:
     Raises:
         CheckpointError: as :func:`load_checkpoint`, for the path and the metadata.
     """
-    from specroll.engine.gguf_loader import read_gguf
-    from specroll.engine.registry import resolve_model
-
     path = resolve_model(str(model))
     if path.is_file() and path.suffix == ".gguf":
         return read_gguf(path)[1]
@@ -127,8 +118,6 @@ def random_checkpoint(config: ModelConfig, seed: int = 0, std: float = 0.02) -> 
 
     Matrices are drawn from N(0, ``std``) (float32, seeded); norm weights are 1 and biases 0.
     """
-    from specroll.engine.tokenizer import Tokenizer
-
     generator = torch.Generator().manual_seed(seed)
     weights = {}
     for name, shape in expected_weight_shapes(config).items():
@@ -182,8 +171,6 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> Checkpoint:
 
 def _read_hf_config(path: Path) -> tuple[ModelConfig, Tokenizer]:
     """The model config and tokenizer of a Hugging Face checkpoint directory."""
-    from specroll.engine.tokenizer import Tokenizer  # see load_checkpoint
-
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path}: no config.json, expected a Hugging Face checkpoint directory")

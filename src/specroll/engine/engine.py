@@ -1,9 +1,11 @@
-"""The generation engine: schedule → run the model → sample → report deltas, one step at a time.
+"""The generation engine: schedule → propose → run → verify/sample → emit, one step at a time.
 
 Synchronous and seedable, with no I/O of its own; the generator actor drives it from a worker
 thread. A step is one ragged batch (prefill chunks and decodes together) over the paged KV cache.
-The proposer's side of a step (drafts in, features out) is in ``drafting.py``; the device and
-dtype checks are in ``device.py``.
+The scheduler picks the batch (``scheduler.py``), the proposer drafts for its decodes
+(``spec/drafts.py``), the model runner runs the target over it (``model_runner.py``), the drafts are
+verified (``spec/verify.py``) or a token is sampled (``sampler.py``), and the tokens are emitted
+here. The device and dtype checks are in ``device.py``.
 """
 
 from __future__ import annotations
@@ -15,22 +17,24 @@ from collections.abc import Sequence as SequenceOf
 
 import torch
 
-from specroll.engine.attention import allocate_kv_cache, flashinfer_problem, kv_bytes_per_page, select_backend
-from specroll.engine.batch import build_metadata
+from specroll.engine.attention import AttentionBackend, flashinfer_problem
 from specroll.engine.block_manager import BlockManager
-from specroll.engine.checkpoint import Checkpoint, expected_weight_shapes, load_checkpoint
+from specroll.engine.checkpoint import Checkpoint, load_checkpoint
 from specroll.engine.config import EngineConfig
 from specroll.engine.device import check_device, resolve_dtype
-from specroll.engine.draft_length import DraftLengthBandit
-from specroll.engine.drafting import observe_features, propose_drafts
 from specroll.engine.flashinfer_attention import FlashInferAttention
 from specroll.engine.flashinfer_sampling import FlashInferSampler
 from specroll.engine.model import CausalLM
-from specroll.engine.proposal import Proposer
+from specroll.engine.model_runner import ModelRunner
 from specroll.engine.sampler import sample
 from specroll.engine.scheduler import ScheduledSequence, Scheduler
-from specroll.engine.sequence import Completion, FinishReason, Sequence, SequenceStatus, StepOutput
-from specroll.engine.speculative import SpeculativeStats, verify_drafts
+from specroll.engine.sequence import Completion, Sequence, SequenceStatus, StepOutput
+from specroll.engine.spec.draft_length import DraftLengthBandit
+from specroll.engine.spec.drafts import observe_features, propose_drafts
+from specroll.engine.spec.proposer import Proposer
+from specroll.engine.spec.stats import SpeculativeStats
+from specroll.engine.spec.verify import verify_drafts
+from specroll.protocol.messages import FinishReason
 from specroll.protocol.sampling import SamplingParams
 
 
@@ -43,7 +47,7 @@ class Engine:
         proposer: a drafter (``specroll.drafter``) for speculative decoding; ``None`` decodes one
             token per step. Each step drafts ``config.num_draft_tokens`` tokens per decoding
             sequence, or, with ``config.draft_length="adaptive"``, a length in ``[0, K]`` chosen
-            online (``draft_length.py``).
+            online (``spec/draft_length.py``).
 
     Raises:
         CheckpointError: the model cannot be loaded.
@@ -66,42 +70,41 @@ class Engine:
         ckpt = checkpoint if checkpoint is not None else load_checkpoint(config.model, dtype=self.dtype)
         self.model_config = ckpt.config
         self.tokenizer = ckpt.tokenizer
-        with torch.device("meta"):  # no random init: every parameter is loaded below
-            model = CausalLM(ckpt.config).to(dtype=self.dtype)
-        self.model = model.to_empty(device=self.device).eval()
-        self.model.load_weights(ckpt.weights)
-        self.max_model_len = min(config.max_model_len or ckpt.config.max_position_embeddings,
-                                 ckpt.config.max_position_embeddings)
-        page_bytes = kv_bytes_per_page(ckpt.config, config.page_size, self.dtype)
-        num_pages = int(config.kv_cache_memory_gb * 2**30) // page_bytes
-        if num_pages * config.page_size < self.max_model_len:
-            raise ValueError(
-                f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds {num_pages} pages of "
-                f"{config.page_size} tokens, fewer than one {self.max_model_len}-token request needs; "
-                "raise kv_cache_memory_gb or lower max_model_len"
-            )
-        self.kv_caches = allocate_kv_cache(ckpt.config, num_pages, config.page_size, self.dtype, self.device)
-        self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(config, ckpt, self.device, self.dtype)
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.backend = select_backend(config.backend, ckpt.config, self.device, self.dtype)
         # With FlashInfer attention, sampling and verification run on the GPU through FlashInfer too.
         self._gpu_sampler = (
             FlashInferSampler(self.device, config.seed) if isinstance(self.backend, FlashInferAttention) else None
         )
         self.eos_token_ids = frozenset(ckpt.tokenizer.eos_token_ids) | frozenset(ckpt.config.eos_token_ids)
         self.weight_version = 0
-        self._weight_shapes = expected_weight_shapes(ckpt.config)
         self._requests: dict[str, Sequence] = {}
         self.spec_stats = SpeculativeStats()
         """Speculative-decoding counters summed over every step so far."""
         self.last_step_stats = SpeculativeStats()
         """The last step's counters (k chosen, drafted, accepted, draft and verify time)."""
-        self._feature_layers: tuple[int, ...] = ()
         self._bandit: DraftLengthBandit | None = None
         self.proposer: Proposer | None = None
         if proposer is not None:
             self.set_proposer(proposer)
         self._arrivals = itertools.count()
+
+    @property
+    def model(self) -> CausalLM:
+        """The target model (the runner's)."""
+        return self.runner.model
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """Per layer ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` (the runner's)."""
+        return self.runner.kv_caches
+
+    @property
+    def backend(self) -> AttentionBackend:
+        """The attention backend (the runner's)."""
+        return self.runner.backend
 
     def set_proposer(self, proposer: Proposer | None) -> None:
         """Draft with ``proposer`` from the next step on (``None``: plain decoding); between steps only.
@@ -127,8 +130,8 @@ class Engine:
             for request_id in self._requests:
                 self.proposer.finish(request_id)
         self.proposer = proposer
-        self._feature_layers = tuple(proposer.feature_layers) if proposer is not None else ()
-        if self._feature_layers:
+        self.runner.feature_layers = tuple(proposer.feature_layers) if proposer is not None else ()
+        if self.runner.feature_layers:
             self.block_manager.forget_cached()
         self._bandit = None
         if proposer is not None and self.config.draft_length == "adaptive":
@@ -175,16 +178,9 @@ class Engine:
             generator = torch.Generator()
             seed = sampling.seed if sampling.seed is not None else hash((self.config.seed, arrival)) & (2**63 - 1)
             generator.manual_seed(seed)
-        seq = Sequence(
-            request_id=request_id,
-            group_id=group_id,
-            prompt_len=len(prompt),
-            token_ids=prompt,
-            sampling=sampling,
-            generator=generator,
-            arrival=arrival,
-            max_len=min(self.max_model_len, len(prompt) + sampling.max_tokens),
-        )
+        seq = Sequence(request_id=request_id, group_id=group_id, prompt_len=len(prompt), token_ids=prompt,
+                       sampling=sampling, generator=generator, arrival=arrival,
+                       max_len=min(self.max_model_len, len(prompt) + sampling.max_tokens))
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -247,7 +243,7 @@ class Engine:
         """Run one batch and return a delta for every request that produced a token or finished.
 
         With a proposer, each decoding sequence's drafts ride along in the same forward pass and
-        are verified losslessly (``speculative.py``); K/V slots of rejected drafts are rolled back.
+        are verified losslessly (``spec/verify.py``); K/V slots of rejected drafts are rolled back.
         """
         start_time = time.perf_counter()
         k = self._choose_draft_length()
@@ -255,41 +251,19 @@ class Engine:
         if not scheduled:
             return []
         stats = SpeculativeStats(num_steps=1, k=k)
-        drafts: dict[Sequence, list[int]] = {}
-        draft_probs: dict[Sequence, torch.Tensor] = {}
-        if k:
-            assert self.proposer is not None  # k > 0 only with a proposer
-            drafts, draft_probs = propose_drafts(self.proposer, scheduled, k, self.model_config.vocab_size)
+        drafts, draft_probs = self._propose(scheduled, k)
         stats.draft_time_s = time.perf_counter() - start_time
         starts = [s.seq.num_computed_tokens for s in scheduled]
         logits, features = self._forward(scheduled, drafts)  # logits [rows, V]: 1 + drafts per sampling sequence
-        samplers = [s.seq for s in scheduled if s.samples]
-        for s in scheduled:
+        for s in scheduled:  # the forward wrote their K/V; rejected drafts are rolled back in _verify
             s.seq.num_computed_tokens += s.num_new_tokens + len(drafts.get(s.seq, ()))
+        samplers = [s.seq for s in scheduled if s.samples]
         if k:
-            seq_drafts = [drafts.get(seq, []) for seq in samplers]
-            seq_probs = [draft_probs.get(seq) for seq in samplers]
-            verify = verify_drafts if self._gpu_sampler is None else self._gpu_sampler.verify
-            emitted = verify(logits, samplers, seq_drafts, seq_probs, k)
-            for seq, d, (_, _, accepted) in zip(samplers, seq_drafts, emitted, strict=True):
-                # Roll back the K/V of rejected drafts: only [last, d_1..d_accepted] stay valid.
-                seq.num_computed_tokens -= len(d) - accepted
-                self.block_manager.truncate(seq, seq.num_computed_tokens)
-                stats.num_drafted += len(d)
-                stats.num_accepted += accepted
-                stats.num_draft_steps += bool(d)
+            emitted = self._verify(logits, samplers, drafts, draft_probs, k, stats)
         else:
-            params = [s.sampling for s in samplers]
-            if self._gpu_sampler is None:
-                tokens, logprobs = sample(logits, params, [s.generator for s in samplers])
-            else:
-                tokens, logprobs = self._gpu_sampler.sample(logits, params)
-            emitted = [([t], [lp], 0) for t, lp in zip(tokens.tolist(), logprobs.tolist(), strict=True)]
+            emitted = self._sample(logits, samplers)
         stats.verify_time_s = time.perf_counter() - start_time - stats.draft_time_s
-        for s in scheduled:
-            if not s.samples:  # a prefill chunk; sampling sequences are keyed in _emit, tokens appended
-                self.block_manager.cache_full_pages(s.seq, self.weight_version)
-        outputs = [self._emit(seq, tokens, lps) for seq, (tokens, lps, _) in zip(samplers, emitted, strict=True)]
+        outputs = self._emit(scheduled, samplers, emitted)
         if features is not None:
             assert self.proposer is not None  # features are tapped only for a proposer
             observe_features(self.proposer, scheduled, drafts, starts, features)
@@ -305,6 +279,57 @@ class Engine:
             return self.config.num_draft_tokens
         return self._bandit.choose(len(self.scheduler.running))
 
+    def _propose(
+        self, scheduled: list[ScheduledSequence], k: int
+    ) -> tuple[dict[Sequence, list[int]], dict[Sequence, torch.Tensor]]:
+        """The drafts (and their q, when sampled) of the sequences that decode this step; none at k = 0."""
+        if not k:
+            return {}, {}
+        assert self.proposer is not None  # k > 0 only with a proposer
+        return propose_drafts(self.proposer, scheduled, k, self.model_config.vocab_size)
+
+    def _forward(
+        self, scheduled: list[ScheduledSequence], drafts: dict[Sequence, list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The runner's forward (``ModelRunner.run``), with the logits where the sampler reads them."""
+        return self.runner.run(scheduled, drafts, to_cpu=self._gpu_sampler is None)
+
+    def _verify(
+        self, logits: torch.Tensor, samplers: list[Sequence], drafts: dict[Sequence, list[int]],
+        draft_probs: dict[Sequence, torch.Tensor], k: int, stats: SpeculativeStats,
+    ) -> list[tuple[list[int], list[float], int]]:
+        """Verify each sampling sequence's drafts, roll back the K/V of the rejected ones and count
+        them in ``stats``; per sequence ``(tokens, behavior logprobs, drafts accepted)``."""
+        seq_drafts = [drafts.get(seq, []) for seq in samplers]
+        seq_probs = [draft_probs.get(seq) for seq in samplers]
+        verify = verify_drafts if self._gpu_sampler is None else self._gpu_sampler.verify
+        emitted = verify(logits, samplers, seq_drafts, seq_probs, k)
+        for seq, d, (_, _, accepted) in zip(samplers, seq_drafts, emitted, strict=True):
+            # Roll back the K/V of rejected drafts: only [last, d_1..d_accepted] stay valid.
+            seq.num_computed_tokens -= len(d) - accepted
+            self.block_manager.truncate(seq, seq.num_computed_tokens)
+            stats.count_verify(len(d), accepted)
+        return emitted
+
+    def _sample(self, logits: torch.Tensor, samplers: list[Sequence]) -> list[tuple[list[int], list[float], int]]:
+        """One token per sampling sequence (plain decoding), in :meth:`_verify`'s form."""
+        params = [s.sampling for s in samplers]
+        if self._gpu_sampler is None:
+            tokens, logprobs = sample(logits, params, [s.generator for s in samplers])
+        else:
+            tokens, logprobs = self._gpu_sampler.sample(logits, params)
+        return [([t], [lp], 0) for t, lp in zip(tokens.tolist(), logprobs.tolist(), strict=True)]
+
+    def _emit(
+        self, scheduled: list[ScheduledSequence], samplers: list[Sequence],
+        emitted: list[tuple[list[int], list[float], int]],
+    ) -> list[StepOutput]:
+        """Key the pages a prefill chunk completed, append each sampling sequence's tokens, report."""
+        for s in scheduled:
+            if not s.samples:  # a prefill chunk; sampling sequences are keyed in _emit_tokens, tokens appended
+                self.block_manager.cache_full_pages(s.seq, self.weight_version)
+        return [self._emit_tokens(seq, tokens, lps) for seq, (tokens, lps, _) in zip(samplers, emitted, strict=True)]
+
     def _record_step(self, scheduled: list[ScheduledSequence], stats: SpeculativeStats, seconds: float) -> None:
         self.last_step_stats = stats
         self.spec_stats.add(stats)
@@ -312,7 +337,7 @@ class Engine:
         if self._bandit is not None and all(s.num_new_tokens == 1 for s in scheduled):
             self._bandit.record(stats.k, stats.num_emitted, seconds)
 
-    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> StepOutput:
+    def _emit_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> StepOutput:
         """Append tokens in order until one finishes the request; report the delta."""
         finish: FinishReason | None = None
         kept = 0
@@ -330,39 +355,6 @@ class Engine:
             self._retire(seq, finish)
         return StepOutput(seq.request_id, seq.group_id, tokens[:kept], logprobs[:kept],
                           [self.weight_version] * kept, finish is not None, finish, seq.num_output_tokens)
-
-    def _forward(
-        self, scheduled: list[ScheduledSequence], drafts: dict[Sequence, list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits ``[rows, V]`` (float32; on the CPU, or on the GPU when it samples there) at each
-        sampling sequence's last token and drafts, and the proposer's target features of every input
-        row (or None)."""
-        input_ids: list[int] = []
-        logits_rows: list[int] = []
-        q_lens: list[int] = []
-        for s in scheduled:
-            start = s.seq.num_computed_tokens
-            extra = drafts.get(s.seq, [])
-            input_ids.extend(s.seq.token_ids[start : start + s.num_new_tokens])
-            input_ids.extend(extra)
-            q_lens.append(s.num_new_tokens + len(extra))
-            assert start + q_lens[-1] <= self.max_model_len, f"{s.seq.request_id} would pass the context"
-            if s.samples:
-                logits_rows.extend(range(len(input_ids) - len(extra) - 1, len(input_ids)))
-        meta = build_metadata(
-            q_lens,
-            [s.seq.num_computed_tokens + q for s, q in zip(scheduled, q_lens, strict=True)],
-            [s.seq.block_table for s in scheduled],
-            self.config.page_size,
-        )
-        self.backend.plan(meta)
-        hidden, features = self.model(
-            torch.tensor(input_ids, device=self.device), meta.positions().to(self.device),
-            self.kv_caches, self.backend, self._feature_layers,
-        )
-        rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
-        return (logits if self._gpu_sampler is not None else logits.cpu()), features
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         if not seq.sampling.ignore_eos and token in self.eos_token_ids:
@@ -397,15 +389,7 @@ class Engine:
         named_tensors = dict(named_tensors)
         if version <= self.weight_version:
             raise ValueError(f"weight version {version} is not newer than the served version {self.weight_version}")
-        for name, tensor in named_tensors.items():
-            shape = self._weight_shapes.get(name)
-            if shape is None:
-                raise ValueError(f"weight update: unknown tensor {name!r}; expected a name of the model's state dict")
-            if tuple(tensor.shape) != shape:
-                raise ValueError(f"weight update: {name} has shape {tuple(tensor.shape)}, expected {shape}")
-            if not tensor.is_floating_point():
-                raise ValueError(f"weight update: {name} has dtype {tensor.dtype}, expected a floating dtype")
-        self.model.load_weights(named_tensors)
+        self.runner.load_weights(named_tensors)  # validates every tensor before it copies any
         self.weight_version = version
         if self.proposer is not None:
             self.proposer.attach(self.model)  # a drafter sharing the LM head re-reads it

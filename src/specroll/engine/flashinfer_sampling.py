@@ -1,6 +1,6 @@
 """Sampling and speculative verification on CUDA through FlashInfer's kernels.
 
-The semantics are the torch reference's (``sampler.py``, ``speculative.py``): every row's processed
+The semantics are the torch reference's (``sampler.py``, ``spec/verify.py``): every row's processed
 distribution (temperature → top-k → top-p, computed by :func:`~specroll.engine.sampler.processed_logprobs`
 on the GPU) is what is sampled and what the behavior logprob is taken under; FlashInfer only draws.
 
@@ -80,7 +80,7 @@ class FlashInferSampler:
         k: int,
     ) -> list[tuple[list[int], list[float], int]]:
         """Accept a prefix of each sequence's drafts and emit one more token; the arguments and
-        result are those of :func:`~specroll.engine.speculative.verify_drafts` (``logits`` on the GPU)."""
+        result are those of :func:`~specroll.engine.spec.verify.verify_drafts` (``logits`` on the GPU)."""
         params = [s.sampling for s, d in zip(seqs, drafts, strict=True) for _ in range(len(d) + 1)]
         logprobs = processed_logprobs(logits, params)  # [R, V]
         starts = [0]

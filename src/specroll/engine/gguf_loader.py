@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 import torch
 
-from specroll.engine.checkpoint import Checkpoint, CheckpointError, check_weights
+from specroll.engine.errors import CheckpointError
 from specroll.engine.model_config import Architecture, ModelConfig
 from specroll.engine.tokenizer import Tokenizer
 
@@ -42,15 +42,19 @@ _BLOCK_NAMES = {
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+def load_gguf(
+    path: str | Path, dtype: torch.dtype = torch.float32
+) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     """Read a GGUF file's metadata, tokenizer and (dequantized) tensors.
 
     Weights come back under Hugging Face Llama names with Hugging Face shapes ``[out, in]``, cast
     to ``dtype``; for ``llama`` files the Q/K rows llama.cpp permuted are put back in HF order.
+    They are not checked against the config here: ``checkpoint.load_checkpoint`` does that (with
+    ``check_weights``) for every format alike.
 
     Raises:
-        CheckpointError: the file cannot be parsed as GGUF, its architecture, tokenizer, RoPE
-            scaling or a tensor type is unsupported, or its tensors do not match its metadata.
+        CheckpointError: the file cannot be parsed as GGUF, or its architecture, tokenizer, RoPE
+            scaling or a tensor type is unsupported.
     """
     path = Path(path)
     reader, config, tokenizer = read_gguf(path)
@@ -66,7 +70,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoin
         ):
             weight = _unpermute_rope_rows(weight, heads)
         weights[name] = weight.to(dtype)
-    return Checkpoint(config, check_weights(config, weights, str(path)), tokenizer, str(path))
+    return config, weights, tokenizer
 
 
 def read_gguf(path: Path) -> tuple[gguf.GGUFReader, ModelConfig, Tokenizer]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from specroll.engine.block_manager import BlockManager
 from specroll.engine.sequence import Sequence, SequenceStatus
+from specroll.engine.spec.proposer import draft_cap
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,8 @@ class Scheduler:
 
         Args:
             version: weight version the step runs under (prefix-cache key).
-            lookahead: extra KV slots each decoding sequence needs (speculative drafts).
+            lookahead: the step's draft length k; each sequence that reaches its last token gets
+                K/V slots for :func:`~specroll.engine.spec.proposer.draft_cap` drafts.
 
         Returns:
             The batch, running sequences first; empty when nothing can run.
@@ -94,7 +96,11 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop, or out of budget
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            extra = lookahead if num_new == seq.num_tokens - seq.num_computed_tokens else 0
+            # K/V slots for the drafts this sequence may verify: the same cap the drafts get, so a
+            # sequence near its length limit never asks for slots past it. (A last prefill chunk
+            # reserves them too though it drafts only from its next step; the verify rolls them back.)
+            remaining = num_new == seq.num_tokens - seq.num_computed_tokens
+            extra = draft_cap(seq.max_len, seq.num_tokens, lookahead) if remaining else 0
             while not bm.grow(seq, seq.num_computed_tokens + num_new + extra):
                 victim = self.running[-1]
                 self._preempt(victim)

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
+from specroll.protocol.messages import FinishReason
 from specroll.protocol.sampling import SamplingParams
-
-FinishReason = Literal["stop", "length", "abort"]
 
 
 class SequenceStatus(enum.Enum):

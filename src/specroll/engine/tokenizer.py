@@ -17,8 +17,8 @@ import gguf
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
-from specroll.engine.chat_template import ChatTemplateError, compile_chat_template, read_hf_chat_template
-from specroll.engine.checkpoint import CheckpointError
+from specroll.engine.chat_template import compile_chat_template, read_hf_chat_template
+from specroll.engine.errors import ChatTemplateError, CheckpointError
 
 __all__ = ["ChatTemplateError", "Tokenizer"]
 

@@ -65,6 +65,8 @@ PROTOCOL_VERSION = 2
 WireDtype = Literal["float32", "bfloat16", "float16", "int64", "int32", "uint8", "bool"]
 """Tensor element types that may travel (torch names)."""
 FinishReason = Literal["stop", "length", "abort"]
+"""Why a request stopped: ``stop`` (end of sequence or a stop token), ``length`` (its max_tokens or
+the context), ``abort``. The engine reports the same values (one definition, here)."""
 ErrorCode = Literal["malformed", "sequence", "unknown_peer", "unknown_group", "bad_request", "internal"]
 """``malformed``: undecodable frames; ``sequence``: a gap or duplicate; ``unknown_peer``: no
 handshake yet; ``unknown_group``: abort/chunk for a group not known; ``bad_request``: decodable but

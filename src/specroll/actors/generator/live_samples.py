@@ -9,7 +9,6 @@ tokens come from one policy version and its draft counts from one drafter versio
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal
 
 import msgspec
 
@@ -17,9 +16,7 @@ from specroll.actors.generator.drafter_swap import DrafterSlot
 from specroll.actors.generator.rollout_stream import SampleStream
 from specroll.engine.engine import Engine
 from specroll.engine.sequence import StepOutput
-from specroll.protocol.messages import ErrorCode, RolloutChunk, SubmitGroup
-
-FinishReason = Literal["stop", "length", "abort"]
+from specroll.protocol.messages import ErrorCode, FinishReason, RolloutChunk, SubmitGroup
 
 
 class SampleRefused(Exception):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from specroll.engine.model import CausalLM
-from specroll.engine.proposal import DraftInput, FeatureUpdate, Proposal, Proposer
+from specroll.engine.spec.proposer import DraftInput, FeatureUpdate, Proposal, Proposer, draft_cap
 from specroll.protocol.messages import FinishReason, RolloutChunk, SpecStats
 from specroll.protocol.sampling import SamplingParams
 
@@ -97,11 +97,11 @@ class SampleStream:
 
 
 class DraftCounter:
-    """A :class:`~specroll.engine.proposal.Proposer` that forwards to ``inner`` and records how many
+    """A :class:`~specroll.engine.spec.proposer.Proposer` that forwards to ``inner`` and records how many
     drafts of each request the engine verifies in a step (for per-chunk :class:`SpecStats`).
 
-    The engine caps a row's drafts at ``max_len - num_tokens - 1`` (``engine.drafting.propose_drafts``);
-    ``max_len`` holds each live request's cap so the count here matches.
+    The engine caps a row's drafts with :func:`~specroll.engine.spec.proposer.draft_cap`; ``max_len``
+    holds each live request's length limit so the count here matches.
     """
 
     def __init__(self, inner: Proposer) -> None:
@@ -124,6 +124,6 @@ class DraftCounter:
     def propose(self, batch: Sequence[DraftInput], k: int) -> Proposal:
         proposal = self.inner.propose(batch, k)
         for row, n in zip(batch, proposal.num_drafts.tolist(), strict=True):
-            cap = self.max_len.get(row.request_id, 0) - len(row.token_ids) - 1
-            self.drafted[row.request_id] = max(0, min(int(n), k, cap))
+            cap = draft_cap(self.max_len.get(row.request_id, 0), len(row.token_ids), k)
+            self.drafted[row.request_id] = max(0, min(int(n), cap))
         return proposal

@@ -1,7 +1,14 @@
-"""Chain speculative sampling: verify k drafted tokens against the target in one pass, losslessly.
+"""Verify: turn the target's logits over ``[last, d1..dk]`` into emitted tokens, with behavior
+logprobs, through chain rejection sampling.
 
-For draft position i with target distribution p_i and draft distribution q_i (Leviathan et al.
-2023, "Fast Inference from Transformers via Speculative Decoding", Algorithm 1; Chen et al. 2023):
+The engine appends each decoding sequence's drafts to its step input, so one target forward
+scores every draft; :func:`verify_drafts` takes the processed distributions (temperature → top-k →
+top-p) of those rows and verifies them with :func:`chain_rejection_sample`, using uniforms drawn
+from each request's own generator.
+
+Chain speculative sampling. For draft position i with target distribution p_i and draft
+distribution q_i (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+Decoding", Algorithm 1; Chen et al. 2023):
 
 - accept d_i with probability min(1, p_i(d_i) / q_i(d_i)), i.e. when ``u_i · q_i(d_i) < p_i(d_i)``;
 - at the first rejection j, emit a token drawn from ``norm(max(0, p_j − q_j))`` and stop;
@@ -13,17 +20,19 @@ and the recovery distribution is p_i with d_i removed. Greedy rows accept d_i if
 of p_i and emit the argmax at the first mismatch (or as the bonus). The same semantics as vLLM v1's
 ``rejection_sampler.py`` and FlashInfer's ``chain_speculative_sampling``.
 
-The function is pure and vectorised: the caller supplies the uniform random numbers (drawn from each
-request's own generator), so results never depend on the rest of the batch.
+:func:`chain_rejection_sample` is pure and vectorised: the caller supplies the uniform random
+numbers (drawn from each request's own generator), so results never depend on the rest of the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
 import torch
 
-from specroll.engine.sampler import draw_inverse_cdf
+from specroll.engine.sampler import draw_inverse_cdf, processed_logprobs
+from specroll.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -106,3 +115,64 @@ def chain_rejection_sample(
     tokens = torch.where(pos < j[:, None], padded_drafts, -1)
     tokens = torch.where(pos == j[:, None], extra[:, None], tokens)
     return VerifyResult(tokens, num_accepted)
+
+
+def verify_drafts(
+    logits: torch.Tensor,
+    seqs: SequenceOf[Sequence],
+    drafts: SequenceOf[list[int]],
+    draft_probs: SequenceOf[torch.Tensor | None],
+    k: int,
+) -> list[tuple[list[int], list[float], int]]:
+    """Accept a prefix of each sequence's drafts and emit one more token.
+
+    Args:
+        logits: float32 ``[sum(len(d) + 1), V]``: for each sequence in order, the target's logits at
+            its last token and at each of its drafts.
+        seqs: the sequences, aligned with ``drafts``.
+        drafts: per sequence, its drafted token ids (at most ``k``; may be empty).
+        draft_probs: per sequence, float ``[len(d), V]`` distributions q its drafts were sampled
+            from, or None for one-hot q (deterministic drafts).
+        k: the most drafts any sequence has.
+
+    Returns:
+        Per sequence ``(emitted token ids, their behavior logprobs, number of drafts accepted)``;
+        each logprob is the target's processed-distribution logprob of that token.
+    """
+    params = [s.sampling for s, d in zip(seqs, drafts, strict=True) for _ in range(len(d) + 1)]
+    logprobs = processed_logprobs(logits, params)  # [R, V]
+    b, vocab = len(seqs), logits.shape[-1]
+    target = torch.zeros(b, k + 1, vocab, dtype=torch.float64)
+    draft_ids = torch.zeros(b, k, dtype=torch.long)
+    accept_u = torch.zeros(b, k, dtype=torch.float64)
+    sample_u = torch.zeros(b, dtype=torch.float64)
+    row = 0
+    for i, (seq, d) in enumerate(zip(seqs, drafts, strict=True)):
+        target[i, : len(d) + 1] = logprobs[row : row + len(d) + 1].double().exp()
+        draft_ids[i, : len(d)] = torch.tensor(d, dtype=torch.long)
+        if not seq.sampling.greedy:
+            # One uniform per draft and one for the emitted token: a sequence without drafts draws
+            # exactly what plain sampling draws, so it emits the same token.
+            u = torch.rand(len(d) + 1, dtype=torch.float64, generator=seq.generator)
+            accept_u[i, : len(d)], sample_u[i] = u[: len(d)], u[len(d)]
+        row += len(d) + 1
+    num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.long)
+    greedy = torch.tensor([s.sampling.greedy for s in seqs], dtype=torch.bool)
+    q = None
+    if any(probs is not None for probs in draft_probs):
+        q = torch.zeros(b, k, vocab, dtype=torch.float64)  # [B, K, V]; one-hot rows for deterministic drafts
+        for i, (d, probs) in enumerate(zip(drafts, draft_probs, strict=True)):
+            if probs is None:
+                q[i, torch.arange(len(d)), torch.tensor(d, dtype=torch.long)] = 1.0
+            else:
+                q[i, : len(d)] = probs[: len(d)].double()
+    result = chain_rejection_sample(target, draft_ids, num_drafts, q, accept_u, sample_u, greedy)
+    out = []
+    row = 0
+    for i, d in enumerate(drafts):
+        n = int(result.num_accepted[i])
+        tokens = result.token_ids[i, : n + 1].tolist()
+        lps = [float(logprobs[row + j, t]) for j, t in enumerate(tokens)]
+        out.append((tokens, lps, n))
+        row += len(d) + 1
+    return out

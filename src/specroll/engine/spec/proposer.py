@@ -2,7 +2,7 @@
 
 A proposer drafts up to k tokens per sequence. Model-free proposers (n-gram/suffix matching) give
 no probabilities, which the verifier treats as one-hot q; a learned drafter that samples its drafts
-passes the distributions q it sampled from (see ``engine/rejection_sampler.py``).
+passes the distributions q it sampled from (see ``engine/spec/verify.py``).
 
 A learned drafter reads the target's hidden features (EAGLE): it names the layers to tap in
 ``feature_layers`` and the engine hands it, after every step, the features of each position whose
@@ -21,6 +21,19 @@ from specroll.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from specroll.engine.model import CausalLM
+
+
+def draft_cap(max_len: int, num_tokens: int, k: int) -> int:
+    """The most drafts a sequence with ``num_tokens`` tokens and length limit ``max_len`` may verify
+    in a step whose draft length is ``k``: ``min(k, max_len − num_tokens − 1)``, and never below 0.
+
+    A step emits the accepted drafts + 1 token, so with n tokens and limit L at most L − n − 1
+    drafts keep the sequence within L, and the verify rows ``[last, d_1..d_cap]`` sit at
+    positions below L (the engine's ``max_len`` is at most the context length). The one rule for
+    the engine's trimming of a proposal, the scheduler's K/V reservation for drafts and any count
+    of verified drafts outside the engine.
+    """
+    return max(0, min(k, max_len - num_tokens - 1))
 
 
 @dataclass(frozen=True)

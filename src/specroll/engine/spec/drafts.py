@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import torch
 
-from specroll.engine.proposal import DraftInput, FeatureUpdate, Proposal, Proposer
 from specroll.engine.scheduler import ScheduledSequence
 from specroll.engine.sequence import Sequence, SequenceStatus
+from specroll.engine.spec.proposer import DraftInput, FeatureUpdate, Proposal, Proposer, draft_cap
 
 
 def propose_drafts(
     proposer: Proposer, scheduled: list[ScheduledSequence], k: int, vocab_size: int
 ) -> tuple[dict[Sequence, list[int]], dict[Sequence, torch.Tensor]]:
-    """Drafts (and their q, when sampled) for the sequences that decode this step, capped so a
-    request never passes its length limit: each step emits accepted drafts + 1, so a sequence
-    with n tokens and limit L gets at most L − n − 1 drafts and its positions stay below L."""
+    """Drafts (and their q, when sampled) for the sequences that decode this step, capped by
+    :func:`~specroll.engine.spec.proposer.draft_cap` so a request never passes its length limit."""
     decoding = [s.seq for s in scheduled if s.samples and s.num_new_tokens == 1]
     if not decoding:
         return {}, {}
@@ -29,7 +28,7 @@ def propose_drafts(
     for b, (seq, row, n) in enumerate(
         zip(decoding, proposal.token_ids.tolist(), valid.tolist(), strict=True)
     ):
-        n = min(n, seq.max_len - seq.num_tokens - 1)
+        n = min(n, draft_cap(seq.max_len, seq.num_tokens, k))
         if n > 0:
             drafts[seq] = row[:n]
             if proposal.probs is not None:

@@ -1,0 +1,133 @@
+"""The target model on its device: weights, paged KV cache and attention backend, and one forward
+per engine step.
+
+The runner turns a scheduled batch (prefill chunks, decodes, decodes carrying drafts) into one
+ragged forward over the paged KV cache, described in FlashInfer's layout (``batch.py``), and
+returns the logits of the rows that sample plus the target features a proposer taps. It owns no
+request state: which tokens run is the scheduler's, what the logits become is the sampler's and the
+verifier's. The split follows nano-vllm's ``model_runner.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from specroll.engine.attention import allocate_kv_cache, kv_bytes_per_page, select_backend
+from specroll.engine.batch import AttentionMetadata, build_metadata
+from specroll.engine.checkpoint import Checkpoint, expected_weight_shapes
+from specroll.engine.config import EngineConfig
+from specroll.engine.model import CausalLM
+from specroll.engine.scheduler import ScheduledSequence
+from specroll.engine.sequence import Sequence
+
+
+class ModelRunner:
+    """Builds the target model and its KV cache, and runs each step's batch through them.
+
+    Args:
+        config: the engine's settings (page size, KV memory, context cap, attention backend).
+        checkpoint: the target's config and weights.
+        device: where the weights and the KV cache live.
+        dtype: the weights' and the KV cache's dtype.
+
+    Raises:
+        ValueError: the KV-cache memory holds too few pages to serve one full-length request, or the
+            attention backend cannot run here (``select_backend``).
+    """
+
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype) -> None:
+        model_config = checkpoint.config
+        self.device = device
+        self.page_size = config.page_size
+        with torch.device("meta"):  # no random init: every parameter is loaded below
+            model = CausalLM(model_config).to(dtype=dtype)
+        self.model = model.to_empty(device=device).eval()
+        self.model.load_weights(checkpoint.weights)
+        self._weight_shapes = expected_weight_shapes(model_config)
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
+        page_bytes = kv_bytes_per_page(model_config, config.page_size, dtype)
+        self.num_pages = int(config.kv_cache_memory_gb * 2**30) // page_bytes
+        if self.num_pages * config.page_size < self.max_model_len:
+            raise ValueError(
+                f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds {self.num_pages} pages of "
+                f"{config.page_size} tokens, fewer than one {self.max_model_len}-token request needs; "
+                "raise kv_cache_memory_gb or lower max_model_len"
+            )
+        self.kv_caches = allocate_kv_cache(model_config, self.num_pages, config.page_size, dtype, device)
+        self.backend = select_backend(config.backend, model_config, device, dtype)
+        self.feature_layers: tuple[int, ...] = ()
+        """Layers whose features each forward taps for the proposer (``CausalLM.forward``); ``()``: none."""
+
+    def load_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``named_tensors`` (Hugging Face names) into the model, cast to its dtype; every tensor
+        is checked before any is copied, so a bad update changes nothing.
+
+        Raises:
+            ValueError: unknown name, wrong shape or non-floating dtype, naming the tensor.
+        """
+        for name, tensor in named_tensors.items():
+            shape = self._weight_shapes.get(name)
+            if shape is None:
+                raise ValueError(f"weight update: unknown tensor {name!r}; expected a name of the model's state dict")
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"weight update: {name} has shape {tuple(tensor.shape)}, expected {shape}")
+            if not tensor.is_floating_point():
+                raise ValueError(f"weight update: {name} has dtype {tensor.dtype}, expected a floating dtype")
+        self.model.load_weights(named_tensors)
+
+    def run(
+        self, scheduled: list[ScheduledSequence], drafts: dict[Sequence, list[int]], *, to_cpu: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward over the step's batch: each scheduled sequence's new tokens, then its drafts.
+
+        Writes the K/V of every input row (drafts included) to the cache; does not advance any
+        sequence's ``num_computed_tokens``.
+
+        Args:
+            scheduled: the step's batch.
+            drafts: drafted token ids of the sequences that carry drafts.
+            to_cpu: return the logits on the CPU (the torch sampler), else on the model's device.
+
+        Returns:
+            float32 logits ``[rows, V]`` at each sampling sequence's last token and at each of its
+            drafts (``1 + len(drafts)`` rows per sampling sequence, in batch order), and the target
+            features ``[input rows, len(feature_layers) * hidden_size]`` of every input row, or None
+            without ``feature_layers``.
+        """
+        input_ids, logits_rows, meta = self._prepare(scheduled, drafts)
+        self.backend.plan(meta)
+        hidden, features = self.model(
+            torch.tensor(input_ids, device=self.device), meta.positions().to(self.device),
+            self.kv_caches, self.backend, self.feature_layers,
+        )
+        rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        return (logits.cpu() if to_cpu else logits), features
+
+    def _prepare(
+        self, scheduled: list[ScheduledSequence], drafts: dict[Sequence, list[int]]
+    ) -> tuple[list[int], list[int], AttentionMetadata]:
+        """The step's input token ids, the input rows whose logits are needed, and the batch's
+        attention metadata (positions follow from it)."""
+        input_ids: list[int] = []
+        logits_rows: list[int] = []
+        q_lens: list[int] = []
+        for s in scheduled:
+            start = s.seq.num_computed_tokens
+            extra = drafts.get(s.seq, [])
+            input_ids.extend(s.seq.token_ids[start : start + s.num_new_tokens])
+            input_ids.extend(extra)
+            q_lens.append(s.num_new_tokens + len(extra))
+            assert start + q_lens[-1] <= self.max_model_len, f"{s.seq.request_id} would pass the context"
+            if s.samples:  # the last new token's row and each draft's row
+                logits_rows.extend(range(len(input_ids) - len(extra) - 1, len(input_ids)))
+        meta = build_metadata(
+            q_lens,
+            [s.seq.num_computed_tokens + q for s, q in zip(scheduled, q_lens, strict=True)],
+            [s.seq.block_table for s in scheduled],
+            self.page_size,
+        )
+        return input_ids, logits_rows, meta

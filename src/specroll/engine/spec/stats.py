@@ -1,0 +1,50 @@
+"""Speculative-decoding counters: drafted, accepted, acceptance length, and where the time went."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SpeculativeStats:
+    """Speculative-decoding counters: of one step (``Engine.last_step_stats``) or summed over a
+    run (``Engine.spec_stats``)."""
+
+    num_steps: int = 0
+    """Engine steps counted."""
+    k: int = 0
+    """Draft length chosen for the step (the last step's, in a sum)."""
+    num_drafted: int = 0
+    """Draft tokens verified."""
+    num_accepted: int = 0
+    """Draft tokens accepted."""
+    num_draft_steps: int = 0
+    """(sequence, step) pairs that verified at least one draft."""
+    num_emitted: int = 0
+    """Tokens emitted by decoding sequences (accepted + one recovered or bonus token each)."""
+    draft_time_s: float = 0.0
+    """Seconds spent proposing."""
+    verify_time_s: float = 0.0
+    """Seconds of the target's forward pass and the rejection sampling."""
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per drafting (sequence, step): ``1 + accepted / draft steps`` (1.0 before any)."""
+        return 1.0 + self.num_accepted / self.num_draft_steps if self.num_draft_steps else 1.0
+
+    def count_verify(self, num_drafted: int, num_accepted: int) -> None:
+        """Count one sequence's verify in a step: ``num_accepted`` of its ``num_drafted`` drafts passed."""
+        self.num_drafted += num_drafted
+        self.num_accepted += num_accepted
+        self.num_draft_steps += num_drafted > 0
+
+    def add(self, step: SpeculativeStats) -> None:
+        """Fold one step's counters into this sum."""
+        self.num_steps += step.num_steps
+        self.k = step.k
+        self.num_drafted += step.num_drafted
+        self.num_accepted += step.num_accepted
+        self.num_draft_steps += step.num_draft_steps
+        self.num_emitted += step.num_emitted
+        self.draft_time_s += step.draft_time_s
+        self.verify_time_s += step.verify_time_s
