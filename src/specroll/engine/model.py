@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specroll.engine.attention import AttentionBackend
-from specroll.engine.checkpoint import expected_weight_shapes
-from specroll.engine.model_config import ModelConfig
+from specroll.engine.model_config import ModelConfig, expected_weight_shapes
 
 
 class RMSNorm(nn.Module):
@@ -226,7 +225,7 @@ class CausalLM(nn.Module):
     def hf_weights(self) -> dict[str, torch.Tensor]:
         """The weights under their Hugging Face names: the inverse of :meth:`load_weights`.
 
-        Exactly the names and shapes of ``checkpoint.expected_weight_shapes(config)``, in its order:
+        Exactly the names and shapes of ``model_config.expected_weight_shapes(config)``, in its order:
         q/k/v and gate/up are row slices of the fused ``qkv_proj`` / ``gate_up_proj`` parameters
         (see ``_fused_slot``) and a tied LM head is omitted. So ``load_weights(hf_weights())`` and
         ``Engine.update_weights(hf_weights(), version)`` round-trip.

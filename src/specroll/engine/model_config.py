@@ -86,3 +86,36 @@ SMOLLM2_135M = ModelConfig(
 )
 """The default model's shapes, as its GGUF states them: random-weight stand-ins at real size
 (``checkpoint.random_checkpoint``) where the file is not at hand, e.g. on a GPU machine."""
+
+
+def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name → shape of every tensor a model with ``config`` needs, in Hugging Face Llama naming.
+
+    ``lm_head.weight`` is listed only when embeddings are not tied; q/k/v biases only with
+    ``attention_bias``; per-head q/k norms only with ``qk_norm``.
+    """
+    hidden, head_dim = config.hidden_size, config.head_dim
+    q_rows, kv_rows = config.num_heads * head_dim, config.num_kv_heads * head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        shapes[p + "self_attn.q_proj.weight"] = (q_rows, hidden)
+        shapes[p + "self_attn.k_proj.weight"] = (kv_rows, hidden)
+        shapes[p + "self_attn.v_proj.weight"] = (kv_rows, hidden)
+        shapes[p + "self_attn.o_proj.weight"] = (hidden, q_rows)
+        if config.attention_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (q_rows,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv_rows,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv_rows,)
+        if config.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (head_dim,)
+        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, hidden)
+        shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, hidden)
+        shapes[p + "mlp.down_proj.weight"] = (hidden, config.intermediate_size)
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    return shapes

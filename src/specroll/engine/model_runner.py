@@ -16,9 +16,10 @@ import torch
 
 from specroll.engine.attention import allocate_kv_cache, kv_bytes_per_page, select_backend
 from specroll.engine.batch import AttentionMetadata, build_metadata
-from specroll.engine.checkpoint import Checkpoint, expected_weight_shapes
+from specroll.engine.checkpoint import Checkpoint
 from specroll.engine.config import EngineConfig
 from specroll.engine.model import CausalLM
+from specroll.engine.model_config import expected_weight_shapes
 from specroll.engine.scheduler import ScheduledSequence
 from specroll.engine.sequence import Sequence
 
