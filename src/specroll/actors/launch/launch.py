@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from specroll.actors.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_REFUSED
 from specroll.actors.files import write_text_atomic
 from specroll.actors.launch.role_process import RoleProcess, describe_exit, killpg, observe_exit, start_role, tail
 
@@ -66,9 +67,6 @@ PIDS_FILENAME = "pids.json"
 LOGS_DIRNAME = "logs"
 METRICS_FILENAME = "metrics.jsonl"
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
 _WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::")
 
 
@@ -164,7 +162,7 @@ class Launcher:
                 (self.run_dir / LOGS_DIRNAME).mkdir(exist_ok=True)
             except OSError as e:
                 raise LaunchError(f"run_dir={self.config.run_dir!r}: cannot write the run directory "
-                                  f"({e.strerror or e}), expected a writable directory", code=EXIT_BAD_INPUT) from e
+                                  f"({e.strerror or e}), expected a writable directory", code=EXIT_REFUSED) from e
             metrics = self.run_dir / METRICS_FILENAME
             self._metrics_offset = metrics.stat().st_size if metrics.exists() else 0
             endpoint_file = self.run_dir / ENDPOINT_FILENAME
@@ -326,12 +324,12 @@ def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = 
         GeneratorSettings(**settings_from_config(config, connect="tcp://127.0.0.1:1"))  # type: ignore[arg-type]
     except (ConfigError, ValueError) as e:
         print(f"specroll launch: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_REFUSED
     try:
         done = preflight(config)
     except LaunchError as e:
         print(f"specroll launch: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_REFUSED
     if done is not None:
         print(f"specroll launch: {done}", file=sys.stderr)
         return 0
@@ -340,7 +338,7 @@ def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = 
         take_lock(lock)
     except LaunchError as e:
         print(f"specroll launch: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_REFUSED
     try:
         launcher = Launcher(config, trainer_module=trainer_module, startup_timeout_s=startup_timeout_s,
                             grace_s=grace_s)
