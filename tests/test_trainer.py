@@ -25,7 +25,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from specroll.actors.config.schema import RunConfig, load_config
+from specroll.actors.config import RunConfig, load_config
 from specroll.actors.exit_codes import EXIT_PEER_LOST
 from specroll.actors.trainer.checkpoint import (
     CHECKPOINT_DIRNAME,

@@ -11,7 +11,7 @@ and runs, in one anyio task group:
   :class:`PublishDrafter` (the next drafter version, recording the policy version it was trained
   against and its checksum), and is saved to ``save_dir`` when one is given;
 * **send**, **tick** (heartbeats), **watchdog** (exit 3 when the trainer is gone for
-  ``trainer_timeout_s``; exit 0 when it said ``Dead`` and did not come back), **signals** (SIGTERM
+  ``network.heartbeat_timeout_s``; exit 0 when it said ``Dead`` and did not come back), **signals** (SIGTERM
   or SIGINT: stop at once) — the shared peer lifecycle
   (:class:`~specroll.actors.peer.lifecycle.PeerConnection`), of which this actor is a role.
 
@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import assert_never
 
@@ -37,12 +35,15 @@ import anyio
 import anyio.abc
 import torch
 
+from specroll.actors.config import RunConfig
 from specroll.actors.exit_codes import EXIT_REFUSED
 from specroll.actors.peer.lifecycle import PeerConnection, trainer_channel
 from specroll.actors.peer.weights_fetch import FetchAbandoned, WeightsFetch
 from specroll.drafter.eagle_head import DrafterError, EagleHead
-from specroll.drafter.learner import DrafterLearner, DrafterSnapshot, LearnerConfig
-from specroll.protocol.channel import DEFAULT_WINDOW, Channel, Received
+from specroll.drafter.learner import DrafterLearner, DrafterSnapshot
+from specroll.engine.checkpoint import load_checkpoint
+from specroll.engine.model import CausalLM
+from specroll.protocol.channel import Channel, Received
 from specroll.protocol.codec import pack_tensors
 from specroll.protocol.messages import (
     AckWeights,
@@ -66,63 +67,34 @@ log = logging.getLogger("specroll.drafter")
 
 
 
-@dataclass
-class DrafterSettings:
-    """Everything a drafter-trainer process needs (``[drafter]`` of a run config maps onto this)."""
+DRAFTER_DIRNAME = "drafter"
+"""Where in the run directory the drafter trainer saves its latest published version."""
 
-    connect: str
-    """The trainer's ROUTER endpoint."""
-    model: str
-    """The policy's checkpoint (registered name, directory or ``.gguf``): its first weights."""
-    actor_id: str = ""
-    """Unique per process incarnation; empty: ``drafter-<uuid4 hex>``."""
-    init: str | None = None
-    """Warm start: a drafter directory, published as version 1 at once; ``None``: cold start."""
-    learner: LearnerConfig = field(default_factory=LearnerConfig)
-    publish_every: int = 20
-    """Training steps between published versions."""
-    num_threads: int = 1
-    """Torch intra-op threads (the core budget)."""
-    duty_cycle: float = 0.5
-    """Most fraction of wall time in training steps, in (0, 1]."""
-    train_below: float = 1.0
-    """Train only while live sequences ≤ this fraction of the generators' capacity."""
-    save_dir: str | None = None
-    """Directory the latest published version is written to (atomically), or ``None``. Without
-    ``init``, a drafter found there (a resumed run's) is the warm start; one that does not load or
-    fit the model is ignored with a warning."""
-    heartbeat_s: float = 1.0
-    trainer_timeout_s: float = 60.0
-    linger_s: float = 1.0
-    window: int = DEFAULT_WINDOW
-    device: str = "cpu"
 
-    def __post_init__(self) -> None:
-        if not self.actor_id:
-            self.actor_id = f"drafter-{uuid.uuid4().hex}"
-        for name in ("publish_every", "num_threads"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)}, expected a positive integer")
-        if not 0 < self.duty_cycle <= 1:
-            raise ValueError(f"duty_cycle={self.duty_cycle}, expected a number in (0, 1]")
-        if not 0 <= self.train_below <= 1:
-            raise ValueError(f"train_below={self.train_below}, expected a number in [0, 1]")
-        for name in ("heartbeat_s", "trainer_timeout_s", "linger_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}={getattr(self, name)}, expected a positive number of seconds")
+def save_dir(config: RunConfig) -> Path:
+    """``RUN_DIR/drafter``: the latest published version is written there (atomically). Without
+    ``drafter.path``, a drafter found there (a resumed run's) is the warm start; one that does not
+    load or fit the model is ignored with a warning."""
+    return Path(config.run_dir) / DRAFTER_DIRNAME
 
 
 class DrafterActor:
     """Trains ``learner`` on the trainer's rollouts and publishes drafter versions (module docstring).
 
     Args:
-        settings: the actor's settings.
+        config: the run config; the actor reads ``[drafter]`` (schedule, publishing, ``linger_s``),
+            ``generator.heartbeat_s`` (its heartbeats), ``network.heartbeat_timeout_s`` (the
+            trainer's liveness) and ``model.name``, and saves to :func:`save_dir`.
         learner: the learner (holding the policy's weights and, after a warm start, a head).
         channel: a DEALER channel connected to the trainer, inbound union ``ToDrafter``.
+        connect: the trainer's endpoint (log lines).
+        actor_id: this process's id (``Hello``, ``Dead``).
     """
 
-    def __init__(self, settings: DrafterSettings, learner: DrafterLearner, channel: Channel[ToDrafter]) -> None:
-        self.settings = settings
+    def __init__(self, config: RunConfig, learner: DrafterLearner, channel: Channel[ToDrafter], *, connect: str,
+                 actor_id: str) -> None:
+        self.config = config
+        self.drafter = config.drafter
         self.learner = learner
         self.capacity = Capacity(live_seqs=0, max_seqs=0)
         """The last load the trainer reported."""
@@ -136,9 +108,9 @@ class DrafterActor:
         self._fetch: WeightsFetch | None = None
         self._announced: WeightsAvailable | None = None
         self.peer: PeerConnection[ToDrafter] = PeerConnection(
-            channel, role="drafter", name="drafter trainer", actor_id=settings.actor_id, endpoint=settings.connect,
-            heartbeat_s=settings.heartbeat_s, trainer_timeout_s=settings.trainer_timeout_s,
-            linger_s=settings.linger_s, log=log)
+            channel, role="drafter", name="drafter trainer", actor_id=actor_id, endpoint=connect,
+            heartbeat_s=config.generator.heartbeat_s, trainer_timeout_s=config.network.heartbeat_timeout_s,
+            linger_s=self.drafter.linger_s, log=log)
 
     async def run(self) -> int:
         """Serve until a signal, a refusal or the trainer's loss; return the exit code."""
@@ -200,7 +172,7 @@ class DrafterActor:
         diff = sorted(n for n in mine.keys() | theirs.keys() if mine.get(n) != theirs.get(n))[:3]
         shown = ", ".join(f"{n}: {theirs.get(n)} there, {mine.get(n)} here" for n in diff)
         return (f"the trainer's policy (version {a.version}) is not the model this drafter trainer loaded "
-                f"({self.settings.model}): {shown}; start it with the run's config (--config RUN_DIR/config.toml)")
+                f"({self.config.model.name}): {shown}; start it with the run's config (--config RUN_DIR/config.toml)")
 
     def _maybe_fetch(self) -> None:
         a = self._announced
@@ -233,7 +205,7 @@ class DrafterActor:
     def may_train(self) -> bool:
         """The schedule (module docstring) allows a step now, and the learner has data."""
         c = self.capacity
-        idle = c.max_seqs == 0 or c.live_seqs <= self.settings.train_below * c.max_seqs
+        idle = c.max_seqs == 0 or c.live_seqs <= self.drafter.train_below * c.max_seqs
         pending = len(self._rollouts) + self.learner.num_rollouts
         return not c.pause and idle and pending >= (1 if self.learner.head else self.learner.config.min_rollouts)
 
@@ -251,9 +223,9 @@ class DrafterActor:
             self.last_metrics = await anyio.to_thread.run_sync(self.learner.step)
             took = time.monotonic() - start
             self.train_s += took
-            if self.learner.steps % self.settings.publish_every == 0:
+            if self.learner.steps % self.drafter.publish_every_steps == 0:
                 await self._publish()
-            rest = took * (1 / self.settings.duty_cycle - 1)
+            rest = took * (1 / self.drafter.duty_cycle - 1)
             if rest > 0:
                 await anyio.sleep(rest)
 
@@ -286,36 +258,36 @@ class DrafterActor:
         log.info("sent drafter version %d to the trainer (policy %d, %d steps, %.0f s of training%s)", snap.version,
                  snap.policy_version, snap.train_steps, self.train_s,
                  f", loss {m['loss']:.3f}, top-1 {m['top1_0']:.3f}" if m else "")
-        if self.settings.save_dir is not None:
-            assert self.learner.head is not None
-            try:
-                await anyio.to_thread.run_sync(self.learner.head.save, Path(self.settings.save_dir))
-            except OSError as e:
-                log.warning("cannot save drafter version %d to %s: %s", snap.version, self.settings.save_dir, e)
+        assert self.learner.head is not None
+        directory = save_dir(self.config)
+        try:
+            await anyio.to_thread.run_sync(self.learner.head.save, directory)
+        except OSError as e:
+            log.warning("cannot save drafter version %d to %s: %s", snap.version, directory, e)
 
 
 # ---- process entry point --------------------------------------------------------------------
 
 
-def build_learner(settings: DrafterSettings) -> DrafterLearner:
-    """The learner: the policy's initial weights, float32, and the warm-start head if any.
+def build_learner(config: RunConfig) -> DrafterLearner:
+    """The learner: the policy's (``model.name``) initial weights, float32, on ``drafter.device``,
+    trained with :meth:`DrafterConfig.learner_config`, and the warm-start head if any
+    (``drafter.path``, else a drafter saved in :func:`save_dir`).
 
     Raises:
         CheckpointError: the model cannot be loaded.
-        DrafterError: ``settings.init`` holds no drafter, or one made for another model.
+        DrafterError: ``drafter.path`` holds no drafter, or one made for another model.
     """
-    from specroll.engine.checkpoint import load_checkpoint
-    from specroll.engine.model import CausalLM
-
-    torch.set_num_threads(settings.num_threads)
-    checkpoint = load_checkpoint(settings.model, dtype=torch.float32)
+    d = config.drafter
+    torch.set_num_threads(d.num_threads)
+    checkpoint = load_checkpoint(config.model.name, dtype=torch.float32)
     with torch.device("meta"):
         model = CausalLM(checkpoint.config)
-    model = model.to_empty(device=torch.device(settings.device))
+    model = model.to_empty(device=torch.device(d.device))
     model.load_weights(checkpoint.weights)
-    head = EagleHead.load(settings.init) if settings.init is not None else None
-    saved = Path(settings.save_dir) if settings.save_dir is not None else None
-    if head is None and saved is not None and (saved / "model.safetensors").exists():
+    head = EagleHead.load(d.path) if d.path is not None else None
+    saved = save_dir(config)
+    if head is None and (saved / "model.safetensors").exists():
         try:
             head = EagleHead.load(saved)
             head.check_target(checkpoint.config, str(saved))
@@ -325,14 +297,16 @@ def build_learner(settings: DrafterSettings) -> DrafterLearner:
         else:
             log.info("warm start from %s (the last drafter this run saved)", saved)
     eos = sorted(set(checkpoint.tokenizer.eos_token_ids) | set(checkpoint.config.eos_token_ids))
-    return DrafterLearner(model, settings.learner, head=head, eos_token_ids=eos)
+    return DrafterLearner(model, d.learner_config(config.seed), head=head, eos_token_ids=eos)
 
 
-async def run_drafter(settings: DrafterSettings) -> int:
-    """Load the policy, connect to the trainer and train until stopped; return the exit code."""
-    learner = build_learner(settings)
-    log.info("drafter trainer %s: model %s loaded; %s; connecting to %s", settings.actor_id, settings.model,
-             f"warm start from {settings.init}" if settings.init else "cold start", settings.connect)
-    async with trainer_channel(settings.connect, settings.actor_id, ToDrafter, settings.window,
-                               settings.linger_s) as channel:
-        return await DrafterActor(settings, learner, channel).run()
+async def run_drafter(config: RunConfig, connect: str, actor_id: str) -> int:
+    """Load the policy, connect to the trainer at ``connect`` as ``actor_id`` and train until stopped;
+    return the exit code."""
+    learner = build_learner(config)
+    init = config.drafter.path
+    log.info("drafter trainer %s: model %s loaded; %s; connecting to %s", actor_id, config.model.name,
+             f"warm start from {init}" if init else "cold start", connect)
+    async with trainer_channel(connect, actor_id, ToDrafter, config.network.window,
+                               config.drafter.linger_s) as channel:
+        return await DrafterActor(config, learner, channel, connect=connect, actor_id=actor_id).run()

@@ -42,10 +42,11 @@ from typing import assert_never
 import anyio
 import torch
 
+from specroll.actors.config import RunConfig
 from specroll.actors.generator.drafter_swap import DrafterFetch, DrafterSlot, ReadyDrafter, check_drafter
+from specroll.actors.generator.engine_build import build_engine
 from specroll.actors.generator.live_samples import LiveSamples, SampleRefused
 from specroll.actors.generator.rollout_stream import DraftCounter
-from specroll.actors.generator.settings import GeneratorSettings, build_engine
 from specroll.actors.peer.lifecycle import PeerConnection, trainer_channel
 from specroll.actors.peer.weights_fetch import FetchAbandoned, WeightsFetch
 from specroll.drafter.eagle_head import DrafterError
@@ -89,28 +90,36 @@ class GeneratorActor:
     role in the shared peer lifecycle (:class:`~specroll.actors.peer.lifecycle.PeerConnection`).
 
     Args:
-        settings: the actor's settings.
-        engine: a ready engine (built with ``settings``); only this actor's step loop touches it.
+        config: the run config; the actor reads ``[generator]`` (streaming, heartbeats, KV policy,
+            speculation, ``stats_s``, ``linger_s``, ``max_outbox``), ``generator.engine.max_num_seqs``
+            (the capacity it announces), ``[network]`` (``heartbeat_timeout_s``: the trainer's) and
+            ``drafter.kv_cache_gb``.
+        engine: a ready engine (built from ``config.generator.engine``); only this actor's step loop touches it.
         channel: a DEALER channel connected to the trainer, inbound union ``ToGenerator``.
         draft_counter: the engine's proposer when speculating (for per-chunk ``SpecStats``).
+        connect: the trainer's endpoint (log lines).
+        actor_id: this process's id (``Hello``, ``Dead``).
     """
 
     def __init__(
-        self, settings: GeneratorSettings, engine: Engine, channel: Channel[ToGenerator],
-        draft_counter: DraftCounter | None = None,
+        self, config: RunConfig, engine: Engine, channel: Channel[ToGenerator],
+        draft_counter: DraftCounter | None = None, *, connect: str, actor_id: str,
     ) -> None:
-        self.settings = settings
+        self.config = config
+        self.gen = config.generator
         self.engine = engine
-        speculative = settings.speculative != "off"
+        self.speculative = config.speculative()
+        """``generator.speculative`` with ``auto`` resolved."""
         self.peer: PeerConnection[ToGenerator] = PeerConnection(
-            channel, role="generator", name="generator", actor_id=settings.actor_id, endpoint=settings.connect,
-            heartbeat_s=settings.heartbeat_s, trainer_timeout_s=settings.trainer_timeout_s,
-            linger_s=settings.linger_s, log=log, graceful_signals=True, reregister=True,
-            capabilities=("resume", "bf16-weights", *(("speculative",) if speculative else ())))
-        self.drafter = DrafterSlot(engine, draft_counter, settings.drafter_kv_cache_gb, settings.seed)
+            channel, role="generator", name="generator", actor_id=actor_id, endpoint=connect,
+            heartbeat_s=self.gen.heartbeat_s, trainer_timeout_s=config.network.heartbeat_timeout_s,
+            linger_s=self.gen.linger_s, log=log, graceful_signals=True, reregister=True,
+            capabilities=("resume", "bf16-weights", *(("speculative",) if self.speculative != "off" else ())))
+        self.drafter = DrafterSlot(engine, draft_counter, config.drafter.kv_cache_gb, self.gen.engine.seed)
         """The learned drafter served (``speculative="eagle"``) and its version."""
         self._drafter_fetch = DrafterFetch()
-        self.samples = LiveSamples(engine, self.drafter, self.peer.put, settings.stream_every, speculative)
+        self.samples = LiveSamples(engine, self.drafter, self.peer.put, self.gen.stream_every_steps,
+                                   self.speculative != "off")
         self._inbox: deque[SubmitGroup | Abort | _ApplyWeights | ReadyDrafter] = deque()
         """Engine work for the step loop, in arrival order."""
         self._announced: WeightsAvailable | None = None
@@ -136,13 +145,13 @@ class GeneratorActor:
         """Capacity for the trainer's dispatch: free sequences, and free groups of the largest size seen."""
         queued = sum(len(op.resume) or op.n for op in self._inbox if isinstance(op, SubmitGroup))
         live = len(self.samples.streams) + queued
-        free_seqs = max(0, self.settings.max_num_seqs - live)
+        free_seqs = max(0, self.gen.engine.max_num_seqs - live)
         return Heartbeat(policy_version=self.engine.weight_version, batch_size=len(self.samples.streams),
                          free_groups=free_seqs // self._largest_group, free_seqs=free_seqs)
 
     def on_tick(self) -> None:
         """``Stats`` every ``stats_s``, unless the outbox is full."""
-        if time.monotonic() - self._last_stats >= self.settings.stats_s and self.peer.queued < self.settings.max_outbox:
+        if time.monotonic() - self._last_stats >= self.gen.stats_s and self.peer.queued < self.gen.max_outbox:
             self._last_stats = time.monotonic()
             self.peer.put(self._stats())
 
@@ -209,7 +218,7 @@ class GeneratorActor:
 
     def _maybe_fetch_drafter(self) -> None:
         """Fetch the newest announced drafter version when speculating with a learned drafter."""
-        if self.settings.speculative != "eagle" or (v := self._drafter_fetch.next(self.drafter.version)) is None:
+        if self.speculative != "eagle" or (v := self._drafter_fetch.next(self.drafter.version)) is None:
             return
         log.info("fetching drafter version %d", v)
         self.peer.put(FetchDrafter(version=v))
@@ -272,7 +281,7 @@ class GeneratorActor:
                     await self.peer.wake.wait()
                 self._idle_s += time.monotonic() - start
                 continue
-            while self.peer.queued >= self.settings.max_outbox and not self.peer.stopping:
+            while self.peer.queued >= self.gen.max_outbox and not self.peer.stopping:
                 await self.peer.outbox_changed.wait()  # backpressure: the trainer is behind
             start = time.monotonic()
             outputs = await anyio.to_thread.run_sync(self.engine.step)
@@ -324,10 +333,10 @@ class GeneratorActor:
             self.peer.put(Error(code="bad_request", message=f"policy version {op.version} refused: {e}"))
             self._forget_announcement(op.version)
         else:
-            if self.settings.kv_policy == "recompute":
+            if self.gen.kv_policy == "recompute":
                 self.samples.recompute()
             log.info("serving policy version %d (%d live samples, kv_policy=%s)", op.version, len(self.samples.streams),
-                     self.settings.kv_policy)
+                     self.gen.kv_policy)
             self.peer.put(AckWeights(version=op.version))
         self._fetch = None
         self._maybe_fetch()
@@ -335,11 +344,12 @@ class GeneratorActor:
 # ---- process entry point --------------------------------------------------------------------
 
 
-async def run_generator(settings: GeneratorSettings) -> int:
-    """Load the engine, connect to the trainer and serve until stopped; return the exit code."""
-    engine, counter = build_engine(settings)
-    log.info("generator %s: model %s loaded (%s, %s); connecting to %s", settings.actor_id, settings.model,
-             engine.dtype, engine.device, settings.connect)
-    async with trainer_channel(settings.connect, settings.actor_id, ToGenerator, settings.window,
-                               settings.linger_s) as channel:
-        return await GeneratorActor(settings, engine, channel, counter).run()
+async def run_generator(config: RunConfig, connect: str, actor_id: str) -> int:
+    """Load the engine ``config.generator.engine`` describes, connect to the trainer at ``connect`` as
+    ``actor_id`` and serve until stopped; return the exit code."""
+    engine, counter = build_engine(config)
+    log.info("generator %s: model %s loaded (%s, %s); connecting to %s", actor_id, config.generator.engine.model,
+             engine.dtype, engine.device, connect)
+    async with trainer_channel(connect, actor_id, ToGenerator, config.network.window,
+                               config.generator.linger_s) as channel:
+        return await GeneratorActor(config, engine, channel, counter, connect=connect, actor_id=actor_id).run()

@@ -54,8 +54,7 @@ import msgspec
 import torch
 from tqdm import tqdm
 
-from specroll.actors.config.dump import write_resolved
-from specroll.actors.config.schema import ConfigError, RunConfig, load_config
+from specroll.actors.config import ConfigError, RunConfig, load_config, write_resolved
 from specroll.actors.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_PEER_LOST, EXIT_REFUSED
 from specroll.actors.files import write_text_atomic
 from specroll.actors.trainer.checkpoint import (
