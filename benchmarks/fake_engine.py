@@ -38,6 +38,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -247,29 +248,25 @@ class FakeEngine:
 async def serve(args: argparse.Namespace) -> int:
     """Run a real :class:`GeneratorActor` (DEALER socket, credit, heartbeats) around a FakeEngine;
     write the engine's timeline to ``args.timeline`` when it stops. Returns the actor's exit code."""
-    import zmq
-    import zmq.asyncio
 
+    from specroll.actors.config import load_config, toml_value
     from specroll.actors.generator.actor import GeneratorActor
-    from specroll.actors.generator.settings import GeneratorSettings
+    from specroll.actors.peer.lifecycle import trainer_channel
     from specroll.engine.engine import Engine
-    from specroll.protocol.channel import Channel
     from specroll.protocol.messages import ToGenerator
-    from specroll.protocol.sockets import close_socket, make_socket
 
-    settings = GeneratorSettings(connect=args.connect, model="fake", actor_id=args.actor_id,
-                                 max_num_seqs=args.max_num_seqs, stream_every=args.stream_every,
-                                 heartbeat_s=args.heartbeat_s, stats_s=args.stats_s,
-                                 trainer_timeout_s=args.trainer_timeout_s, linger_s=0.5)
+    settings = {"generator.engine.max_num_seqs": args.max_num_seqs, "generator.stream_every_steps": args.stream_every,
+                "generator.heartbeat_s": args.heartbeat_s, "generator.stats_s": args.stats_s,
+                "network.heartbeat_timeout_s": args.trainer_timeout_s, "generator.linger_s": 0.5}
+    config = load_config(None, [f"{key}={toml_value(value)}" for key, value in settings.items()])
+    actor_id = args.actor_id or f"generator-{uuid.uuid4().hex}"
     engine = FakeEngine(args.step_s, args.max_num_seqs)
-    ctx = zmq.asyncio.Context()
-    sock = make_socket(ctx, zmq.DEALER, connect=settings.connect, identity=settings.actor_id.encode())
     try:
-        channel = Channel(sock, ToGenerator, window=settings.window)
-        code = await GeneratorActor(settings, cast(Engine, engine), channel).run()
+        async with trainer_channel(args.connect, actor_id, ToGenerator, config.network.window,
+                                   config.generator.linger_s) as channel:
+            code = await GeneratorActor(config, cast(Engine, engine), channel, connect=args.connect,
+                                        actor_id=actor_id).run()
     finally:
-        close_socket(sock, linger_ms=int(settings.linger_s * 1000))
-        ctx.term()
         if args.timeline:
             engine.close_timeline().write(Path(args.timeline))
     return code

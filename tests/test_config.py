@@ -11,8 +11,7 @@ import msgspec
 import msgspec.inspect as mi
 import pytest
 
-from specroll.actors.config.dump import dump_config, write_resolved
-from specroll.actors.config.schema import (
+from specroll.actors.config import (
     ConfigError,
     DrafterConfig,
     GeneratorConfig,
@@ -21,7 +20,9 @@ from specroll.actors.config.schema import (
     RunConfig,
     TaskConfig,
     TrainerConfig,
+    dump_config,
     load_config,
+    write_resolved,
 )
 from specroll.engine.config import EngineConfig
 from specroll.engine.registry import DEFAULT_MODEL

@@ -18,9 +18,8 @@ import pytest
 import torch
 from conftest import actor_process, generator_process, write_tiny_checkpoint
 
-from specroll.actors.config.dump import write_resolved
-from specroll.actors.config.schema import DrafterConfig, ModelSection, RunConfig
-from specroll.actors.drafter_trainer.actor import DrafterActor, DrafterSettings
+from specroll.actors.config import DrafterConfig, ModelSection, RunConfig, write_resolved
+from specroll.actors.drafter_trainer.actor import DrafterActor
 from specroll.actors.trainer.client import RolloutClient
 from specroll.drafter.eagle import EagleProposer
 from specroll.drafter.eagle_head import EagleConfig, EagleHead, eagle3_feature_layers, head_checksum
@@ -286,8 +285,9 @@ def test_schedule_trains_on_idle_capacity_and_pauses_when_asked(model, capacity,
     target.load_weights(ckpt.weights)
     learner = DrafterLearner(target, LearnerConfig(min_rollouts=1))
     learner.add_rollout([5, 6, 7, 8], 2)
-    actor = DrafterActor(DrafterSettings(connect="tcp://127.0.0.1:1", model=str(model), train_below=below),
-                         learner, channel=None)  # type: ignore[arg-type]
+    config = RunConfig(model=ModelSection(name=str(model)), drafter=DrafterConfig(train_below=below))
+    actor = DrafterActor(config, learner, channel=None, connect="tcp://127.0.0.1:1",  # type: ignore[arg-type]
+                         actor_id="drafter-0")
     actor.capacity = capacity
     assert actor.may_train() is expected
 
@@ -360,15 +360,15 @@ def test_a_resumed_run_warm_starts_from_the_drafter_it_saved(model, tmp_path, ca
     cfg = load_checkpoint(str(model)).config
     saved = EagleHead.init(EagleConfig.for_target(cfg, eagle3_feature_layers(cfg.num_layers), 64), torch.arange(64))
     saved.save(tmp_path / "drafter")
-    settings = DrafterSettings(connect="tcp://127.0.0.1:1", model=str(model), save_dir=str(tmp_path / "drafter"))
-    learner = build_learner(settings)
+    config = RunConfig(run_dir=str(tmp_path), model=ModelSection(name=str(model)))  # saves to RUN_DIR/drafter
+    learner = build_learner(config)
     assert learner.head is not None
     assert head_checksum(learner.head.wire_tensors()) == head_checksum(saved.wire_tensors())
-    other = tmp_path / "other"  # a drafter saved for another model is ignored: cold start
+    other = tmp_path / "other_run" / "drafter"  # a drafter saved for another model is ignored: cold start
     other_cfg = EagleConfig(target_vocab_size=999, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=2,
                             head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, feature_layers=(1,), draft_vocab_size=64,
                             target_num_layers=2)
     EagleHead.init(other_cfg, torch.arange(64)).save(other)
-    settings = DrafterSettings(connect="tcp://127.0.0.1:1", model=str(model), save_dir=str(other))
-    assert build_learner(settings).head is None
+    config = RunConfig(run_dir=str(tmp_path / "other_run"), model=ModelSection(name=str(model)))
+    assert build_learner(config).head is None
     assert "starting cold" in caplog.text

@@ -218,12 +218,15 @@ def test_generator_settings_from_config_with_flag_overrides(tmp_path: Path) -> N
                       '[network]\nwindow = 32\nheartbeat_timeout_s = 9.0\n')
     s = parse_args(["--config", str(config), "--connect", "tcp://127.0.0.1:9", "--actor-id", "g1",
                     "--set", "generator.speculative=auto", "--max-num-seqs", "7"])
-    assert (s.model, s.actor_id, s.stream_every, s.kv_policy, s.num_threads, s.kv_cache_gb) == (
+    c = s.config
+    assert (c.generator.engine.model, s.actor_id, c.generator.stream_every_steps, c.generator.kv_policy,
+            c.generator.engine.num_threads, c.generator.engine.kv_cache_memory_gb) == (
         "some/model", "g1", 3, "recompute", 1, 0.25)
-    assert (s.window, s.trainer_timeout_s, s.speculative) == (32, 9.0, "suffix")  # auto without a drafter
-    assert s.max_num_seqs == 7  # the explicit flag wins over generator.engine.max_num_seqs
-    flags_only = parse_args(["--connect", "tcp://127.0.0.1:9", "--model", "m", "--max-num-seqs", "2"])
-    assert (flags_only.model, flags_only.max_num_seqs, flags_only.kv_cache_gb) == ("m", 2, 1.0)
+    assert (c.network.window, c.network.heartbeat_timeout_s, c.speculative()) == (32, 9.0, "suffix")  # auto, no drafter
+    assert c.generator.engine.max_num_seqs == 7  # the explicit flag wins over generator.engine.max_num_seqs
+    flags_only = parse_args(["--connect", "tcp://127.0.0.1:9", "--model", "m", "--max-num-seqs", "2"]).config
+    assert (flags_only.generator.engine.model, flags_only.generator.engine.max_num_seqs,
+            flags_only.generator.engine.kv_cache_memory_gb) == ("m", 2, 1.0)
 
 
 def test_generator_config_errors_exit_2_with_one_line(tmp_path: Path) -> None:
@@ -319,7 +322,7 @@ duty_cycle = 1.0
 def test_a_bad_drafter_exits_2_before_anything_starts(tmp_path: Path, tiny_checkpoint) -> None:
     import torch
 
-    from specroll.actors.config.schema import load_config
+    from specroll.actors.config import load_config
     from specroll.actors.launch.preflight import preflight
     from specroll.drafter.eagle_head import EagleConfig, EagleHead
     from specroll.engine.checkpoint import load_checkpoint

@@ -25,7 +25,8 @@ import torch
 import zmq
 import zmq.asyncio
 
-from specroll.actors.config.schema import RunConfig, load_config
+from specroll.actors.config import RunConfig, load_config
+from specroll.actors.exit_codes import EXIT_PEER_LOST
 from specroll.actors.trainer.checkpoint import (
     CHECKPOINT_DIRNAME,
     TrainerState,
@@ -34,7 +35,7 @@ from specroll.actors.trainer.checkpoint import (
     save_checkpoint,
 )
 from specroll.actors.trainer.client import RolloutClient
-from specroll.actors.trainer.trainer import ENDPOINT_FILENAME, EXIT_NO_GENERATOR, METRICS_FILENAME, run_trainer
+from specroll.actors.trainer.trainer import ENDPOINT_FILENAME, METRICS_FILENAME, run_trainer
 from specroll.engine.checkpoint import expected_weight_shapes, load_checkpoint
 from specroll.engine.config import EngineConfig
 from specroll.engine.engine import Engine
@@ -254,7 +255,7 @@ async def test_trainer_gives_up_without_generators(tiny_checkpoint, tmp_path: Pa
     config = run_config(tmp_path / "run", tiny_checkpoint("llama"), network__heartbeat_timeout_s=0.5)
     with anyio.fail_after(60):
         code = await run_trainer(config)
-    assert code == EXIT_NO_GENERATOR
+    assert code == EXIT_PEER_LOST
     assert "no generator connected" in caplog.text
 
 

@@ -5,6 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from specroll.actors.exit_codes import EXIT_REFUSED
+
+if TYPE_CHECKING:
+    from specroll.actors.config import RunConfig
 
 
 def positive_int(text: str) -> int:
@@ -212,6 +218,18 @@ def _with_sets(args: argparse.Namespace, argv: list[str]) -> list[str]:
     return argv + [item for s in args.overrides for item in ("--set", s)]
 
 
+def _role_config(args: argparse.Namespace, prog: str) -> RunConfig | None:
+    """The run config of ``--config`` (or the defaults) with ``--set`` overrides; ``None`` after
+    printing the one error line of a bad config."""
+    from specroll.actors.config import ConfigError, load_config
+
+    try:
+        return load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``specroll`` console script; returns the process exit code."""
     args = build_parser().parse_args(argv)
@@ -227,20 +245,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             if e.name != "specroll.actors.trainer":
                 raise
             print("specroll trainer: error: specroll.actors.trainer is not in this install", file=sys.stderr)
-            return 2
+            return EXIT_REFUSED
         return trainer_main(_with_sets(args, ["--config", args.config]))
     if args.command == "drafter" and args.drafter_command == "serve":
-        from specroll.actors.drafter_trainer.cli import main as drafter_main
+        from specroll.actors.drafter_trainer.cli import PROG, serve
 
-        actor = ["--actor-id", args.actor_id] if args.actor_id else []
-        config = ["--config", args.config] if args.config else []
-        return drafter_main(_with_sets(args, [*config, "--connect", args.connect, "--log-level", args.log_level,
-                                              *actor]))
+        config = _role_config(args, PROG)
+        return EXIT_REFUSED if config is None else serve(config, args.connect, args.actor_id, args.log_level)
     if args.command == "generator":
-        from specroll.actors.generator.cli import main as generator_main
+        from specroll.actors.generator.cli import GeneratorStart, new_actor_id
+        from specroll.actors.generator.cli import serve as serve_generator
+        from specroll.actors.peer.endpoint import check_endpoint
 
-        actor = ["--actor-id", args.actor_id] if args.actor_id else []
-        return generator_main(_with_sets(args, ["--config", args.config, "--connect", args.connect, *actor]))
+        try:
+            check_endpoint(args.connect)
+        except ValueError as e:
+            print(f"specroll generator: error: --connect {e}", file=sys.stderr)
+            return EXIT_REFUSED
+        config = _role_config(args, "specroll generator")
+        if config is None:
+            return EXIT_REFUSED
+        return serve_generator(GeneratorStart(config, args.connect, new_actor_id(args.actor_id)))
 
     from specroll.actors.jobs.generate import GenerateError
 
@@ -257,11 +282,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GenerateError as exc:
         name = f"{args.command} {args.drafter_command}" if args.command == "drafter" else args.command
         print(f"specroll {name}: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     except KeyboardInterrupt:
         print(f"specroll {args.command}: interrupted; nothing written", file=sys.stderr)
         return 130
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

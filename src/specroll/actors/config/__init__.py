@@ -1,2 +1,31 @@
-"""The run configuration: strict structs (``schema.py``), TOML reading and overrides (``parse.py``),
-writing (``dump.py``)."""
+"""The run configuration: strict structs (``schema.py``), TOML reading and overrides (``parse.py``, ``load.py``),
+writing (``dump.py``), the one error (``errors.py``); this package re-exports what callers use."""
+
+from specroll.actors.config.dump import CONFIG_FILENAME, dump_config, toml_value, write_resolved
+from specroll.actors.config.errors import ConfigError
+from specroll.actors.config.load import load_config
+from specroll.actors.config.schema import (
+    DrafterConfig,
+    GeneratorConfig,
+    ModelSection,
+    NetworkConfig,
+    RunConfig,
+    TaskConfig,
+    TrainerConfig,
+)
+
+__all__ = [
+    "CONFIG_FILENAME",
+    "ConfigError",
+    "DrafterConfig",
+    "GeneratorConfig",
+    "ModelSection",
+    "NetworkConfig",
+    "RunConfig",
+    "TaskConfig",
+    "TrainerConfig",
+    "dump_config",
+    "load_config",
+    "toml_value",
+    "write_resolved",
+]

@@ -7,12 +7,12 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
-if TYPE_CHECKING:
-    from specroll.actors.config.schema import RunConfig
+from specroll.actors.config.schema import RunConfig
+from specroll.actors.files import write_text_atomic
 
 CONFIG_FILENAME = "config.toml"
 """Name of the resolved config inside the run directory."""
@@ -40,8 +40,6 @@ def write_resolved(config: RunConfig, run_dir: str | Path | None = None) -> Path
     """
     directory = Path(config.run_dir if run_dir is None else run_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    from specroll.actors.files import write_text_atomic
-
     return write_text_atomic(directory / CONFIG_FILENAME, dump_config(config))
 
 
@@ -53,7 +51,7 @@ def _emit_table(lines: list[str], path: tuple[str, ...], table: dict[str, Any]) 
     # TOML: a table's own key/value pairs must come before its sub-tables.
     for key, value in table.items():
         if value is not None and not isinstance(value, dict):
-            lines.append(f"{_key(key)} = {_value(value)}")
+            lines.append(f"{_key(key)} = {toml_value(value)}")
     for key, value in table.items():
         if isinstance(value, dict):
             lines += ["", "[" + ".".join(_key(k) for k in (*path, key)) + "]"]
@@ -69,7 +67,12 @@ def _string(text: str) -> str:
     return f'"{escaped}"'
 
 
-def _value(value: object) -> str:
+def toml_value(value: object) -> str:
+    """``value`` as a TOML value (``--set`` accepts it back).
+
+    Raises:
+        TypeError: a type TOML cannot hold (``None`` inside an array, an object).
+    """
     if isinstance(value, bool):  # before int: bool is an int
         return "true" if value else "false"
     if isinstance(value, int):
@@ -85,8 +88,8 @@ def _value(value: object) -> str:
     if isinstance(value, list | tuple):
         if any(v is None for v in value):
             raise TypeError(f"cannot write None inside a TOML array: {value!r}")
-        return "[" + ", ".join(_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        items = ", ".join(f"{_key(k)} = {_value(v)}" for k, v in value.items() if v is not None)
+        items = ", ".join(f"{_key(k)} = {toml_value(v)}" for k, v in value.items() if v is not None)
         return "{" + items + "}"
     raise TypeError(f"cannot write {type(value).__name__} as TOML: {value!r}")

@@ -2,7 +2,7 @@
 validation errors turned into one :class:`ConfigError` line naming the file, the dotted key and what
 was expected (with close matches for an unknown key).
 
-Generic over the root struct; :func:`specroll.actors.config.schema.load_config` applies it to
+Generic over the root struct; :func:`specroll.actors.config.load.load_config` applies it to
 :class:`~specroll.actors.config.schema.RunConfig`.
 """
 
@@ -18,9 +18,7 @@ from typing import Any
 import msgspec
 import msgspec.inspect as mi
 
-
-class ConfigError(ValueError):
-    """A config file, an override or a value is not acceptable; the message names the file and dotted key."""
+from specroll.actors.config.errors import ConfigError
 
 
 def read_document(
@@ -31,7 +29,7 @@ def read_document(
     Args:
         path: The TOML file, or ``None``.
         overrides: ``"a.b.c=value"`` strings, applied in order (see
-            :func:`~specroll.actors.config.schema.load_config` for how values are parsed).
+            :func:`~specroll.actors.config.load.load_config` for how values are parsed).
         root: the config struct the document describes (an override descends only into its tables).
 
     Returns:

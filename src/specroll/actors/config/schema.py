@@ -4,70 +4,41 @@ One :class:`RunConfig` describes everything ``specroll launch`` starts (trainer,
 drafter trainer) and every role started alone reads the same file. ``RunConfig()`` is a small valid
 run on a CPU: the default model, the built-in arithmetic task, one generator.
 
-* :func:`load_config` reads a file (or nothing: the defaults), applies overrides and validates
-  (reading, overrides and error messages: ``config_parse.py``).
-* :func:`dump_config` writes TOML; :func:`write_resolved` writes ``RUN_DIR/config.toml``
-  atomically, and ``load_config(write_resolved(c, d)) == c`` (both in ``config_dump.py``,
-  re-exported here).
-* Every problem is one :class:`ConfigError` naming the file, the dotted key and what was expected.
+* :func:`~specroll.actors.config.load.load_config` reads a file (or nothing: the defaults), applies
+  overrides and validates (reading, overrides and error messages: ``parse.py``).
+* :func:`~specroll.actors.config.dump.dump_config` writes TOML;
+  :func:`~specroll.actors.config.dump.write_resolved` writes ``RUN_DIR/config.toml`` atomically, and
+  ``load_config(write_resolved(c, d)) == c`` (``dump.py``, which imports this module; the package
+  ``specroll.actors.config`` re-exports both).
+* Every problem is one :class:`~specroll.actors.config.errors.ConfigError` naming the file, the
+  dotted key and what was expected.
 
 Every struct is frozen and forbids unknown fields; ranges are checked in ``__post_init__`` (which
 raises ``ValueError`` naming the field, the value and what was expected), so a config built in code
 is checked exactly like one loaded from a file. An optional field always defaults to ``None``: TOML
 has no null, so :func:`dump_config` omits ``None`` and the round trip relies on it.
 
-Layering: the generator section nests :class:`~specroll.engine.config.EngineConfig`, so this module
-lives in ``actors/`` (which may import every layer) rather than in ``protocol/``, which stays a leaf.
+Layering: the generator section nests :class:`~specroll.engine.config.EngineConfig` and the drafter
+section builds the drafter layer's :class:`~specroll.drafter.learner.LearnerConfig`
+(:meth:`DrafterConfig.learner_config`), so this module lives in ``actors/`` (which may import every
+layer) rather than in ``protocol/``, which stays a leaf.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import math
-import typing
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Literal
 
 import msgspec
 
-from specroll.actors.config.dump import dump_config, write_resolved
-from specroll.actors.config.parse import ConfigError, explain, read_document
+from specroll.actors.config.section import Section as _Section
+from specroll.actors.config.section import check_literals as _check_literals
+from specroll.actors.config.section import require as _require
+from specroll.drafter.learner import LearnerConfig
 from specroll.engine.config import EngineConfig
 from specroll.engine.registry import DEFAULT_MODEL
 from specroll.protocol.sampling import SamplingParams
-
-__all__ = [
-    "ConfigError",
-    "DrafterConfig",
-    "GeneratorConfig",
-    "ModelSection",
-    "NetworkConfig",
-    "RunConfig",
-    "TaskConfig",
-    "TrainerConfig",
-    "dump_config",
-    "load_config",
-    "write_resolved",
-]
-
-
-def _require(ok: bool, name: str, value: object, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}={value!r}, expected {expected}")
-
-
-def _check_literals(struct: msgspec.Struct) -> None:
-    """Literal fields hold an allowed value (msgspec checks this when decoding, not when built in code)."""
-    for name, kind in typing.get_type_hints(type(struct)).items():
-        if typing.get_origin(kind) is Literal:
-            allowed = typing.get_args(kind)
-            value = getattr(struct, name)
-            _require(value in allowed, name, value, f"one of {', '.join(map(repr, allowed))}")
-
-
-class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Base of every config section: frozen, strict, keyword-only."""
 
 
 class ModelSection(_Section):
@@ -196,6 +167,14 @@ class GeneratorConfig(_Section):
     """Speculative decoding: ``off`` (default), ``suffix`` (model-free n-gram drafts), ``eagle``
     (the learned drafter; needs ``[drafter]``) or ``auto`` (``eagle`` when a drafter is configured,
     else ``suffix``)."""
+    stats_s: float = 5.0
+    """Seconds between ``Stats`` messages (engine throughput, draft acceptance) to the trainer.
+    Default 5.0."""
+    linger_s: float = 1.0
+    """On a graceful stop: seconds to flush unsent chunks, then seconds to deliver ``Dead``. Default 1.0."""
+    max_outbox: int = 256
+    """Messages queued for the trainer before the step loop waits for it (backpressure, bounded
+    memory). Default 256."""
 
     def __post_init__(self) -> None:
         _check_literals(self)
@@ -205,6 +184,10 @@ class GeneratorConfig(_Section):
         _require(self.stream_every_steps >= 1, "stream_every_steps", self.stream_every_steps, "a positive integer")
         _require(self.heartbeat_s > 0 and math.isfinite(self.heartbeat_s), "heartbeat_s", self.heartbeat_s,
                  "a positive number of seconds")
+        for name in ("stats_s", "linger_s"):
+            _require(getattr(self, name) > 0 and math.isfinite(getattr(self, name)), name, getattr(self, name),
+                     "a positive number of seconds")
+        _require(self.max_outbox >= 1, "max_outbox", self.max_outbox, "a positive integer")
 
 
 class DrafterConfig(_Section):
@@ -258,6 +241,10 @@ class DrafterConfig(_Section):
     keeping up, or not updated); 0 (default) never warns."""
     kv_cache_gb: float = 0.25
     """Memory of each generator for the drafter's own K/V, in GiB. Default 0.25."""
+    linger_s: float = 1.0
+    """On shutdown: seconds the drafter trainer's ``Dead`` may take to be delivered. Default 1.0."""
+    device: str = "cpu"
+    """Torch device the drafter trainer trains on. Default ``cpu``."""
 
     def __post_init__(self) -> None:
         _check_literals(self)
@@ -278,6 +265,23 @@ class DrafterConfig(_Section):
                  self.acceptance_floor, "a finite number >= 0 (0 never warns)")
         _require(self.kv_cache_gb > 0 and math.isfinite(self.kv_cache_gb), "kv_cache_gb", self.kv_cache_gb,
                  "a positive number of GiB")
+        _require(self.linger_s > 0 and math.isfinite(self.linger_s), "linger_s", self.linger_s,
+                 "a positive number of seconds")
+        _require(bool(self.device), "device", self.device, "a torch device, e.g. 'cpu'")
+
+    def learner_config(self, seed: int) -> LearnerConfig:
+        """The drafter learner's settings (``drafter/`` is a layer below the actors and keeps its own
+        struct, as ``engine/`` keeps :class:`EngineConfig`): this section's training fields, renamed
+        once here (``learning_rate`` → ``lr``, ``window_tokens`` → ``window``, ``window_rollouts`` →
+        ``buffer_rollouts``), and the run's ``seed``.
+
+        Raises:
+            ValueError: a value the learner refuses.
+        """
+        return LearnerConfig(lr=self.learning_rate, batch=self.batch, window=self.window_tokens,
+                             ttt_steps=self.ttt_steps, hidden_weight=self.hidden_weight,
+                             buffer_rollouts=self.window_rollouts, min_rollouts=self.min_rollouts,
+                             draft_vocab_size=self.draft_vocab_size, features=self.features, seed=seed)
 
 
 class NetworkConfig(_Section):
@@ -354,26 +358,15 @@ class RunConfig(_Section):
         _require(self.network.heartbeat_timeout_s > self.generator.heartbeat_s, "network.heartbeat_timeout_s",
                  self.network.heartbeat_timeout_s, f"more than generator.heartbeat_s = {self.generator.heartbeat_s}")
 
+    def speculative(self) -> Literal["off", "suffix", "eagle"]:
+        """``generator.speculative`` with ``auto`` resolved: ``eagle`` when a drafter is configured
+        (``drafter.enabled`` or ``drafter.path``), else ``suffix``."""
+        mode = self.generator.speculative
+        if mode == "auto":
+            return "eagle" if self.drafter.enabled or self.drafter.path is not None else "suffix"
+        return mode
 
-# ---- loading ----------------------------------------------------------------------------------
-
-
-def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
-    """Read a TOML file (``None``: start from the defaults), apply ``--set`` overrides, validate.
-
-    Args:
-        path: The TOML file, or ``None``.
-        overrides: ``"a.b.c=value"`` strings, applied in order. The value is parsed as a TOML value
-            (``3``, ``0.5``, ``true``, ``"x"``, ``[1, 2]``, ``{a = 1}``); a bare word that is not valid
-            TOML (``runs/x``, ``data.jsonl``) is taken as a string.
-
-    Raises:
-        ConfigError: the file is missing or unreadable, not valid TOML (the message has the line), an
-            override is malformed, a key is unknown (close matches are suggested), a value has the
-            wrong type or is out of range. The message names the file and the dotted key.
-    """
-    source, data, set_by = read_document(path, overrides, RunConfig)
-    try:
-        return msgspec.convert(data, RunConfig)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(explain(exc, source, set_by, RunConfig)) from exc
+    def served_drafter(self) -> str | None:
+        """The drafter directory each generator serves from its first step (``drafter.path`` when
+        :meth:`speculative` is ``eagle``), else ``None``."""
+        return self.drafter.path if self.speculative() == "eagle" else None

@@ -11,7 +11,9 @@ and runs, in one anyio task group:
   :class:`PublishDrafter` (the next drafter version, recording the policy version it was trained
   against and its checksum), and is saved to ``save_dir`` when one is given;
 * **send**, **tick** (heartbeats), **watchdog** (exit 3 when the trainer is gone for
-  ``trainer_timeout_s``; exit 0 when it said ``Dead`` and did not come back), **signals**.
+  ``network.heartbeat_timeout_s``; exit 0 when it said ``Dead`` and did not come back), **signals** (SIGTERM
+  or SIGINT: stop at once) — the shared peer lifecycle
+  (:class:`~specroll.actors.peer.lifecycle.PeerConnection`), of which this actor is a role.
 
 Schedule (TLT's "train on idle capacity", arXiv 2511.16665 §4): a step starts only when the trainer
 has not asked to pause, the generators' live batch is at most ``train_below`` of their capacity
@@ -25,27 +27,25 @@ Run as ``specroll drafter serve --connect tcp://127.0.0.1:PORT --config RUN_DIR/
 from __future__ import annotations
 
 import logging
-import signal
 import time
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import assert_never
 
 import anyio
 import anyio.abc
 import torch
-import zmq
-import zmq.asyncio
 
-from specroll.actors.peer.exit import EXIT_OK, EXIT_REFUSED, EXIT_TRAINER_LOST, failure, report_exit
-from specroll.actors.peer.trainer_liveness import TrainerLiveness
+from specroll.actors.config import RunConfig
+from specroll.actors.exit_codes import EXIT_REFUSED
+from specroll.actors.peer.lifecycle import PeerConnection, trainer_channel
 from specroll.actors.peer.weights_fetch import FetchAbandoned, WeightsFetch
 from specroll.drafter.eagle_head import DrafterError, EagleHead
-from specroll.drafter.learner import DrafterLearner, DrafterSnapshot, LearnerConfig
-from specroll.protocol.channel import DEFAULT_WINDOW, Channel, Received, SequenceError
-from specroll.protocol.codec import ProtocolError, pack_tensors
+from specroll.drafter.learner import DrafterLearner, DrafterSnapshot
+from specroll.engine.checkpoint import load_checkpoint
+from specroll.engine.model import CausalLM
+from specroll.protocol.channel import Channel, Received
+from specroll.protocol.codec import pack_tensors
 from specroll.protocol.messages import (
-    PROTOCOL_VERSION,
     AckWeights,
     Capacity,
     Credit,
@@ -55,7 +55,6 @@ from specroll.protocol.messages import (
     FetchWeights,
     FinishedRollouts,
     Heartbeat,
-    Hello,
     PublishDrafter,
     Refuse,
     ToDrafter,
@@ -63,71 +62,40 @@ from specroll.protocol.messages import (
     WeightsChunk,
     Welcome,
 )
-from specroll.protocol.sockets import close_socket, make_socket
 
 log = logging.getLogger("specroll.drafter")
 
 
 
-@dataclass
-class DrafterSettings:
-    """Everything a drafter-trainer process needs (``[drafter]`` of a run config maps onto this)."""
+DRAFTER_DIRNAME = "drafter"
+"""Where in the run directory the drafter trainer saves its latest published version."""
 
-    connect: str
-    """The trainer's ROUTER endpoint."""
-    model: str
-    """The policy's checkpoint (registered name, directory or ``.gguf``): its first weights."""
-    actor_id: str = ""
-    """Unique per process incarnation; empty: ``drafter-<uuid4 hex>``."""
-    init: str | None = None
-    """Warm start: a drafter directory, published as version 1 at once; ``None``: cold start."""
-    learner: LearnerConfig = field(default_factory=LearnerConfig)
-    publish_every: int = 20
-    """Training steps between published versions."""
-    num_threads: int = 1
-    """Torch intra-op threads (the core budget)."""
-    duty_cycle: float = 0.5
-    """Most fraction of wall time in training steps, in (0, 1]."""
-    train_below: float = 1.0
-    """Train only while live sequences ≤ this fraction of the generators' capacity."""
-    save_dir: str | None = None
-    """Directory the latest published version is written to (atomically), or ``None``. Without
-    ``init``, a drafter found there (a resumed run's) is the warm start; one that does not load or
-    fit the model is ignored with a warning."""
-    heartbeat_s: float = 1.0
-    trainer_timeout_s: float = 60.0
-    linger_s: float = 1.0
-    window: int = DEFAULT_WINDOW
-    device: str = "cpu"
 
-    def __post_init__(self) -> None:
-        if not self.actor_id:
-            self.actor_id = f"drafter-{uuid.uuid4().hex}"
-        for name in ("publish_every", "num_threads"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)}, expected a positive integer")
-        if not 0 < self.duty_cycle <= 1:
-            raise ValueError(f"duty_cycle={self.duty_cycle}, expected a number in (0, 1]")
-        if not 0 <= self.train_below <= 1:
-            raise ValueError(f"train_below={self.train_below}, expected a number in [0, 1]")
-        for name in ("heartbeat_s", "trainer_timeout_s", "linger_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}={getattr(self, name)}, expected a positive number of seconds")
+def save_dir(config: RunConfig) -> Path:
+    """``RUN_DIR/drafter``: the latest published version is written there (atomically). Without
+    ``drafter.path``, a drafter found there (a resumed run's) is the warm start; one that does not
+    load or fit the model is ignored with a warning."""
+    return Path(config.run_dir) / DRAFTER_DIRNAME
 
 
 class DrafterActor:
     """Trains ``learner`` on the trainer's rollouts and publishes drafter versions (module docstring).
 
     Args:
-        settings: the actor's settings.
+        config: the run config; the actor reads ``[drafter]`` (schedule, publishing, ``linger_s``),
+            ``generator.heartbeat_s`` (its heartbeats), ``network.heartbeat_timeout_s`` (the
+            trainer's liveness) and ``model.name``, and saves to :func:`save_dir`.
         learner: the learner (holding the policy's weights and, after a warm start, a head).
         channel: a DEALER channel connected to the trainer, inbound union ``ToDrafter``.
+        connect: the trainer's endpoint (log lines).
+        actor_id: this process's id (``Hello``, ``Dead``).
     """
 
-    def __init__(self, settings: DrafterSettings, learner: DrafterLearner, channel: Channel[ToDrafter]) -> None:
-        self.settings = settings
+    def __init__(self, config: RunConfig, learner: DrafterLearner, channel: Channel[ToDrafter], *, connect: str,
+                 actor_id: str) -> None:
+        self.config = config
+        self.drafter = config.drafter
         self.learner = learner
-        self.channel = channel
         self.capacity = Capacity(live_seqs=0, max_seqs=0)
         """The last load the trainer reported."""
         self.train_s = 0.0
@@ -139,117 +107,44 @@ class DrafterActor:
         """A complete policy version, not yet in the learner."""
         self._fetch: WeightsFetch | None = None
         self._announced: WeightsAvailable | None = None
-        self._outbox: list[object] = []
-        self._outbox_changed = anyio.Event()
-        self._wake = anyio.Event()
-        self._welcomed = anyio.Event()
-        self.trainer = TrainerLiveness(settings.connect, settings.trainer_timeout_s, log)
-        self._exit: tuple[int, str] | None = None
-        self._tg: anyio.abc.TaskGroup | None = None
-
-    # ---- lifecycle --------------------------------------------------------------------------
+        self.peer: PeerConnection[ToDrafter] = PeerConnection(
+            channel, role="drafter", name="drafter trainer", actor_id=actor_id, endpoint=connect,
+            heartbeat_s=config.generator.heartbeat_s, trainer_timeout_s=config.network.heartbeat_timeout_s,
+            linger_s=self.drafter.linger_s, log=log)
 
     async def run(self) -> int:
         """Serve until a signal, a refusal or the trainer's loss; return the exit code."""
-        try:
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                tg.start_soon(self._receive_loop)
-                tg.start_soon(self._send_loop)
-                tg.start_soon(self.trainer.watchdog, self._trainer_lost)
-                tg.start_soon(self.trainer.watch_connection, self.channel.socket)
-                tg.start_soon(self._watch_signals)
-                self._put(Hello(protocol_version=PROTOCOL_VERSION, role="drafter", actor_id=self.settings.actor_id))
-                with anyio.move_on_after(self.settings.trainer_timeout_s):
-                    await self._welcomed.wait()
-                if not self._welcomed.is_set():
-                    self.stop(EXIT_TRAINER_LOST, f"no Welcome from the trainer at {self.settings.connect} within "
-                              f"{self.settings.trainer_timeout_s} s")
-                    await anyio.sleep_forever()
-                tg.start_soon(self._tick)
-                if self.learner.head is not None:  # a warm start is served at once
-                    await self._publish()
-                await self._train_loop()
-        except Exception as e:  # an internal failure: reported as the actor's death
-            log.exception("drafter trainer %s failed", self.settings.actor_id)
-            self._exit = failure(e)
-        return await report_exit(self.channel, self.settings.actor_id, self._exit, self.settings.linger_s, log,
-                                 "drafter trainer")
+        return await self.peer.run(self)
 
     def stop(self, code: int, reason: str) -> None:
         """End the actor now; the first reason given is the one reported."""
-        if self._exit is None:
-            self._exit = (code, reason)
-        if self._tg is not None:
-            self._tg.cancel_scope.cancel()
+        self.peer.stop(code, reason)
 
-    async def _watch_signals(self) -> None:
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                self.stop(EXIT_OK, f"received {signal.Signals(signum).name}")
+    # ---- role hooks of the peer lifecycle ---------------------------------------------------
 
-    def _trainer_lost(self, ended: bool, reason: str) -> None:
-        self.stop(EXIT_OK if ended else EXIT_TRAINER_LOST, reason)
+    def heartbeat(self) -> Heartbeat:
+        """Liveness only: the drafter trainer decodes nothing."""
+        return Heartbeat(policy_version=self.learner.policy_version, batch_size=0, free_groups=0, free_seqs=0)
 
-    # ---- sending ----------------------------------------------------------------------------
+    def on_tick(self) -> None:
+        """Nothing periodic besides the heartbeat."""
 
-    def _put(self, msg: object, tensors: list[torch.Tensor] | None = None) -> None:
-        self._outbox.append((msg, tensors or []))
-        self._outbox_changed.set()
+    def flush(self) -> None:
+        """Nothing to flush: the training loop never ends by itself (a stop cancels it)."""
 
-    async def _send_loop(self) -> None:
-        while True:
-            while not self._outbox:
-                self._outbox_changed = anyio.Event()
-                await self._outbox_changed.wait()
-            msg, tensors = self._outbox.pop(0)  # type: ignore[misc]
-            await self.channel.send(msg, tensors=tensors)
-
-    async def _tick(self) -> None:
-        while True:
-            with anyio.move_on_after(self.settings.heartbeat_s):
-                await self.channel.send(Heartbeat(policy_version=self.learner.policy_version, batch_size=0,
-                                                  free_groups=0, free_seqs=0))
-            await anyio.sleep(self.settings.heartbeat_s)
-
-    # ---- receiving --------------------------------------------------------------------------
-
-    async def _receive_loop(self) -> None:
-        while True:
-            try:
-                received = await self.channel.recv()
-            except SequenceError as e:
-                log.warning("%s", e)
-                if e.seq < e.expected:
-                    continue
-                received = e.received
-            except ProtocolError as e:
-                log.warning("malformed message from the trainer: %s", e)
-                if self.channel.can_send():
-                    await self.channel.send(Error(code="malformed", message=str(e)[:500], seq=e.seq))
-                continue
-            self.trainer.heard(dead=isinstance(received.msg, Dead))
-            self._dispatch(received)
-
-    def _dispatch(self, r: Received[ToDrafter]) -> None:
+    async def on_message(self, r: Received[ToDrafter]) -> None:
+        """Queue rollouts and the policy for the learner (between steps); track load and versions."""
         msg = r.msg
         match msg:
-            case Welcome():
-                if msg.protocol_version != PROTOCOL_VERSION:
-                    self.stop(EXIT_REFUSED, f"the trainer speaks protocol {msg.protocol_version}, this drafter "
-                              f"trainer {PROTOCOL_VERSION}")
-                self._welcomed.set()
-            case Refuse():
-                self.stop(EXIT_REFUSED, f"refused by the trainer: {msg.reason}")
             case FinishedRollouts():
                 for ro in msg.rollouts:
                     if ro.token_ids and ro.prompt_token_ids:
                         self._rollouts.append((ro.prompt_token_ids + ro.token_ids, len(ro.prompt_token_ids),
                                                ro.policy_version))
-                self._notify()
+                self.peer.wake.notify()
             case Capacity():
                 self.capacity = msg
-                self._notify()
+                self.peer.wake.notify()
             case WeightsAvailable():
                 problem = self._policy_mismatch(msg)
                 if problem is not None:
@@ -259,21 +154,14 @@ class DrafterActor:
                 self._maybe_fetch()
             case WeightsChunk():
                 self._on_weights_chunk(msg, r.tensors)
-            case Credit():
-                pass
             case DrafterAvailable():
                 if msg.version > self.learner.version:
                     log.info("drafter version %d is published; numbering ours above it", msg.version)
                     self.learner.version = msg.version
-            case Error():
-                about = f" about our message {msg.seq}" if msg.seq is not None else ""
-                log.warning("the trainer reports an error (%s)%s: %s", msg.code, about, msg.message)
-            case Dead():
-                log.info("the trainer (%s) is exiting (%s)", msg.actor_id, msg.reason)
-
-    def _notify(self) -> None:
-        self._wake.set()
-        self._wake = anyio.Event()
+            case Welcome() | Refuse() | Credit() | Error() | Dead():
+                raise AssertionError(f"{type(msg).__name__} is the peer connection's")  # PeerConnection handles it
+            case _:
+                assert_never(msg)
 
     def _policy_mismatch(self, a: WeightsAvailable) -> str | None:
         """Why the announced policy cannot be this learner's target (another model), or ``None``."""
@@ -284,7 +172,7 @@ class DrafterActor:
         diff = sorted(n for n in mine.keys() | theirs.keys() if mine.get(n) != theirs.get(n))[:3]
         shown = ", ".join(f"{n}: {theirs.get(n)} there, {mine.get(n)} here" for n in diff)
         return (f"the trainer's policy (version {a.version}) is not the model this drafter trainer loaded "
-                f"({self.settings.model}): {shown}; start it with the run's config (--config RUN_DIR/config.toml)")
+                f"({self.config.model.name}): {shown}; start it with the run's config (--config RUN_DIR/config.toml)")
 
     def _maybe_fetch(self) -> None:
         a = self._announced
@@ -292,7 +180,7 @@ class DrafterActor:
         if a is None or a.version <= have or (self._fetch is not None and self._fetch.version >= a.version):
             return
         self._fetch = WeightsFetch.announced(a)
-        self._put(FetchWeights(version=a.version))
+        self.peer.put(FetchWeights(version=a.version))
 
     def _on_weights_chunk(self, msg: WeightsChunk, tensors: dict[str, torch.Tensor]) -> None:
         f = self._fetch
@@ -309,7 +197,7 @@ class DrafterActor:
         if complete is not None:
             self._fetch = None
             self._policy = (f.version, complete)
-            self._notify()
+            self.peer.wake.notify()
             self._maybe_fetch()
 
     # ---- training ---------------------------------------------------------------------------
@@ -317,24 +205,27 @@ class DrafterActor:
     def may_train(self) -> bool:
         """The schedule (module docstring) allows a step now, and the learner has data."""
         c = self.capacity
-        idle = c.max_seqs == 0 or c.live_seqs <= self.settings.train_below * c.max_seqs
+        idle = c.max_seqs == 0 or c.live_seqs <= self.drafter.train_below * c.max_seqs
         pending = len(self._rollouts) + self.learner.num_rollouts
         return not c.pause and idle and pending >= (1 if self.learner.head else self.learner.config.min_rollouts)
 
-    async def _train_loop(self) -> None:
+    async def serve(self) -> None:
+        """Publish a warm start at once, then train whenever the schedule allows (until stopped)."""
+        if self.learner.head is not None:
+            await self._publish()
         while True:
             await self._apply_pending()
             if not self.may_train():
                 with anyio.move_on_after(0.5):
-                    await self._wake.wait()
+                    await self.peer.wake.wait()
                 continue
             start = time.monotonic()
             self.last_metrics = await anyio.to_thread.run_sync(self.learner.step)
             took = time.monotonic() - start
             self.train_s += took
-            if self.learner.steps % self.settings.publish_every == 0:
+            if self.learner.steps % self.drafter.publish_every_steps == 0:
                 await self._publish()
-            rest = took * (1 / self.settings.duty_cycle - 1)
+            rest = took * (1 / self.drafter.duty_cycle - 1)
             if rest > 0:
                 await anyio.sleep(rest)
 
@@ -353,50 +244,50 @@ class DrafterActor:
                 await anyio.to_thread.run_sync(self.learner.set_policy, tensors, version)
             except ValueError as e:
                 log.error("policy version %d refused: %s", version, e)
-                self._put(Error(code="bad_request", message=f"policy version {version} refused: {e}"[:500]))
+                self.peer.put(Error(code="bad_request", message=f"policy version {version} refused: {e}"[:500]))
             else:
                 log.info("training against policy version %d", version)
-                self._put(AckWeights(version=version))
+                self.peer.put(AckWeights(version=version))
 
     async def _publish(self) -> None:
         snap: DrafterSnapshot = await anyio.to_thread.run_sync(self.learner.snapshot)
         refs, tensors = pack_tensors(sorted(snap.tensors.items()))
-        self._put(PublishDrafter(version=snap.version, policy_version=snap.policy_version, config=snap.config_json,
+        self.peer.put(PublishDrafter(version=snap.version, policy_version=snap.policy_version, config=snap.config_json,
                                  checksum=snap.checksum, tensors=refs, train_steps=snap.train_steps), tensors)
         m = self.last_metrics
         log.info("sent drafter version %d to the trainer (policy %d, %d steps, %.0f s of training%s)", snap.version,
                  snap.policy_version, snap.train_steps, self.train_s,
                  f", loss {m['loss']:.3f}, top-1 {m['top1_0']:.3f}" if m else "")
-        if self.settings.save_dir is not None:
-            assert self.learner.head is not None
-            try:
-                await anyio.to_thread.run_sync(self.learner.head.save, Path(self.settings.save_dir))
-            except OSError as e:
-                log.warning("cannot save drafter version %d to %s: %s", snap.version, self.settings.save_dir, e)
+        assert self.learner.head is not None
+        directory = save_dir(self.config)
+        try:
+            await anyio.to_thread.run_sync(self.learner.head.save, directory)
+        except OSError as e:
+            log.warning("cannot save drafter version %d to %s: %s", snap.version, directory, e)
 
 
 # ---- process entry point --------------------------------------------------------------------
 
 
-def build_learner(settings: DrafterSettings) -> DrafterLearner:
-    """The learner: the policy's initial weights, float32, and the warm-start head if any.
+def build_learner(config: RunConfig) -> DrafterLearner:
+    """The learner: the policy's (``model.name``) initial weights, float32, on ``drafter.device``,
+    trained with :meth:`DrafterConfig.learner_config`, and the warm-start head if any
+    (``drafter.path``, else a drafter saved in :func:`save_dir`).
 
     Raises:
         CheckpointError: the model cannot be loaded.
-        DrafterError: ``settings.init`` holds no drafter, or one made for another model.
+        DrafterError: ``drafter.path`` holds no drafter, or one made for another model.
     """
-    from specroll.engine.checkpoint import load_checkpoint
-    from specroll.engine.model import CausalLM
-
-    torch.set_num_threads(settings.num_threads)
-    checkpoint = load_checkpoint(settings.model, dtype=torch.float32)
+    d = config.drafter
+    torch.set_num_threads(d.num_threads)
+    checkpoint = load_checkpoint(config.model.name, dtype=torch.float32)
     with torch.device("meta"):
         model = CausalLM(checkpoint.config)
-    model = model.to_empty(device=torch.device(settings.device))
+    model = model.to_empty(device=torch.device(d.device))
     model.load_weights(checkpoint.weights)
-    head = EagleHead.load(settings.init) if settings.init is not None else None
-    saved = Path(settings.save_dir) if settings.save_dir is not None else None
-    if head is None and saved is not None and (saved / "model.safetensors").exists():
+    head = EagleHead.load(d.path) if d.path is not None else None
+    saved = save_dir(config)
+    if head is None and (saved / "model.safetensors").exists():
         try:
             head = EagleHead.load(saved)
             head.check_target(checkpoint.config, str(saved))
@@ -406,19 +297,16 @@ def build_learner(settings: DrafterSettings) -> DrafterLearner:
         else:
             log.info("warm start from %s (the last drafter this run saved)", saved)
     eos = sorted(set(checkpoint.tokenizer.eos_token_ids) | set(checkpoint.config.eos_token_ids))
-    return DrafterLearner(model, settings.learner, head=head, eos_token_ids=eos)
+    return DrafterLearner(model, d.learner_config(config.seed), head=head, eos_token_ids=eos)
 
 
-async def run_drafter(settings: DrafterSettings) -> int:
-    """Load the policy, connect to the trainer and train until stopped; return the exit code."""
-    learner = build_learner(settings)
-    log.info("drafter trainer %s: model %s loaded; %s; connecting to %s", settings.actor_id, settings.model,
-             f"warm start from {settings.init}" if settings.init else "cold start", settings.connect)
-    ctx = zmq.asyncio.Context()
-    sock = make_socket(ctx, zmq.DEALER, connect=settings.connect, identity=settings.actor_id.encode())
-    try:
-        return await DrafterActor(settings, learner, Channel(sock, ToDrafter, window=settings.window)).run()
-    finally:
-        close_socket(sock, linger_ms=int(settings.linger_s * 1000))
-        ctx.term()
-
+async def run_drafter(config: RunConfig, connect: str, actor_id: str) -> int:
+    """Load the policy, connect to the trainer at ``connect`` as ``actor_id`` and train until stopped;
+    return the exit code."""
+    learner = build_learner(config)
+    init = config.drafter.path
+    log.info("drafter trainer %s: model %s loaded; %s; connecting to %s", actor_id, config.model.name,
+             f"warm start from {init}" if init else "cold start", connect)
+    async with trainer_channel(connect, actor_id, ToDrafter, config.network.window,
+                               config.drafter.linger_s) as channel:
+        return await DrafterActor(config, learner, channel, connect=connect, actor_id=actor_id).run()

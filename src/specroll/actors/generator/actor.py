@@ -1,17 +1,18 @@
 """The generator actor: one :class:`~specroll.engine.engine.Engine` behind a DEALER socket.
 
-Tasks (one anyio task group on the asyncio backend):
+The connection to the trainer — handshake, send and receive tasks, heartbeats, the trainer's
+liveness, signals, the exit report — is the shared peer lifecycle
+(:class:`~specroll.actors.peer.lifecycle.PeerConnection`); this module is the generator's role in it:
 
-* **receive** — the channel's one receive task: answers bad frames with ``Error`` (or a log line),
-  queues engine work (``SubmitGroup``, ``Abort``, a complete weight version) for the step loop,
-  assembles ``WeightsChunk``s;
-* **step loop** — the only code that touches the engine: applies queued work between steps, runs
-  ``Engine.step`` in a worker thread, turns its deltas into ``RolloutChunk``s;
-* **send** — drains the outbox through the channel (waiting for the trainer's credit), so a slow
-  trainer delays decoding only once the outbox is full (bounded memory);
-* **tick** — ``Heartbeat`` every ``heartbeat_s`` and ``Stats`` every ``stats_s``;
-* **watchdog** — exits non-zero when the trainer has been unreachable (no connection, no message)
-  for ``trainer_timeout_s``; **signals** — SIGTERM/SIGINT stop stepping, flush, send ``Dead``, exit 0.
+* **receive** (:meth:`GeneratorActor.on_message`) — queues engine work (``SubmitGroup``, ``Abort``, a
+  complete weight version, a checked drafter) for the step loop, assembles ``WeightsChunk``s;
+* **step loop** (:meth:`GeneratorActor.serve`) — the only code that touches the engine: applies
+  queued work between steps, runs ``Engine.step`` in a worker thread, turns its deltas into
+  ``RolloutChunk``s; it waits once the outbox holds ``max_outbox`` messages, so a slow trainer
+  delays decoding only then (bounded memory);
+* **tick** — ``Heartbeat`` every ``heartbeat_s`` (free capacity) and ``Stats`` every ``stats_s``;
+* **signals** — the first SIGTERM/SIGINT finishes the current step, flushes chunks, sends ``Dead``
+  and exits 0; a second stops at once.
 
 Message flow with the trainer: ``Hello`` → ``Welcome`` | ``Refuse``; ``SubmitGroup`` → chunks of
 each sample (the last ``finished``); ``Abort`` → final chunks with ``"abort"``;
@@ -33,31 +34,25 @@ config: ``... --connect tcp://127.0.0.1:PORT --config RUN_DIR/config.toml [--set
 from __future__ import annotations
 
 import logging
-import signal
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import assert_never
 
 import anyio
-import anyio.abc
 import torch
-import zmq
-import zmq.asyncio
 
+from specroll.actors.config import RunConfig
 from specroll.actors.generator.drafter_swap import DrafterFetch, DrafterSlot, ReadyDrafter, check_drafter
+from specroll.actors.generator.engine_build import build_engine
 from specroll.actors.generator.live_samples import LiveSamples, SampleRefused
 from specroll.actors.generator.rollout_stream import DraftCounter
-from specroll.actors.generator.settings import GeneratorSettings, build_engine
-from specroll.actors.peer.exit import EXIT_OK, EXIT_REFUSED, EXIT_TRAINER_LOST, failure, report_exit
-from specroll.actors.peer.trainer_liveness import TrainerLiveness
+from specroll.actors.peer.lifecycle import PeerConnection, trainer_channel
 from specroll.actors.peer.weights_fetch import FetchAbandoned, WeightsFetch
 from specroll.drafter.eagle_head import DrafterError
 from specroll.engine.engine import Engine
-from specroll.protocol.channel import Channel, Received, SequenceError
-from specroll.protocol.codec import ProtocolError
+from specroll.protocol.channel import Channel, Received
 from specroll.protocol.messages import (
-    PROTOCOL_VERSION,
     Abort,
     AckDrafter,
     AckWeights,
@@ -66,13 +61,10 @@ from specroll.protocol.messages import (
     DrafterAvailable,
     DrafterWeights,
     Error,
-    ErrorCode,
     FetchDrafter,
     FetchWeights,
     Heartbeat,
-    Hello,
     Refuse,
-    RolloutChunk,
     SpecStats,
     Stats,
     SubmitGroup,
@@ -81,11 +73,8 @@ from specroll.protocol.messages import (
     WeightsChunk,
     Welcome,
 )
-from specroll.protocol.sockets import close_socket, make_socket
 
 log = logging.getLogger("specroll.generator")
-
-_Outbound = RolloutChunk | FetchWeights | AckWeights | FetchDrafter | AckDrafter | Stats | Hello | Error
 
 
 @dataclass
@@ -96,164 +85,80 @@ class _ApplyWeights:
     tensors: dict[str, torch.Tensor]
 
 
-class _Wakeup:
-    """Level-triggered wake-up: :meth:`notify` wakes every task waiting now."""
-
-    def __init__(self) -> None:
-        self._event = anyio.Event()
-
-    def notify(self) -> None:
-        self._event.set()
-        self._event = anyio.Event()
-
-    async def wait(self) -> None:
-        await self._event.wait()
-
-
 class GeneratorActor:
-    """Serves one engine to one trainer over ``channel`` (see the module docstring).
+    """Serves one engine to one trainer over ``channel`` (see the module docstring); the generator's
+    role in the shared peer lifecycle (:class:`~specroll.actors.peer.lifecycle.PeerConnection`).
 
     Args:
-        settings: the actor's settings.
-        engine: a ready engine (built with ``settings``); only this actor's step loop touches it.
+        config: the run config; the actor reads ``[generator]`` (streaming, heartbeats, KV policy,
+            speculation, ``stats_s``, ``linger_s``, ``max_outbox``), ``generator.engine.max_num_seqs``
+            (the capacity it announces), ``[network]`` (``heartbeat_timeout_s``: the trainer's) and
+            ``drafter.kv_cache_gb``.
+        engine: a ready engine (built from ``config.generator.engine``); only this actor's step loop touches it.
         channel: a DEALER channel connected to the trainer, inbound union ``ToGenerator``.
         draft_counter: the engine's proposer when speculating (for per-chunk ``SpecStats``).
+        connect: the trainer's endpoint (log lines).
+        actor_id: this process's id (``Hello``, ``Dead``).
     """
 
     def __init__(
-        self, settings: GeneratorSettings, engine: Engine, channel: Channel[ToGenerator],
-        draft_counter: DraftCounter | None = None,
+        self, config: RunConfig, engine: Engine, channel: Channel[ToGenerator],
+        draft_counter: DraftCounter | None = None, *, connect: str, actor_id: str,
     ) -> None:
-        self.settings = settings
+        self.config = config
+        self.gen = config.generator
         self.engine = engine
-        self.channel = channel
-        self.drafter = DrafterSlot(engine, draft_counter, settings.drafter_kv_cache_gb, settings.seed)
+        self.speculative = config.speculative()
+        """``generator.speculative`` with ``auto`` resolved."""
+        self.peer: PeerConnection[ToGenerator] = PeerConnection(
+            channel, role="generator", name="generator", actor_id=actor_id, endpoint=connect,
+            heartbeat_s=self.gen.heartbeat_s, trainer_timeout_s=config.network.heartbeat_timeout_s,
+            linger_s=self.gen.linger_s, log=log, graceful_signals=True, reregister=True,
+            capabilities=("resume", "bf16-weights", *(("speculative",) if self.speculative != "off" else ())))
+        self.drafter = DrafterSlot(engine, draft_counter, config.drafter.kv_cache_gb, self.gen.engine.seed)
         """The learned drafter served (``speculative="eagle"``) and its version."""
         self._drafter_fetch = DrafterFetch()
-        self.samples = LiveSamples(engine, self.drafter, self._put, settings.stream_every,
-                                   settings.speculative != "off")
+        self.samples = LiveSamples(engine, self.drafter, self.peer.put, self.gen.stream_every_steps,
+                                   self.speculative != "off")
         self._inbox: deque[SubmitGroup | Abort | _ApplyWeights | ReadyDrafter] = deque()
         """Engine work for the step loop, in arrival order."""
-        self._outbox: deque[_Outbound] = deque()
-        self._sending = False
-        self._wake, self._outbox_changed = _Wakeup(), _Wakeup()
-        self._welcomed = anyio.Event()
         self._announced: WeightsAvailable | None = None
         self._fetch: WeightsFetch | None = None
         self._largest_group = 1
-        self._stopping = False
-        self._exit: tuple[int, str] | None = None
-        self._tg: anyio.abc.TaskGroup | None = None
-        self.trainer = TrainerLiveness(settings.connect, settings.trainer_timeout_s, log)
-        self._last_hello = 0.0
+        self._last_stats = time.monotonic()
         self._num_steps = 0
         self._busy_s = self._idle_s = 0.0
-
-    # ---- lifecycle --------------------------------------------------------------------------
 
     async def run(self) -> int:
         """Serve until a signal, a refusal or the trainer's loss; send ``Dead``; return the exit code
         (0 after SIGTERM/SIGINT, 2 refused, 3 trainer unreachable, 1 an internal failure)."""
-        try:
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                tg.start_soon(self._receive_loop)
-                tg.start_soon(self._send_loop)
-                tg.start_soon(self.trainer.watchdog, self._trainer_lost)
-                tg.start_soon(self.trainer.watch_connection, self.channel.socket)
-                tg.start_soon(self._watch_signals)
-                await self._handshake()
-                tg.start_soon(self._tick)
-                await self._step_loop()
-                with anyio.move_on_after(self.settings.linger_s):  # graceful stop: flush what was emitted
-                    self.samples.flush()
-                    self._put(self._stats())
-                    while self._outbox or self._sending:
-                        await self._outbox_changed.wait()
-                tg.cancel_scope.cancel()
-        except Exception as e:  # an internal failure: reported as the actor's death
-            log.exception("generator %s failed", self.settings.actor_id)
-            self._exit = failure(e)
-        return await report_exit(self.channel, self.settings.actor_id, self._exit, self.settings.linger_s, log,
-                                 "generator")
+        return await self.peer.run(self)
 
     def stop(self, code: int, reason: str, *, graceful: bool) -> None:
         """End the actor: ``graceful`` lets the current step finish and flushes chunks; otherwise
         every task is cancelled now. The first reason given is the one reported."""
-        if self._exit is None:
-            self._exit = (code, reason)
-        self._stopping = True
-        self._wake.notify()
-        self._outbox_changed.notify()
-        if not graceful and self._tg is not None:
-            self._tg.cancel_scope.cancel()
+        self.peer.stop(code, reason, graceful=graceful)
 
-    async def _handshake(self) -> None:
-        self._send_hello()
-        with anyio.move_on_after(self.settings.trainer_timeout_s):
-            await self._welcomed.wait()
-        if not self._welcomed.is_set():
-            self.stop(EXIT_TRAINER_LOST, f"no Welcome from the trainer at {self.settings.connect} within "
-                      f"{self.settings.trainer_timeout_s} s", graceful=False)
-            await anyio.sleep_forever()
+    # ---- role hooks of the peer lifecycle ---------------------------------------------------
 
-    def _send_hello(self) -> None:
-        self._last_hello = time.monotonic()
-        self._put(Hello(protocol_version=PROTOCOL_VERSION, role="generator", actor_id=self.settings.actor_id,
-                        capabilities=("resume", "bf16-weights",
-                                      *(("speculative",) if self.samples.speculative else ()))))
+    def heartbeat(self) -> Heartbeat:
+        """Capacity for the trainer's dispatch: free sequences, and free groups of the largest size seen."""
+        queued = sum(len(op.resume) or op.n for op in self._inbox if isinstance(op, SubmitGroup))
+        live = len(self.samples.streams) + queued
+        free_seqs = max(0, self.gen.engine.max_num_seqs - live)
+        return Heartbeat(policy_version=self.engine.weight_version, batch_size=len(self.samples.streams),
+                         free_groups=free_seqs // self._largest_group, free_seqs=free_seqs)
 
-    async def _watch_signals(self) -> None:
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                name = signal.Signals(signum).name
-                if self._stopping:
-                    log.warning("second %s: stopping now", name)
-                    self.stop(EXIT_OK, f"received {name}", graceful=False)
-                else:
-                    log.info("received %s: stopping after this step", name)
-                    self.stop(EXIT_OK, f"received {name}", graceful=True)
+    def on_tick(self) -> None:
+        """``Stats`` every ``stats_s``, unless the outbox is full."""
+        if time.monotonic() - self._last_stats >= self.gen.stats_s and self.peer.queued < self.gen.max_outbox:
+            self._last_stats = time.monotonic()
+            self.peer.put(self._stats())
 
-    def _trainer_lost(self, ended: bool, reason: str) -> None:
-        self.stop(EXIT_OK if ended else EXIT_TRAINER_LOST, reason, graceful=False)
-
-    # ---- sending ----------------------------------------------------------------------------
-
-    def _put(self, msg: _Outbound) -> None:
-        self._outbox.append(msg)
-        self._outbox_changed.notify()
-
-    async def _send_loop(self) -> None:
-        while True:
-            while not self._outbox:
-                await self._outbox_changed.wait()
-            self._sending = True
-            await self.channel.send(self._outbox[0])  # waits for the trainer's credit
-            self._outbox.popleft()
-            self._sending = False
-            self._outbox_changed.notify()
-
-    async def _refuse(self, code: ErrorCode, message: str, seq: int | None = None) -> None:
-        """Log a refused inbound message and answer it with ``Error`` when that would not wait for
-        credit (the receive task must never block, or credit would never arrive)."""
-        log.warning("refused (%s): %s", code, message)
-        if self.channel.can_send():
-            await self.channel.send(Error(code=code, message=message, seq=seq))
-
-    async def _tick(self) -> None:
-        last_stats = time.monotonic()
-        while True:
-            await anyio.sleep(self.settings.heartbeat_s)
-            queued = sum(len(op.resume) or op.n for op in self._inbox if isinstance(op, SubmitGroup))
-            live = len(self.samples.streams) + queued
-            free_seqs = max(0, self.settings.max_num_seqs - live)
-            beat = Heartbeat(policy_version=self.engine.weight_version, batch_size=len(self.samples.streams),
-                             free_groups=free_seqs // self._largest_group, free_seqs=free_seqs)
-            with anyio.move_on_after(self.settings.heartbeat_s):  # never pile up behind a dead connection
-                await self.channel.send(beat)
-            if time.monotonic() - last_stats >= self.settings.stats_s and len(self._outbox) < self.settings.max_outbox:
-                last_stats = time.monotonic()
-                self._put(self._stats())
+    def flush(self) -> None:
+        """A graceful stop: chunks of what was emitted, and the last ``Stats``."""
+        self.samples.flush()
+        self.peer.put(self._stats())
 
     def _stats(self) -> Stats:
         spec = None
@@ -267,49 +172,18 @@ class GeneratorActor:
 
     # ---- receiving --------------------------------------------------------------------------
 
-    async def _receive_loop(self) -> None:
-        while True:
-            try:
-                received = await self.channel.recv()
-            except SequenceError as e:
-                await self._refuse("sequence", str(e), e.seq)
-                if e.seq < e.expected:
-                    continue  # a duplicate: already handled
-                received = e.received  # a gap: the message itself is fine
-            except ProtocolError as e:
-                await self._refuse("malformed", str(e), e.seq)
-                continue
-            self.trainer.heard(dead=isinstance(received.msg, Dead))
-            await self._dispatch(received)
-
-    async def _dispatch(self, r: Received[ToGenerator]) -> None:
+    async def on_message(self, r: Received[ToGenerator]) -> None:
+        """Queue engine work for the step loop; fetch announced weights and drafters."""
         msg = r.msg
-        if r.first and self._welcomed.is_set():
-            log.info("a new trainer session (seq %d): the trainer restarted or a stray peer wrote", r.seq)
         match msg:
-            case Welcome():
-                if self._welcomed.is_set():
-                    await self._refuse("bad_request", f"unexpected Welcome from {msg.actor_id!r}: already welcomed",
-                                       r.seq)
-                elif msg.protocol_version != PROTOCOL_VERSION:
-                    self.stop(EXIT_REFUSED, f"the trainer speaks protocol {msg.protocol_version}, "
-                              f"this generator {PROTOCOL_VERSION}", graceful=False)
-                else:
-                    log.info("welcomed by %s", msg.actor_id)
-                    self._welcomed.set()
-            case Refuse():
-                if self._welcomed.is_set():
-                    await self._refuse("bad_request", f"unexpected Refuse after the handshake: {msg.reason}", r.seq)
-                else:
-                    self.stop(EXIT_REFUSED, f"refused by the trainer: {msg.reason}", graceful=False)
             case SubmitGroup() | Abort():
-                if not self._welcomed.is_set():
-                    await self._refuse("unknown_peer", f"{type(msg).__name__} before Welcome", r.seq)
+                if not self.peer.welcomed:
+                    await self.peer.refuse("unknown_peer", f"{type(msg).__name__} before Welcome", r.seq)
                     return
                 if isinstance(msg, SubmitGroup):
                     self._largest_group = max(self._largest_group, msg.n)
                 self._inbox.append(msg)
-                self._wake.notify()
+                self.peer.wake.notify()
             case WeightsAvailable():
                 self._announced = msg
                 f = self._fetch
@@ -328,15 +202,8 @@ class GeneratorActor:
                 self._maybe_fetch_drafter()
             case DrafterWeights():
                 await self._on_drafter_weights(msg, r)
-            case Credit():
-                pass  # consumed by the channel; never handed out
-            case Error():
-                about = f" about our message {msg.seq}" if msg.seq is not None else ""
-                log.warning("the trainer reports an error (%s)%s: %s", msg.code, about, msg.message)
-                if msg.code == "unknown_peer" and time.monotonic() - self._last_hello > 1.0:
-                    self._send_hello()  # the trainer restarted and does not know us: register again
-            case Dead():
-                log.info("the trainer (%s) is exiting (%s); waiting for it to come back", msg.actor_id, msg.reason)
+            case Welcome() | Refuse() | Credit() | Error() | Dead():
+                raise AssertionError(f"{type(msg).__name__} is the peer connection's")  # PeerConnection handles it
             case _:
                 assert_never(msg)
 
@@ -347,32 +214,32 @@ class GeneratorActor:
             return
         self._fetch = WeightsFetch.announced(a)
         log.info("fetching policy version %d (%d chunks)", a.version, a.num_chunks)
-        self._put(FetchWeights(version=a.version))
+        self.peer.put(FetchWeights(version=a.version))
 
     def _maybe_fetch_drafter(self) -> None:
         """Fetch the newest announced drafter version when speculating with a learned drafter."""
-        if self.settings.speculative != "eagle" or (v := self._drafter_fetch.next(self.drafter.version)) is None:
+        if self.speculative != "eagle" or (v := self._drafter_fetch.next(self.drafter.version)) is None:
             return
         log.info("fetching drafter version %d", v)
-        self._put(FetchDrafter(version=v))
+        self.peer.put(FetchDrafter(version=v))
 
     async def _on_drafter_weights(self, msg: DrafterWeights, r: Received[ToGenerator]) -> None:
         if msg.version != self._drafter_fetch.fetching:
             if self._drafter_fetch.superseded(msg.version):
                 log.debug("drafter version %d arrived after a newer one was announced; dropped", msg.version)
                 return
-            await self._refuse("bad_request", f"drafter version {msg.version} was not fetched "
+            await self.peer.refuse("bad_request", f"drafter version {msg.version} was not fetched "
                                f"(fetching {self._drafter_fetch.fetching or None})", r.seq)
             return
         try:
             ready = await anyio.to_thread.run_sync(check_drafter, msg, r.tensors, self.engine)
         except DrafterError as e:
             log.error("%s; still serving drafter version %d", e, self.drafter.version)
-            self._put(AckDrafter(version=msg.version, checksum="", refused=str(e)[:500]))
+            self.peer.put(AckDrafter(version=msg.version, checksum="", refused=str(e)[:500]))
             self._drafter_fetch.refused(self.drafter.version)  # wait for a newer announcement
             return
         self._inbox.append(ready)
-        self._wake.notify()
+        self.peer.wake.notify()
 
     def _forget_announcement(self, version: int) -> None:
         """A fetch of ``version`` failed: do not fetch it again until it is announced again."""
@@ -385,7 +252,7 @@ class GeneratorActor:
                 and msg.version < self._announced.version:
             return  # a chunk of a superseded transfer, still in flight: nothing to do with it
         if f is None or msg.version != f.version or f.complete:
-            await self._refuse("bad_request", f"weights chunk {msg.index} of version {msg.version} was not fetched "
+            await self.peer.refuse("bad_request", f"weights chunk {msg.index} of version {msg.version} was not fetched "
                                f"(fetching {f.version if f else None})", r.seq)
             return
         try:
@@ -393,27 +260,29 @@ class GeneratorActor:
         except FetchAbandoned as e:
             self._fetch = None  # the version is unusable; a later WeightsAvailable starts over
             self._forget_announcement(msg.version)
-            await self._refuse("bad_request", f"{e} (fetch abandoned)", r.seq)
+            await self.peer.refuse("bad_request", f"{e} (fetch abandoned)", r.seq)
             return
         if tensors is not None:  # complete: the step loop applies it (the fetch stays until then)
             self._inbox.append(_ApplyWeights(msg.version, tensors))
-            self._wake.notify()
+            self.peer.wake.notify()
 
     # ---- the step loop: the only code touching the engine -----------------------------------
 
-    async def _step_loop(self) -> None:
-        while not self._stopping:
+    async def serve(self) -> None:
+        """The step loop: until a stop, apply queued work, then one engine step in a worker thread."""
+        self._last_stats = time.monotonic()
+        while not self.peer.stopping:
             await self._apply_inbox()
-            if self._stopping:
+            if self.peer.stopping:
                 break
             if not self.engine.has_unfinished():
                 start = time.monotonic()
                 if not self._inbox:
-                    await self._wake.wait()
+                    await self.peer.wake.wait()
                 self._idle_s += time.monotonic() - start
                 continue
-            while len(self._outbox) >= self.settings.max_outbox and not self._stopping:
-                await self._outbox_changed.wait()  # backpressure: the trainer is behind
+            while self.peer.queued >= self.gen.max_outbox and not self.peer.stopping:
+                await self.peer.outbox_changed.wait()  # backpressure: the trainer is behind
             start = time.monotonic()
             outputs = await anyio.to_thread.run_sync(self.engine.step)
             self._busy_s += time.monotonic() - start
@@ -421,7 +290,7 @@ class GeneratorActor:
             self.samples.on_outputs(outputs)
 
     async def _apply_inbox(self) -> None:
-        while self._inbox and not self._stopping:
+        while self._inbox and not self.peer.stopping:
             op = self._inbox.popleft()
             match op:
                 case SubmitGroup():
@@ -439,7 +308,7 @@ class GeneratorActor:
         try:
             self.samples.submit(msg)
         except SampleRefused as e:
-            await self._refuse(e.code, str(e))
+            await self.peer.refuse(e.code, str(e))
         else:
             log.debug("group %s: %d samples queued", msg.group_id, len(self.samples.groups.get(msg.group_id, ())))
 
@@ -447,11 +316,11 @@ class GeneratorActor:
         try:
             self.samples.abort(msg.group_id)
         except SampleRefused as e:
-            await self._refuse(e.code, str(e))
+            await self.peer.refuse(e.code, str(e))
 
     def _apply_drafter(self, ready: ReadyDrafter) -> None:
         self.samples.flush()
-        self._put(self.drafter.swap(ready, self.samples.token_caps()))
+        self.peer.put(self.drafter.swap(ready, self.samples.token_caps()))
         self._drafter_fetch.done(ready.version)
         self._maybe_fetch_drafter()
 
@@ -461,30 +330,26 @@ class GeneratorActor:
             await anyio.to_thread.run_sync(self.engine.update_weights, op.tensors, op.version)
         except ValueError as e:
             log.error("policy version %d refused, still serving %d: %s", op.version, self.engine.weight_version, e)
-            self._put(Error(code="bad_request", message=f"policy version {op.version} refused: {e}"))
+            self.peer.put(Error(code="bad_request", message=f"policy version {op.version} refused: {e}"))
             self._forget_announcement(op.version)
         else:
-            if self.settings.kv_policy == "recompute":
+            if self.gen.kv_policy == "recompute":
                 self.samples.recompute()
             log.info("serving policy version %d (%d live samples, kv_policy=%s)", op.version, len(self.samples.streams),
-                     self.settings.kv_policy)
-            self._put(AckWeights(version=op.version))
+                     self.gen.kv_policy)
+            self.peer.put(AckWeights(version=op.version))
         self._fetch = None
         self._maybe_fetch()
 
 # ---- process entry point --------------------------------------------------------------------
 
 
-async def run_generator(settings: GeneratorSettings) -> int:
-    """Load the engine, connect to the trainer and serve until stopped; return the exit code."""
-    engine, counter = build_engine(settings)
-    log.info("generator %s: model %s loaded (%s, %s); connecting to %s", settings.actor_id, settings.model,
-             engine.dtype, engine.device, settings.connect)
-    ctx = zmq.asyncio.Context()
-    sock = make_socket(ctx, zmq.DEALER, connect=settings.connect, identity=settings.actor_id.encode())
-    try:
-        actor = GeneratorActor(settings, engine, Channel(sock, ToGenerator, window=settings.window), counter)
-        return await actor.run()
-    finally:
-        close_socket(sock, linger_ms=int(settings.linger_s * 1000))  # the final Dead may still be queued
-        ctx.term()
+async def run_generator(config: RunConfig, connect: str, actor_id: str) -> int:
+    """Load the engine ``config.generator.engine`` describes, connect to the trainer at ``connect`` as
+    ``actor_id`` and serve until stopped; return the exit code."""
+    engine, counter = build_engine(config)
+    log.info("generator %s: model %s loaded (%s, %s); connecting to %s", actor_id, config.generator.engine.model,
+             engine.dtype, engine.device, connect)
+    async with trainer_channel(connect, actor_id, ToGenerator, config.network.window,
+                               config.generator.linger_s) as channel:
+        return await GeneratorActor(config, engine, channel, counter, connect=connect, actor_id=actor_id).run()

@@ -1,5 +1,9 @@
-"""The generator's command line and run-config mapping: ``python -m specroll.actors.generator`` and
-``specroll generator`` (flags only, or ``--config FILE [--set a.b=v]`` with explicit flags overriding).
+"""The generator's command line: ``python -m specroll.actors.generator`` (flags only, or
+``--config FILE [--set a.b=v]`` with explicit flags overriding) and the entry :func:`serve` that
+``specroll generator`` calls with a loaded config.
+
+There is one parse: every flag is an override of a run-config key (:data:`FLAG_KEYS`), applied after
+the file and its ``--set`` items, and the actor reads the resulting :class:`RunConfig`.
 """
 
 from __future__ import annotations
@@ -7,77 +11,66 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import anyio
 
+from specroll.actors.config import ConfigError, RunConfig, load_config, toml_value
+from specroll.actors.exit_codes import EXIT_REFUSED
 from specroll.actors.generator.actor import run_generator
-from specroll.actors.generator.settings import GeneratorSettings
+from specroll.actors.peer.endpoint import endpoint_arg
 
-if TYPE_CHECKING:
-    from specroll.actors.config.schema import RunConfig
-
-
-def settings_from_config(config: RunConfig, connect: str, actor_id: str = "") -> dict[str, object]:
-    """The :class:`GeneratorSettings` fields a run config sets (``--config`` mode), as keyword arguments.
-
-    ``[generator.engine]`` gives the engine (its ``model`` is the config's ``model.name``),
-    ``[generator]`` the streaming, heartbeat, KV policy and speculation, ``[network]`` the credit
-    window and the trainer timeout (``heartbeat_timeout_s``), ``[drafter]`` the warm-start drafter
-    and its K/V memory. ``speculative = "auto"`` means ``eagle`` with a drafter (``drafter.enabled``
-    or ``drafter.path``), else ``suffix``.
-    """
-    engine, gen = config.generator.engine, config.generator
-    speculative = gen.speculative
-    if speculative == "auto":
-        speculative = "eagle" if config.drafter.enabled or config.drafter.path is not None else "suffix"
-    return dict(
-        connect=connect, model=engine.model, actor_id=actor_id, max_num_seqs=engine.max_num_seqs,
-        dtype=engine.dtype, speculative=speculative, num_draft_tokens=engine.num_draft_tokens,
-        draft_length=engine.draft_length,
-        stream_every=gen.stream_every_steps, heartbeat_s=gen.heartbeat_s, kv_policy=gen.kv_policy,
-        seed=engine.seed, trainer_timeout_s=config.network.heartbeat_timeout_s, kv_cache_gb=engine.kv_cache_memory_gb,
-        max_model_len=engine.max_model_len, device=engine.device, backend=engine.backend,
-        num_threads=engine.num_threads, window=config.network.window,
-        drafter=config.drafter.path if speculative == "eagle" else None, drafter_kv_cache_gb=config.drafter.kv_cache_gb,
-    )
-
-
-# command-line flag -> GeneratorSettings field; every flag defaults to None = "not given"
-_FLAGS: dict[str, str] = {
-    "model": "model", "actor_id": "actor_id", "max_num_seqs": "max_num_seqs", "dtype": "dtype",
-    "speculative": "speculative", "drafter": "drafter", "num_draft_tokens": "num_draft_tokens",
-    "stream_every": "stream_every",
-    "heartbeat_s": "heartbeat_s", "stats_s": "stats_s", "kv_policy": "kv_policy", "seed": "seed",
-    "trainer_timeout_s": "trainer_timeout_s", "linger_s": "linger_s", "kv_cache_gb": "kv_cache_gb",
-    "max_model_len": "max_model_len", "device": "device", "backend": "backend", "threads": "num_threads",
+FLAG_KEYS: dict[str, str] = {
+    "model": "model.name",
+    "max_num_seqs": "generator.engine.max_num_seqs",
+    "dtype": "generator.engine.dtype",
+    "speculative": "generator.speculative",
+    "drafter": "drafter.path",
+    "num_draft_tokens": "generator.engine.num_draft_tokens",
+    "stream_every": "generator.stream_every_steps",
+    "heartbeat_s": "generator.heartbeat_s",
+    "stats_s": "generator.stats_s",
+    "kv_policy": "generator.kv_policy",
+    "seed": "generator.engine.seed",
+    "trainer_timeout_s": "network.heartbeat_timeout_s",
+    "linger_s": "generator.linger_s",
+    "kv_cache_gb": "generator.engine.kv_cache_memory_gb",
+    "max_model_len": "generator.engine.max_model_len",
+    "device": "generator.engine.device",
+    "backend": "generator.engine.backend",
+    "threads": "generator.engine.num_threads",
 }
+"""Command-line flag (argparse dest) → the run-config key it overrides; every flag defaults to
+``None`` = "not given"."""
+
+FLAG_MODE_BASE: tuple[str, ...] = ("network.heartbeat_timeout_s=60.0", "drafter.enabled=true")
+"""Without ``--config``, the defaults are :class:`RunConfig`'s but for these, which keep what a
+generator started by flags alone always did: it waits 60 s for an unreachable trainer, and it cannot
+know whether the run has a drafter trainer, so ``--speculative eagle`` without ``--drafter`` is
+valid (it decodes plainly until the drafter trainer's first version arrives)."""
 
 
-def _endpoint(text: str) -> str:
-    """argparse type: a ZeroMQ endpoint to connect to."""
-    transport, sep, address = text.partition("://")
-    if not sep or transport not in ("tcp", "ipc") or not address:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected tcp://HOST:PORT (or ipc://PATH)")
-    return text
+@dataclass(frozen=True)
+class GeneratorStart:
+    """What one generator process runs with: the run config and its own identity."""
+
+    config: RunConfig
+    connect: str
+    """The trainer's ROUTER endpoint, e.g. ``tcp://127.0.0.1:5555``."""
+    actor_id: str
+    """Unique per process incarnation, also the ZeroMQ identity."""
+    log_level: str = "INFO"
 
 
-def parse_args(argv: Sequence[str] | None = None) -> GeneratorSettings:
-    """Command-line arguments → settings.
-
-    Two modes: flags only (``--connect`` and ``--model`` required), or ``--config FILE [--set a.b=v]``
-    where the run config gives the settings (:func:`settings_from_config`) and any explicit flag
-    overrides them. A bad flag value or config exits with status 2 and one error line.
-    """
-    d = GeneratorSettings(connect="", model="", actor_id="-")
-
-    def default(name: str) -> str:
-        return f"(default: from --config, else {getattr(d, name)})"
+def _parser() -> argparse.ArgumentParser:
+    def default(key: str) -> str:
+        return f"(config key {key})"
 
     p = argparse.ArgumentParser(prog="python -m specroll.actors.generator",
                                 description="Run one generator actor connected to a trainer.")
-    p.add_argument("--connect", required=True, type=_endpoint, help="trainer endpoint, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--connect", required=True, type=endpoint_arg, help="trainer endpoint, e.g. tcp://127.0.0.1:5555")
     p.add_argument("--config", default=None, metavar="FILE",
                    help="run config TOML (e.g. RUN_DIR/config.toml): its [model], [generator], [network] and "
                         "[drafter] (path, kv_cache_gb) sections; explicit flags override its values")
@@ -86,52 +79,73 @@ def parse_args(argv: Sequence[str] | None = None) -> GeneratorSettings:
     p.add_argument("--model", default=None,
                    help="registered name, checkpoint directory or .gguf file (required without --config)")
     p.add_argument("--actor-id", default=None, help="unique id (default: generator-<uuid4 hex>)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help=default("max_num_seqs"))
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None, help=default("dtype"))
-    p.add_argument("--speculative", choices=["off", "suffix", "eagle"], default=None, help=default("speculative"))
+    p.add_argument("--max-num-seqs", type=int, default=None, help=default(FLAG_KEYS["max_num_seqs"]))
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
+                   help=default(FLAG_KEYS["dtype"]))
+    p.add_argument("--speculative", choices=["off", "suffix", "eagle"], default=None,
+                   help=default(FLAG_KEYS["speculative"]))
     p.add_argument("--drafter", default=None, metavar="DIR",
                    help="with --speculative eagle: a drafter directory served from the start (default: none, "
                         "wait for the drafter trainer's versions)")
-    p.add_argument("--num-draft-tokens", type=int, default=None, help=default("num_draft_tokens"))
+    p.add_argument("--num-draft-tokens", type=int, default=None, help=default(FLAG_KEYS["num_draft_tokens"]))
     p.add_argument("--stream-every", type=int, default=None,
-                   help=f"engine steps between chunks at most {default('stream_every')}")
-    p.add_argument("--heartbeat-s", type=float, default=None, help=default("heartbeat_s"))
-    p.add_argument("--stats-s", type=float, default=None, help=default("stats_s"))
-    p.add_argument("--kv-policy", choices=["keep", "recompute"], default=None, help=default("kv_policy"))
-    p.add_argument("--seed", type=int, default=None, help=default("seed"))
+                   help=f"engine steps between chunks at most {default(FLAG_KEYS['stream_every'])}")
+    p.add_argument("--heartbeat-s", type=float, default=None, help=default(FLAG_KEYS["heartbeat_s"]))
+    p.add_argument("--stats-s", type=float, default=None, help=default(FLAG_KEYS["stats_s"]))
+    p.add_argument("--kv-policy", choices=["keep", "recompute"], default=None, help=default(FLAG_KEYS["kv_policy"]))
+    p.add_argument("--seed", type=int, default=None, help=default(FLAG_KEYS["seed"]))
     p.add_argument("--trainer-timeout-s", type=float, default=None,
-                   help=f"{default('trainer_timeout_s')}; with --config: network.heartbeat_timeout_s")
-    p.add_argument("--linger-s", type=float, default=None, help=default("linger_s"))
-    p.add_argument("--kv-cache-gb", type=float, default=None, help=default("kv_cache_gb"))
+                   help=f"{default(FLAG_KEYS['trainer_timeout_s'])}; without --config: 60")
+    p.add_argument("--linger-s", type=float, default=None, help=default(FLAG_KEYS["linger_s"]))
+    p.add_argument("--kv-cache-gb", type=float, default=None, help=default(FLAG_KEYS["kv_cache_gb"]))
     p.add_argument("--max-model-len", type=int, default=None, help="context cap (default: the checkpoint's)")
-    p.add_argument("--device", default=None, help=default("device"))
-    p.add_argument("--backend", choices=["auto", "torch", "flashinfer"], default=None, help=default("backend"))
+    p.add_argument("--device", default=None, help=default(FLAG_KEYS["device"]))
+    p.add_argument("--backend", choices=["auto", "torch", "flashinfer"], default=None,
+                   help=default(FLAG_KEYS["backend"]))
     p.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    a = p.parse_args(argv)
-    logging.basicConfig(level=a.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    fields: dict[str, object] = {"connect": a.connect}
-    if a.config is not None:
-        from specroll.actors.config.schema import ConfigError, load_config
+    return p
 
-        try:
-            fields = settings_from_config(load_config(a.config, a.overrides), a.connect)
-        except (ConfigError, ValueError) as e:
-            print(f"{p.prog}: error: {e}", file=sys.stderr)
-            sys.exit(2)
-    elif a.overrides:
+
+def new_actor_id(actor_id: str | None) -> str:
+    """``actor_id``, or ``generator-<uuid4 hex>`` when none is given."""
+    return actor_id or f"generator-{uuid.uuid4().hex}"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> GeneratorStart:
+    """Command-line arguments → the run config and identity, in one parse.
+
+    Two modes: flags only (``--connect`` and ``--model`` required; the defaults are
+    :class:`RunConfig`'s with :data:`FLAG_MODE_BASE`), or ``--config FILE [--set a.b=v]``. Either way
+    each explicit flag overrides its key (:data:`FLAG_KEYS`) after the file and the ``--set`` items.
+    A bad flag value or config exits with status 2 and one error line.
+    """
+    p = _parser()
+    a = p.parse_args(argv)
+    if a.config is None and a.overrides:
         p.error("--set needs --config")
-    elif a.model is None:
+    if a.config is None and a.model is None:
         p.error("--model is required without --config")
-    fields.update({field: getattr(a, flag) for flag, field in _FLAGS.items() if getattr(a, flag) is not None})
+    if a.drafter is not None and a.speculative not in (None, "eagle"):
+        p.error(f"--drafter {a.drafter} needs --speculative eagle (got {a.speculative!r})")
+    flags = [f"{key}={toml_value(getattr(a, flag))}" for flag, key in FLAG_KEYS.items()
+             if getattr(a, flag) is not None]
+    base = () if a.config is not None else FLAG_MODE_BASE
     try:
-        return GeneratorSettings(**fields)  # type: ignore[arg-type]
-    except ValueError as e:
-        p.error(str(e))
+        config = load_config(a.config, [*base, *a.overrides, *flags])
+    except ConfigError as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_REFUSED)
+    return GeneratorStart(config, a.connect, new_actor_id(a.actor_id), a.log_level)
+
+
+def serve(start: GeneratorStart) -> int:
+    """Run one generator process: log to stderr, serve the trainer until stopped, return the exit code."""
+    logging.basicConfig(level=start.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return anyio.run(run_generator, start.config, start.connect, start.actor_id, backend="asyncio")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: parse ``argv``, run the actor, return its exit code."""
-    settings = parse_args(argv)
-    return anyio.run(run_generator, settings, backend="asyncio")
+    return serve(parse_args(argv))

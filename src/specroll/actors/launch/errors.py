@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from specroll.actors.exit_codes import EXIT_FAILED
+
 
 class LaunchError(Exception):
     """The run cannot go on: a one-line reason (plus an optional log tail) and the exit code."""
 
-    def __init__(self, message: str, code: int = 1, detail: str = "") -> None:
+    def __init__(self, message: str, code: int = EXIT_FAILED, detail: str = "") -> None:
         super().__init__(message)
         self.code = code
         self.detail = detail

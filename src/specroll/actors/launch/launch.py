@@ -39,13 +39,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from specroll.actors.config import ConfigError, load_config
+from specroll.actors.exit_codes import EXIT_OK, EXIT_REFUSED
 from specroll.actors.files import write_text_atomic
 from specroll.actors.launch.errors import LaunchError
 from specroll.actors.launch.preflight import LOCK_FILENAME, preflight, take_lock
 from specroll.actors.launch.role_process import RoleProcess, describe_exit, killpg, observe_exit, start_role, tail
 
 if TYPE_CHECKING:
-    from specroll.actors.config.schema import RunConfig
+    from specroll.actors.config import RunConfig
 
 __all__ = [
     "ENDPOINT_FILENAME",
@@ -67,9 +69,6 @@ PIDS_FILENAME = "pids.json"
 LOGS_DIRNAME = "logs"
 METRICS_FILENAME = "metrics.jsonl"
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
 _WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::")
 
 
@@ -147,7 +146,7 @@ class Launcher:
     def run(self) -> int:
         """Start every role, watch them until the run ends, stop them all; return the exit code
         (0: the trainer finished; 1: a process died or the trainer never came up; 130/143: SIGINT/SIGTERM)."""
-        from specroll.actors.config.dump import write_resolved
+        from specroll.actors.config import write_resolved
 
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -156,7 +155,7 @@ class Launcher:
                 (self.run_dir / LOGS_DIRNAME).mkdir(exist_ok=True)
             except OSError as e:
                 raise LaunchError(f"run_dir={self.config.run_dir!r}: cannot write the run directory "
-                                  f"({e.strerror or e}), expected a writable directory", code=EXIT_BAD_INPUT) from e
+                                  f"({e.strerror or e}), expected a writable directory", code=EXIT_REFUSED) from e
             metrics = self.run_dir / METRICS_FILENAME
             self._metrics_offset = metrics.stat().st_size if metrics.exists() else 0
             endpoint_file = self.run_dir / ENDPOINT_FILENAME
@@ -307,22 +306,17 @@ class Launcher:
 def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = TRAINER_MODULE,
                startup_timeout_s: float = 300.0, grace_s: float = 15.0) -> int:
     """``specroll launch``: validate the config (one error line and exit 2, nothing started), run."""
-    from specroll.actors.config.schema import ConfigError, load_config
-    from specroll.actors.generator.actor import GeneratorSettings
-    from specroll.actors.generator.cli import settings_from_config
 
     try:
-        config = load_config(config_path, overrides)
-        # what each generator will make of it, checked before anything starts
-        GeneratorSettings(**settings_from_config(config, connect="tcp://127.0.0.1:1"))  # type: ignore[arg-type]
-    except (ConfigError, ValueError) as e:
+        config = load_config(config_path, overrides)  # every role reads this same config: checked once here
+    except ConfigError as e:
         print(f"specroll launch: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_REFUSED
     try:
         done = preflight(config)
     except LaunchError as e:
         print(f"specroll launch: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_REFUSED
     if done is not None:
         print(f"specroll launch: {done}", file=sys.stderr)
         return 0
@@ -331,7 +325,7 @@ def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = 
         take_lock(lock)
     except LaunchError as e:
         print(f"specroll launch: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_REFUSED
     try:
         launcher = Launcher(config, trainer_module=trainer_module, startup_timeout_s=startup_timeout_s,
                             grace_s=grace_s)

@@ -1,4 +1,5 @@
-"""How a peer actor (a generator, the drafter trainer) ends: its exit codes and its last message.
+"""How a peer actor (a generator, the drafter trainer) ends: its last message and its exit code
+(the codes: :mod:`specroll.actors.exit_codes`).
 
 Each actor runs until a signal, a refusal or the trainer's loss, then tells the trainer why with
 ``Dead`` (sent with a linger, as vLLM's engine core does) so the trainer stops waiting for it
@@ -11,17 +12,9 @@ import logging
 
 import anyio
 
+from specroll.actors.exit_codes import EXIT_FAILED, EXIT_OK
 from specroll.protocol.channel import Channel
 from specroll.protocol.messages import Dead
-
-EXIT_OK = 0
-"""Stopped by SIGTERM/SIGINT, or the trainer ended for good."""
-EXIT_FAILED = 1
-"""An internal failure (logged with its traceback)."""
-EXIT_REFUSED = 2
-"""The trainer refused the actor (protocol version, a duplicate id, ...)."""
-EXIT_TRAINER_LOST = 3
-"""No Welcome or no message from the trainer within the timeout."""
 
 
 def failure(e: Exception) -> tuple[int, str]:

@@ -54,8 +54,8 @@ import msgspec
 import torch
 from tqdm import tqdm
 
-from specroll.actors.config.dump import write_resolved
-from specroll.actors.config.schema import ConfigError, RunConfig, load_config
+from specroll.actors.config import ConfigError, RunConfig, load_config, write_resolved
+from specroll.actors.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_PEER_LOST, EXIT_REFUSED
 from specroll.actors.files import write_text_atomic
 from specroll.actors.trainer.checkpoint import (
     TrainerState,
@@ -75,11 +75,6 @@ from specroll.rl.grpo_step import StepResult, build_batch, train_step
 from specroll.rl.tasks import RewardFn, builtin_prompts, format_question, get_reward, load_prompts
 
 log = logging.getLogger("specroll.trainer")
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_CONFIG = 2
-EXIT_NO_GENERATOR = 3
 
 ENDPOINT_FILENAME = "trainer.endpoint"
 METRICS_FILENAME = "metrics.jsonl"
@@ -215,7 +210,7 @@ class Trainer:
             raise TrainerError(
                 f"no generator connected to {self.client.endpoint} for {self.no_generator_s:.0f} s "
                 f"({NO_GENERATOR_FACTOR} x network.heartbeat_timeout_s); are generators running and pointed here?",
-                EXIT_NO_GENERATOR)
+                EXIT_PEER_LOST)
 
     async def _wait_for_batch(self) -> list[Group]:
         batch = self.config.trainer.batch_groups
@@ -403,5 +398,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
     except ConfigError as e:
         log.error("%s", e)
-        return EXIT_CONFIG
+        return EXIT_REFUSED
     return anyio.run(run_trainer, config, backend="asyncio")

@@ -1,0 +1,322 @@
+"""The lifecycle of a peer actor's connection to the trainer, shared by a generator and the drafter
+trainer; what differs between them is a :class:`PeerRole`.
+
+:class:`PeerConnection` owns the channel and runs, in one anyio task group:
+
+* **receive** — the channel's one receive task: a ``SequenceError`` or ``ProtocolError`` is logged
+  and answered with ``Error`` when that would not wait for credit; the handshake and the
+  connection's own messages (``Welcome``, ``Refuse``, ``Credit``, ``Error``, ``Dead``) are handled
+  here, every other message goes to :meth:`PeerRole.on_message`;
+* **send** — drains the outbox (a deque; :meth:`put` never waits) through the channel, waiting for
+  the trainer's credit;
+* **tick** — a :meth:`PeerRole.heartbeat` every ``heartbeat_s`` (then :meth:`PeerRole.on_tick`);
+* **watchdog** and **connection monitor** (:class:`TrainerLiveness`): exit 3 when the trainer is
+  unreachable for ``trainer_timeout_s``, exit 0 when it said ``Dead`` and did not come back;
+* **signals** — SIGTERM/SIGINT: with ``graceful_signals`` the first lets the role's main loop end
+  (and the outbox flush, at most ``linger_s``), a second stops at once; without, the first stops at once.
+
+Handshake: ``Hello`` → ``Welcome`` (same protocol version: the role's main loop,
+:meth:`PeerRole.serve`, starts) | ``Refuse`` (exit 2) | nothing within ``trainer_timeout_s`` (exit 3).
+Whatever ends the actor, the trainer is told why with ``Dead`` (:func:`report_exit`) and the first
+reason given decides the exit code (:mod:`specroll.actors.exit_codes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Generic, Protocol, TypeVar, assert_never
+
+import anyio
+import anyio.abc
+import torch
+import zmq
+import zmq.asyncio
+
+from specroll.actors.exit_codes import EXIT_OK, EXIT_PEER_LOST, EXIT_REFUSED
+from specroll.actors.peer.exit import failure, report_exit
+from specroll.actors.peer.trainer_liveness import TrainerLiveness
+from specroll.protocol.channel import Channel, Received, SequenceError
+from specroll.protocol.codec import ProtocolError
+from specroll.protocol.messages import (
+    PROTOCOL_VERSION,
+    Credit,
+    Dead,
+    Error,
+    ErrorCode,
+    Heartbeat,
+    Hello,
+    Refuse,
+    Welcome,
+)
+from specroll.protocol.sockets import close_socket, make_socket
+
+M = TypeVar("M")
+
+ConnectionMessage = Welcome | Refuse | Credit | Error | Dead
+"""What :class:`PeerConnection` handles itself; a role's ``on_message`` never sees these."""
+
+_MAX_ERROR_TEXT = 500
+"""Characters of an ``Error`` message at most (a refused frame's description can be long)."""
+
+
+class Wakeup:
+    """Level-triggered wake-up: :meth:`notify` wakes every task waiting now."""
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = anyio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+class PeerRole(Protocol[M]):
+    """What a peer actor adds to the shared lifecycle (a generator, the drafter trainer)."""
+
+    async def on_message(self, r: Received[M]) -> None:
+        """Handle one message of the role (never a :data:`ConnectionMessage`); must not wait for credit."""
+        ...
+
+    async def serve(self) -> None:
+        """The role's main loop, started once welcomed; returning ends the actor gracefully."""
+        ...
+
+    def flush(self) -> None:
+        """A graceful stop: queue (:meth:`PeerConnection.put`) what was produced and not yet sent."""
+        ...
+
+    def heartbeat(self) -> Heartbeat:
+        """The heartbeat to send now."""
+        ...
+
+    def on_tick(self) -> None:
+        """Called after each heartbeat (periodic reports)."""
+        ...
+
+
+class PeerConnection(Generic[M]):
+    """One peer actor's connection to the trainer and its lifecycle (module docstring).
+
+    Args:
+        channel: a DEALER channel connected to the trainer, inbound union ``M``.
+        role: the ``Hello`` role (``"generator"``, ``"drafter"``).
+        name: the role in log lines (``"generator"``, ``"drafter trainer"``).
+        actor_id: this process's id (``Hello``, ``Dead``, log lines).
+        endpoint: the trainer's endpoint (log lines).
+        heartbeat_s: seconds between heartbeats.
+        trainer_timeout_s: the handshake's limit and the trainer's liveness timeout, in seconds.
+        linger_s: on a graceful stop, seconds to flush the outbox, then seconds to deliver ``Dead``.
+        log: the actor's logger.
+        capabilities: ``Hello.capabilities``.
+        graceful_signals: the first SIGTERM/SIGINT ends the role's main loop (a second stops now);
+            ``False``: the first stops now.
+        reregister: answer the trainer's ``unknown_peer`` error with a new ``Hello`` (the trainer
+            restarted and does not know us), at most once a second.
+    """
+
+    def __init__(self, channel: Channel[M], *, role: str, name: str, actor_id: str, endpoint: str,
+                 heartbeat_s: float, trainer_timeout_s: float, linger_s: float, log: logging.Logger,
+                 capabilities: tuple[str, ...] = (), graceful_signals: bool = False, reregister: bool = False) -> None:
+        self.channel = channel
+        self.role, self.name, self.actor_id, self.endpoint = role, name, actor_id, endpoint
+        self.heartbeat_s, self.trainer_timeout_s, self.linger_s = heartbeat_s, trainer_timeout_s, linger_s
+        self.log = log
+        self.capabilities = capabilities
+        self.graceful_signals, self.reregister = graceful_signals, reregister
+        self.trainer = TrainerLiveness(endpoint, trainer_timeout_s, log)
+        self.wake = Wakeup()
+        """The role's main loop waits on this; role dispatch and :meth:`stop` notify it."""
+        self.outbox_changed = Wakeup()
+        """Notified whenever a message is queued or sent, and on :meth:`stop`."""
+        self.stopping = False
+        """A stop was asked for: the role's main loop should end."""
+        self._outbox: deque[tuple[object, Sequence[torch.Tensor]]] = deque()
+        self._sending = False
+        self._welcomed = anyio.Event()
+        self._last_hello = 0.0
+        self._exit: tuple[int, str] | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    @property
+    def welcomed(self) -> bool:
+        """The trainer answered ``Hello`` with ``Welcome``."""
+        return self._welcomed.is_set()
+
+    @property
+    def queued(self) -> int:
+        """Messages in the outbox (the one being sent included)."""
+        return len(self._outbox)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def run(self, role: PeerRole[M]) -> int:
+        """Serve ``role`` until a signal, a refusal, the trainer's loss or the end of its main loop;
+        send ``Dead``; return the exit code (:mod:`specroll.actors.exit_codes`)."""
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self._receive_loop, role)
+                tg.start_soon(self._send_loop)
+                tg.start_soon(self.trainer.watchdog, self._trainer_lost)
+                tg.start_soon(self.trainer.watch_connection, self.channel.socket)
+                tg.start_soon(self._watch_signals)
+                await self._handshake()
+                tg.start_soon(self._tick, role)
+                await role.serve()
+                with anyio.move_on_after(self.linger_s):  # graceful stop: flush what was produced
+                    role.flush()
+                    while self._outbox or self._sending:
+                        await self.outbox_changed.wait()
+                tg.cancel_scope.cancel()
+        except Exception as e:  # an internal failure: reported as the actor's death
+            self.log.exception("%s %s failed", self.name, self.actor_id)
+            self._exit = failure(e)
+        return await report_exit(self.channel, self.actor_id, self._exit, self.linger_s, self.log, self.name)
+
+    def stop(self, code: int, reason: str, *, graceful: bool = False) -> None:
+        """End the actor: ``graceful`` lets the role's main loop end (it sees :attr:`stopping`) and
+        flushes; otherwise every task is cancelled now. The first reason given is the one reported."""
+        if self._exit is None:
+            self._exit = (code, reason)
+        self.stopping = True
+        self.wake.notify()
+        self.outbox_changed.notify()
+        if not graceful and self._tg is not None:
+            self._tg.cancel_scope.cancel()
+
+    async def _handshake(self) -> None:
+        self._send_hello()
+        with anyio.move_on_after(self.trainer_timeout_s):
+            await self._welcomed.wait()
+        if not self._welcomed.is_set():
+            self.stop(EXIT_PEER_LOST, f"no Welcome from the trainer at {self.endpoint} within "
+                      f"{self.trainer_timeout_s} s")
+            await anyio.sleep_forever()
+
+    def _send_hello(self) -> None:
+        self._last_hello = time.monotonic()
+        self.put(Hello(protocol_version=PROTOCOL_VERSION, role=self.role, actor_id=self.actor_id,
+                       capabilities=self.capabilities))
+
+    async def _watch_signals(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                if not self.graceful_signals:
+                    self.stop(EXIT_OK, f"received {name}")
+                elif self.stopping:
+                    self.log.warning("second %s: stopping now", name)
+                    self.stop(EXIT_OK, f"received {name}")
+                else:
+                    self.log.info("received %s: stopping after this step", name)
+                    self.stop(EXIT_OK, f"received {name}", graceful=True)
+
+    def _trainer_lost(self, ended: bool, reason: str) -> None:
+        self.stop(EXIT_OK if ended else EXIT_PEER_LOST, reason)
+
+    # ---- sending ----------------------------------------------------------------------------
+
+    def put(self, msg: object, tensors: Sequence[torch.Tensor] = ()) -> None:
+        """Queue ``msg`` (with the tensors its refs describe) for the trainer; never waits."""
+        self._outbox.append((msg, tensors))
+        self.outbox_changed.notify()
+
+    async def _send_loop(self) -> None:
+        while True:
+            while not self._outbox:
+                await self.outbox_changed.wait()
+            self._sending = True
+            msg, tensors = self._outbox[0]
+            await self.channel.send(msg, tensors=tensors)  # waits for the trainer's credit
+            self._outbox.popleft()
+            self._sending = False
+            self.outbox_changed.notify()
+
+    async def refuse(self, code: ErrorCode, message: str, seq: int | None = None) -> None:
+        """Log a refused inbound message and answer it with ``Error`` when that would not wait for
+        credit (the receive task must never block, or credit would never arrive)."""
+        self.log.warning("refused (%s): %s", code, message)
+        if self.channel.can_send():
+            await self.channel.send(Error(code=code, message=message[:_MAX_ERROR_TEXT], seq=seq))
+
+    async def _tick(self, role: PeerRole[M]) -> None:
+        while True:
+            await anyio.sleep(self.heartbeat_s)
+            with anyio.move_on_after(self.heartbeat_s):  # never pile up behind a dead connection
+                await self.channel.send(role.heartbeat())
+            role.on_tick()
+
+    # ---- receiving --------------------------------------------------------------------------
+
+    async def _receive_loop(self, role: PeerRole[M]) -> None:
+        while True:
+            try:
+                received = await self.channel.recv()
+            except SequenceError as e:
+                await self.refuse("sequence", str(e), e.seq)
+                if e.seq < e.expected:
+                    continue  # a duplicate: already handled
+                received = e.received  # a gap: the message itself is fine
+            except ProtocolError as e:
+                await self.refuse("malformed", str(e), e.seq)
+                continue
+            msg = received.msg
+            self.trainer.heard(dead=isinstance(msg, Dead))
+            if received.first and self.welcomed:
+                self.log.info("a new trainer session (seq %d): the trainer restarted or a stray peer wrote",
+                              received.seq)
+            if isinstance(msg, ConnectionMessage):
+                await self._on_connection_message(msg, received.seq)
+            else:
+                await role.on_message(received)
+
+    async def _on_connection_message(self, msg: ConnectionMessage, seq: int) -> None:
+        match msg:
+            case Welcome():
+                if self.welcomed:
+                    await self.refuse("bad_request", f"unexpected Welcome from {msg.actor_id!r}: already welcomed", seq)
+                elif msg.protocol_version != PROTOCOL_VERSION:
+                    self.stop(EXIT_REFUSED, f"the trainer speaks protocol {msg.protocol_version}, "
+                              f"this {self.name} {PROTOCOL_VERSION}")
+                else:
+                    self.log.info("welcomed by %s", msg.actor_id)
+                    self._welcomed.set()
+            case Refuse():
+                if self.welcomed:
+                    await self.refuse("bad_request", f"unexpected Refuse after the handshake: {msg.reason}", seq)
+                else:
+                    self.stop(EXIT_REFUSED, f"refused by the trainer: {msg.reason}")
+            case Credit():
+                pass  # consumed by the channel; never handed out
+            case Error():
+                about = f" about our message {msg.seq}" if msg.seq is not None else ""
+                self.log.warning("the trainer reports an error (%s)%s: %s", msg.code, about, msg.message)
+                if self.reregister and msg.code == "unknown_peer" and time.monotonic() - self._last_hello > 1.0:
+                    self._send_hello()  # the trainer restarted and does not know us: register again
+            case Dead():
+                self.log.info("the trainer (%s) is exiting (%s); waiting for it to come back", msg.actor_id,
+                              msg.reason)
+            case _:
+                assert_never(msg)
+
+
+@contextlib.asynccontextmanager
+async def trainer_channel(endpoint: str, actor_id: str, inbound: Any, window: int,
+                          linger_s: float) -> AsyncIterator[Channel[Any]]:
+    """A DEALER channel connected to the trainer at ``endpoint`` (ZeroMQ identity ``actor_id``);
+    closed on exit with ``linger_s`` for the final ``Dead`` still queued."""
+    ctx = zmq.asyncio.Context()
+    sock = make_socket(ctx, zmq.DEALER, connect=endpoint, identity=actor_id.encode())
+    try:
+        yield Channel(sock, inbound, window=window)
+    finally:
+        close_socket(sock, linger_ms=int(linger_s * 1000))
+        ctx.term()
