@@ -141,19 +141,26 @@ def free_port() -> int:
 
 @pytest.mark.anyio
 async def test_three_grpo_steps_with_two_generators(tiny_checkpoint, tmp_path: Path) -> None:
-    model, run = tiny_checkpoint("llama"), tmp_path / "run"
-    config = run_config(run, model)
+    model, run, port = tiny_checkpoint("llama"), tmp_path / "run", free_port()
+    config = run_config(run, model, network__trainer_port=port)
     result: dict[str, int] = {}
 
     async def trainer() -> None:
         result["code"] = await run_trainer(config)
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(trainer)
-        await wait_for(lambda: (run / ENDPOINT_FILENAME).exists() or "code" in result, 30, "the endpoint")
-        endpoint = (run / ENDPOINT_FILENAME).read_text()
-        assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+", endpoint), endpoint
-        with generators(endpoint, model, tmp_path) as procs:
+    def loaded(i: int) -> bool:
+        log = tmp_path / f"gen-{i}.log"
+        return log.exists() and "connecting to" in log.read_text()
+
+    # Both generators load their model before the trainer starts: the trainer never waits for a
+    # second generator, so one that was still loading could miss the whole (short) run.
+    with generators(f"tcp://127.0.0.1:{port}", model, tmp_path) as procs:
+        await wait_for(lambda: loaded(0) and loaded(1), 120, "the generators to load the model", procs)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(trainer)
+            await wait_for(lambda: (run / ENDPOINT_FILENAME).exists() or "code" in result, 30, "the endpoint")
+            endpoint = (run / ENDPOINT_FILENAME).read_text()
+            assert endpoint == f"tcp://127.0.0.1:{port}", endpoint
             await wait_for(lambda: "code" in result, 120, "the trainer to finish", procs)
             alive = [p.poll() is None for p in procs]
     assert result["code"] == 0

@@ -214,10 +214,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _with_sets(args: argparse.Namespace, argv: list[str]) -> list[str]:
-    return argv + [item for s in args.overrides for item in ("--set", s)]
-
-
 def _role_config(args: argparse.Namespace, prog: str) -> RunConfig | None:
     """The run config of ``--config`` (or the defaults) with ``--set`` overrides; ``None`` after
     printing the one error line of a bad config."""
@@ -239,14 +235,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_launch(args.config, args.overrides, trainer_module=args.trainer_module or TRAINER_MODULE,
                           startup_timeout_s=args.startup_timeout_s, grace_s=args.grace_s)
     if args.command == "trainer":
-        try:
-            from specroll.actors.trainer.trainer import main as trainer_main
-        except ModuleNotFoundError as e:
-            if e.name != "specroll.actors.trainer":
-                raise
-            print("specroll trainer: error: specroll.actors.trainer is not in this install", file=sys.stderr)
-            return EXIT_REFUSED
-        return trainer_main(_with_sets(args, ["--config", args.config]))
+        from specroll.actors.trainer.cli import serve as serve_trainer
+
+        config = _role_config(args, "specroll trainer")
+        return EXIT_REFUSED if config is None else serve_trainer(config)
     if args.command == "drafter" and args.drafter_command == "serve":
         from specroll.actors.drafter_trainer.cli import PROG, serve
 

@@ -4,7 +4,7 @@ Synchronous torch code with no I/O, called by the trainer actor in a worker thre
 
 * :func:`build_batch` turns B finished groups (n samples each) and their rewards into one
   right-padded batch of prompt + response token ids, with the loss mask over response tokens and
-  each token's behavior logprob and policy version aligned with it (``actors/grpo.py``'s layout:
+  each token's behavior logprob and policy version aligned with it (``rl/grpo.py``'s layout:
   entry ``[b, t]`` describes token ``t`` of row ``b``);
 * :func:`train_step` enforces the staleness bound η per token, runs the differentiable forward
   (``CausalLM.score``) over ``grad_accum_steps`` micro-batches, accumulates the gradient of the
@@ -18,13 +18,13 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from specroll.actors.config.schema import TrainerConfig
 from specroll.engine.model import CausalLM
 from specroll.rl.coordinator import Group
-from specroll.rl.grpo import apply_staleness, group_advantages, policy_loss, token_logprobs
+from specroll.rl.grpo import LossKind, StalenessPolicy, apply_staleness, group_advantages, policy_loss, token_logprobs
 
 
 @dataclass(frozen=True)
@@ -120,9 +120,29 @@ class StepResult:
         return max(self.staleness, default=0)
 
 
+class StepSettings(Protocol):
+    """What one step reads of the trainer's settings (the run config's ``TrainerConfig`` is one;
+    this layer names only the fields, as it imports nothing of the actors)."""
+
+    @property
+    def max_staleness(self) -> int: ...
+    @property
+    def staleness_policy(self) -> StalenessPolicy: ...
+    @property
+    def grad_accum_steps(self) -> int: ...
+    @property
+    def loss(self) -> LossKind: ...
+    @property
+    def tis_cap(self) -> float: ...
+    @property
+    def clip_eps(self) -> float: ...
+    @property
+    def max_grad_norm(self) -> float: ...
+
+
 def train_step(
     model: CausalLM, optimizer: torch.optim.Optimizer, batch: RolloutBatch, current_version: int,
-    config: TrainerConfig,
+    config: StepSettings,
 ) -> StepResult:
     """One optimizer step of GRPO on ``batch``, trained as policy version ``current_version``.
 

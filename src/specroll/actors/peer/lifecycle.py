@@ -40,6 +40,7 @@ import zmq.asyncio
 from specroll.actors.exit_codes import EXIT_OK, EXIT_PEER_LOST, EXIT_REFUSED
 from specroll.actors.peer.exit import failure, report_exit
 from specroll.actors.peer.trainer_liveness import TrainerLiveness
+from specroll.actors.wakeup import Wakeup
 from specroll.protocol.channel import Channel, Received, SequenceError
 from specroll.protocol.codec import ProtocolError
 from specroll.protocol.messages import (
@@ -62,20 +63,6 @@ ConnectionMessage = Welcome | Refuse | Credit | Error | Dead
 
 _MAX_ERROR_TEXT = 500
 """Characters of an ``Error`` message at most (a refused frame's description can be long)."""
-
-
-class Wakeup:
-    """Level-triggered wake-up: :meth:`notify` wakes every task waiting now."""
-
-    def __init__(self) -> None:
-        self._event = anyio.Event()
-
-    def notify(self) -> None:
-        self._event.set()
-        self._event = anyio.Event()
-
-    async def wait(self) -> None:
-        await self._event.wait()
 
 
 class PeerRole(Protocol[M]):

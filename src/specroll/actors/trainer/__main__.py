@@ -1,5 +1,5 @@
 import sys
 
-from specroll.actors.trainer.trainer import main
+from specroll.actors.trainer.cli import main
 
 sys.exit(main())

@@ -38,7 +38,6 @@ Beside this module: the prompt order in ``prompt_cycle.py``, the metrics records
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import signal
@@ -46,7 +45,6 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -54,25 +52,20 @@ import msgspec
 import torch
 from tqdm import tqdm
 
-from specroll.actors.config import ConfigError, RunConfig, load_config, write_resolved
-from specroll.actors.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_PEER_LOST, EXIT_REFUSED
+from specroll.actors.config import RunConfig, write_resolved
+from specroll.actors.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_PEER_LOST
 from specroll.actors.files import write_text_atomic
 from specroll.actors.trainer.checkpoint import (
     TrainerState,
-    find_checkpoint,
-    load_trainer_checkpoint,
     save_checkpoint,
 )
 from specroll.actors.trainer.client import RolloutClient
 from specroll.actors.trainer.metrics import StepMetrics, truncate_metrics
-from specroll.actors.trainer.prompt_cycle import PromptCycle
+from specroll.actors.trainer.setup import TrainerError, TrainerSetup, load_setup
 from specroll.actors.wakeup import Wakeup
-from specroll.engine.checkpoint import load_checkpoint
-from specroll.engine.model import CausalLM
-from specroll.engine.tokenizer import Tokenizer
 from specroll.rl.coordinator import Group
 from specroll.rl.grpo_step import StepResult, build_batch, train_step
-from specroll.rl.tasks import RewardFn, builtin_prompts, format_question, get_reward, load_prompts
+from specroll.rl.tasks import RewardFn, get_reward
 
 log = logging.getLogger("specroll.trainer")
 
@@ -80,50 +73,6 @@ ENDPOINT_FILENAME = "trainer.endpoint"
 METRICS_FILENAME = "metrics.jsonl"
 NO_GENERATOR_FACTOR = 3
 """The trainer gives up after ``NO_GENERATOR_FACTOR × network.heartbeat_timeout_s`` without generators."""
-
-
-class TrainerError(RuntimeError):
-    """The trainer cannot go on; ``exit_code`` is the process exit status."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-# ---- setup ------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Setup:
-    model: CausalLM
-    tokenizer: Tokenizer
-    optimizer: torch.optim.Optimizer
-    prompts: PromptCycle
-    state: TrainerState
-    resumed_from: Path | None
-
-
-def _load(config: RunConfig) -> _Setup:
-    """The policy, tokenizer, optimizer and prompts; restored from ``RUN_DIR/checkpoint`` if present."""
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.model.dtype]
-    ckpt = load_checkpoint(config.model.name, dtype)
-    model = CausalLM(ckpt.config).to(dtype)
-    model.load_weights(ckpt.weights)
-    tc = config.trainer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.learning_rate, weight_decay=tc.weight_decay)
-    task = config.task
-    prompts = (load_prompts(task.prompts, task.max_prompts) if task.prompts is not None
-               else builtin_prompts(task.builtin_count, config.seed))
-    token_ids = [ckpt.tokenizer.encode_chat(format_question(p.question)) for p in prompts]
-    state = TrainerState(step=0, policy_version=0, prompt_cursor=0, seed=config.seed, model=config.model.name)
-    path = find_checkpoint(config.run_dir)
-    if path is not None:
-        state = load_trainer_checkpoint(path, model, optimizer)
-        if state.seed != config.seed:
-            raise TrainerError(f"{path}: saved with seed {state.seed}, but the config has seed={config.seed}; "
-                               "resume with the same seed or use another run_dir")
-    cycle = PromptCycle(token_ids, [p.answer for p in prompts], config.seed, state.prompt_cursor)
-    return _Setup(model, ckpt.tokenizer, optimizer, cycle, state, path)
 
 
 def _bind_address(config: RunConfig) -> str:
@@ -145,7 +94,7 @@ class Trainer:
         client: a started client generators connect to.
     """
 
-    def __init__(self, config: RunConfig, setup: _Setup, client: RolloutClient) -> None:
+    def __init__(self, config: RunConfig, setup: TrainerSetup, client: RolloutClient) -> None:
         self.config, self.client = config, client
         self.model, self.optimizer, self.tokenizer = setup.model, setup.optimizer, setup.tokenizer
         self.prompts = setup.prompts
@@ -364,7 +313,7 @@ async def _run(config: RunConfig) -> int:
 
             if threading.current_thread() is threading.main_thread():
                 tg.start_soon(watch_signals)
-            setup = await anyio.to_thread.run_sync(_load, config)  # generators connect meanwhile
+            setup = await anyio.to_thread.run_sync(load_setup, config)  # generators connect meanwhile
             trainer = Trainer(config, setup, client)
             await trainer.run()
             log.info("trained %d steps; final policy version %d", trainer.step, trainer.version)
@@ -377,26 +326,3 @@ def _leaf(e: BaseException) -> BaseException:
     while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
         e = e.exceptions[0]
     return e
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m specroll.actors.trainer",
-                                description="Run the trainer actor: GRPO on rollouts from connected generators.")
-    p.add_argument("--config", default=None, help="run config TOML (default: the built-in defaults)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set trainer.batch_groups=2 (repeatable)")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    return p.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: parse, load the config, run; return the exit code."""
-    args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        log.error("%s", e)
-        return EXIT_REFUSED
-    return anyio.run(run_trainer, config, backend="asyncio")

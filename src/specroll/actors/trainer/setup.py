@@ -1,0 +1,61 @@
+"""What the trainer starts from: the policy, its tokenizer, AdamW and the prompt order, restored
+from ``RUN_DIR/checkpoint`` when one is there; and the trainer's one error type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specroll.actors.config import RunConfig
+from specroll.actors.exit_codes import EXIT_FAILED
+from specroll.actors.trainer.checkpoint import TrainerState, find_checkpoint, load_trainer_checkpoint
+from specroll.actors.trainer.prompt_cycle import PromptCycle
+from specroll.engine.checkpoint import load_checkpoint
+from specroll.engine.model import CausalLM
+from specroll.engine.tokenizer import Tokenizer
+from specroll.rl.tasks import builtin_prompts, format_question, load_prompts
+
+
+class TrainerError(RuntimeError):
+    """The trainer cannot go on; ``exit_code`` is the process exit status."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class TrainerSetup:
+    """What the trainer starts from: the policy, tokenizer, optimizer, prompt order and restored state."""
+
+    model: CausalLM
+    tokenizer: Tokenizer
+    optimizer: torch.optim.Optimizer
+    prompts: PromptCycle
+    state: TrainerState
+    resumed_from: Path | None
+
+
+def load_setup(config: RunConfig) -> TrainerSetup:
+    """The policy, tokenizer, optimizer and prompts; restored from ``RUN_DIR/checkpoint`` if present."""
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.model.dtype]
+    ckpt = load_checkpoint(config.model.name, dtype)
+    model = CausalLM(ckpt.config).to(dtype)
+    model.load_weights(ckpt.weights)
+    tc = config.trainer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.learning_rate, weight_decay=tc.weight_decay)
+    task = config.task
+    prompts = (load_prompts(task.prompts, task.max_prompts) if task.prompts is not None
+               else builtin_prompts(task.builtin_count, config.seed))
+    token_ids = [ckpt.tokenizer.encode_chat(format_question(p.question)) for p in prompts]
+    state = TrainerState(step=0, policy_version=0, prompt_cursor=0, seed=config.seed, model=config.model.name)
+    path = find_checkpoint(config.run_dir)
+    if path is not None:
+        state = load_trainer_checkpoint(path, model, optimizer)
+        if state.seed != config.seed:
+            raise TrainerError(f"{path}: saved with seed {state.seed}, but the config has seed={config.seed}; "
+                               "resume with the same seed or use another run_dir")
+    cycle = PromptCycle(token_ids, [p.answer for p in prompts], config.seed, state.prompt_cursor)
+    return TrainerSetup(model, ckpt.tokenizer, optimizer, cycle, state, path)
