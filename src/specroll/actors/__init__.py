@@ -10,11 +10,12 @@ or the CLI never pays for what it does not use.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from specroll.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from specroll.actors.config.schema import ConfigError, RunConfig, load_config
+    from specroll.actors.config import ConfigError, RunConfig, load_config
     from specroll.actors.trainer.client import RolloutClient
     from specroll.actors.trainer.sync_client import SyncRolloutClient
     from specroll.rl.coordinator import Group, Sample
@@ -23,9 +24,9 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "RolloutClient": "specroll.actors.trainer.client",
     "SyncRolloutClient": "specroll.actors.trainer.sync_client",
-    "RunConfig": "specroll.actors.config.schema",
-    "ConfigError": "specroll.actors.config.schema",
-    "load_config": "specroll.actors.config.schema",
+    "RunConfig": "specroll.actors.config",
+    "ConfigError": "specroll.actors.config",
+    "load_config": "specroll.actors.config",
     "Group": "specroll.rl.coordinator",
     "Sample": "specroll.rl.coordinator",
     "Prompt": "specroll.rl.tasks",
@@ -50,10 +51,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'specroll.actors' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)

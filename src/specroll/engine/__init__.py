@@ -7,8 +7,9 @@ No sockets, no threads, no event loop. The embedding API is importable from here
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from specroll.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from specroll.engine.checkpoint import Checkpoint, load_checkpoint
@@ -43,10 +44,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'specroll.engine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)
