@@ -211,6 +211,15 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def token_limit(self, request_id: str) -> int:
+        """The most prompt + response tokens a live request may reach: its ``max_tokens`` after the
+        prompt, capped by the context.
+
+        Raises:
+            KeyError: no live request has this id.
+        """
+        return self._live(request_id).max_len
+
     def prompt_token_ids(self, request_id: str) -> list[int]:
         """The prompt of a live request.
 
@@ -346,7 +355,7 @@ class Engine:
             seq.logprobs.append(logprob)
             seq.versions.append(self.weight_version)
             kept += 1
-            finish = self._finish_reason(seq, token)
+            finish = seq.stop_reason(token, self.eos_token_ids)
             if finish is not None:
                 break
         # Key the pages whose K/V is now complete: accepted drafts are in token_ids only from here.
@@ -355,15 +364,6 @@ class Engine:
             self._retire(seq, finish)
         return StepOutput(seq.request_id, seq.group_id, tokens[:kept], logprobs[:kept],
                           [self.weight_version] * kept, finish is not None, finish, seq.num_output_tokens)
-
-    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        if not seq.sampling.ignore_eos and token in self.eos_token_ids:
-            return "stop"
-        if token in seq.sampling.stop_token_ids:
-            return "stop"
-        if seq.num_tokens >= seq.max_len:
-            return "length"
-        return None
 
     # ---- weights --------------------------------------------------------------------------
 

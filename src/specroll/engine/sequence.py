@@ -34,7 +34,7 @@ class Sequence:
     generator: torch.Generator | None
     arrival: int
     max_len: int
-    """Hard cap on ``len(token_ids)`` from the context length."""
+    """Hard cap on ``len(token_ids)``: the prompt plus ``max_tokens``, at most the context length."""
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
@@ -57,6 +57,17 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+    def stop_reason(self, token: int, eos_token_ids: frozenset[int]) -> FinishReason | None:
+        """Why the sequence ends with ``token`` just appended: ``stop`` (an end-of-sequence token
+        unless ``ignore_eos``, or a stop token), ``length`` (it reached ``max_len``), else ``None``."""
+        if not self.sampling.ignore_eos and token in eos_token_ids:
+            return "stop"
+        if token in self.sampling.stop_token_ids:
+            return "stop"
+        if self.num_tokens >= self.max_len:
+            return "length"
+        return None
 
 
 @dataclass(frozen=True)

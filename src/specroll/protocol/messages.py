@@ -45,6 +45,9 @@ says ``Hello(role="drafter")``, fetches policy weights as a generator does, and 
 :class:`PublishDrafter`       drafter → trainer    a new drafter version, tensors as frames
 ============================  ===================  =============================================
 
+The weights and drafter channels' structs are in ``weights_messages.py`` and ``drafter_messages.py``,
+the struct bases and shared field types in ``wire.py``; every name is importable from here.
+
 Compatibility: fields are added only at the end, with defaults, and every change bumps
 :data:`PROTOCOL_VERSION`. Peers exchange it in :class:`Hello` and refuse a mismatch, so the other
 messages forbid unknown fields; the handshake messages accept them (and keep ``role`` a plain
@@ -53,40 +56,34 @@ string) so that a peer of another version still decodes them and gets a clear :c
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
-
-import msgspec
-
+from specroll.protocol.drafter_messages import (
+    AckDrafter,
+    Capacity,
+    DrafterAvailable,
+    DrafterWeights,
+    FetchDrafter,
+    FinishedRollouts,
+    PublishDrafter,
+    RolloutTokens,
+)
 from specroll.protocol.sampling import SamplingParams
+from specroll.protocol.weights_messages import (
+    AckWeights,
+    FetchWeights,
+    TensorRef,
+    TensorSpec,
+    WeightsAvailable,
+    WeightsChunk,
+)
+from specroll.protocol.wire import ErrorCode, FinishReason, NonNegative, Positive, WireDtype, WireMessage, WireStruct
 
 PROTOCOL_VERSION = 2
 """Bumped on every change to a message; peers of different versions refuse each other."""
 
-WireDtype = Literal["float32", "bfloat16", "float16", "int64", "int32", "uint8", "bool"]
-"""Tensor element types that may travel (torch names)."""
-FinishReason = Literal["stop", "length", "abort"]
-"""Why a request stopped: ``stop`` (end of sequence or a stop token), ``length`` (its max_tokens or
-the context), ``abort``. The engine reports the same values (one definition, here)."""
-ErrorCode = Literal["malformed", "sequence", "unknown_peer", "unknown_group", "bad_request", "internal"]
-"""``malformed``: undecodable frames; ``sequence``: a gap or duplicate; ``unknown_peer``: no
-handshake yet; ``unknown_group``: abort/chunk for a group not known; ``bad_request``: decodable but
-not acceptable now (e.g. a weight version never published); ``internal``: the peer's own failure."""
-
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
-
-
-class _Struct(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True, gc=False):
-    """Plain nested struct. ``gc=False``: messages hold only scalars, lists and structs, never cycles."""
-
-
-class _Message(_Struct, tag_field="type"):
-    """Base of every top-level message; the tag is the ``type`` field."""
-
-
 # ---- handshake --------------------------------------------------------------------------------
 
 
-class Hello(_Message, tag="hello", forbid_unknown_fields=False):
+class Hello(WireMessage, tag="hello", forbid_unknown_fields=False):
     """First message of a connecting actor. The receiver answers :class:`Welcome` or :class:`Refuse`."""
 
     protocol_version: int
@@ -99,7 +96,7 @@ class Hello(_Message, tag="hello", forbid_unknown_fields=False):
     """Optional features, e.g. ``"speculative"``, ``"resume"``, ``"bf16-weights"``."""
 
 
-class Welcome(_Message, tag="welcome", forbid_unknown_fields=False):
+class Welcome(WireMessage, tag="welcome", forbid_unknown_fields=False):
     """The handshake succeeded."""
 
     protocol_version: int
@@ -108,7 +105,7 @@ class Welcome(_Message, tag="welcome", forbid_unknown_fields=False):
     capabilities: tuple[str, ...] = ()
 
 
-class Refuse(_Message, tag="refuse", forbid_unknown_fields=False):
+class Refuse(WireMessage, tag="refuse", forbid_unknown_fields=False):
     """The handshake failed; the refused actor should exit with ``reason``."""
 
     reason: str
@@ -120,7 +117,7 @@ class Refuse(_Message, tag="refuse", forbid_unknown_fields=False):
 # ---- rollouts ---------------------------------------------------------------------------------
 
 
-class SampleResume(_Struct):
+class SampleResume(WireStruct):
     """The response tokens one sample already has: a group continues on another generator from here."""
 
     index: NonNegative
@@ -140,7 +137,7 @@ class SampleResume(_Struct):
             )
 
 
-class SubmitGroup(_Message, tag="submit_group"):
+class SubmitGroup(WireMessage, tag="submit_group"):
     """Generate ``n`` samples of one prompt (a GRPO group), streaming :class:`RolloutChunk` deltas.
 
     With ``resume`` non-empty the group continues elsewhere after a generator died: exactly the
@@ -151,7 +148,7 @@ class SubmitGroup(_Message, tag="submit_group"):
 
     group_id: str
     prompt_token_ids: list[int]
-    n: Annotated[int, msgspec.Meta(ge=1)]
+    n: Positive
     sampling: SamplingParams
     resume: tuple[SampleResume, ...] = ()
 
@@ -167,7 +164,7 @@ class SubmitGroup(_Message, tag="submit_group"):
             )
 
 
-class SpecStats(_Struct):
+class SpecStats(WireStruct):
     """Speculative-decoding counters for the steps a chunk covers (acceptance length =
     ``1 + num_accepted / num_draft_steps``)."""
 
@@ -183,7 +180,7 @@ class SpecStats(_Struct):
     drafts all come from one version."""
 
 
-class RolloutChunk(_Message, tag="rollout_chunk"):
+class RolloutChunk(WireMessage, tag="rollout_chunk"):
     """New tokens of one sample: a delta, never the whole sequence.
 
     ``token_ids``, ``logprobs`` and ``versions`` are aligned: token i was sampled with behavior
@@ -218,156 +215,16 @@ class RolloutChunk(_Message, tag="rollout_chunk"):
             )
 
 
-class Abort(_Message, tag="abort"):
+class Abort(WireMessage, tag="abort"):
     """Stop a group now; each unfinished sample sends a last chunk with finish reason ``"abort"``."""
 
     group_id: str
 
 
-# ---- weights ----------------------------------------------------------------------------------
-
-
-class TensorRef(_Struct):
-    """Where a tensor of a message travels: frame ``frame`` (>= 1) holds its raw bytes, C order."""
-
-    name: str
-    dtype: WireDtype
-    shape: tuple[NonNegative, ...]
-    frame: Annotated[int, msgspec.Meta(ge=1)]
-
-
-class TensorSpec(_Struct):
-    """A tensor's name and shape, announced before it is sent."""
-
-    name: str
-    shape: tuple[NonNegative, ...]
-
-
-class WeightsAvailable(_Message, tag="weights_available"):
-    """Policy version ``version`` is published; a generator fetches it with :class:`FetchWeights`."""
-
-    version: NonNegative
-    dtype: WireDtype
-    """Element type on the wire (``float32`` or ``bfloat16``); the generator casts to its own."""
-    params: list[TensorSpec]
-    """Hugging Face parameter names and shapes, in the order the chunks send them."""
-    num_chunks: Annotated[int, msgspec.Meta(ge=1)]
-
-
-class FetchWeights(_Message, tag="fetch_weights"):
-    """Send me version ``version`` (answered by its :class:`WeightsChunk` messages, in order)."""
-
-    version: NonNegative
-
-
-class WeightsChunk(_Message, tag="weights_chunk"):
-    """Chunk ``index`` of ``num_chunks`` of a policy version; ``tensors`` point at the frames after
-    the header. Apply the version only once every chunk arrived (atomic update)."""
-
-    version: NonNegative
-    index: NonNegative
-    num_chunks: Annotated[int, msgspec.Meta(ge=1)]
-    tensors: tuple[TensorRef, ...]
-
-    def __post_init__(self) -> None:
-        if self.index >= self.num_chunks:
-            raise ValueError(f"weights chunk index {self.index}, expected < num_chunks={self.num_chunks}")
-
-
-class AckWeights(_Message, tag="ack_weights"):
-    """The generator now serves policy version ``version`` (tokens from its next step carry it)."""
-
-    version: NonNegative
-
-
-# ---- drafters --------------------------------------------------------------------------------
-
-
-class RolloutTokens(_Struct):
-    """One finished rollout as the drafter trainer needs it: token ids only."""
-
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    """Response token ids."""
-    policy_version: int
-    """The newest policy version among its tokens."""
-
-
-class FinishedRollouts(_Message, tag="finished_rollouts"):
-    """Rollouts of groups that just finished (the drafter trainer's training data)."""
-
-    rollouts: list[RolloutTokens]
-
-
-class Capacity(_Message, tag="capacity"):
-    """The generators' load, sent to the drafter trainer about twice a second: it trains when
-    there is idle capacity (the tail phase) and stops between its steps when ``pause``."""
-
-    live_seqs: NonNegative
-    """Sequences decoding in all generators' live batches (their last heartbeats)."""
-    max_seqs: NonNegative
-    """Sequences all generators could decode at once."""
-    pause: bool = False
-    """Stop training until a ``Capacity`` without it (e.g. the trainer's own step needs the cores)."""
-
-
-class PublishDrafter(_Message, tag="publish_drafter"):
-    """A new drafter version; ``tensors`` point at the frames after the header (float32 weights,
-    the int64 ``draft_to_target``)."""
-
-    version: Annotated[int, msgspec.Meta(ge=1)]
-    """Drafter version: 1, 2, ... per drafter trainer incarnation, above every earlier one."""
-    policy_version: int
-    """The policy version it was trained against."""
-    config: str
-    """The head's config as JSON (``EagleConfig``, the drafter directory's ``config.json``)."""
-    checksum: str
-    """SHA-256 of the tensors (``specroll.drafter.eagle_head.head_checksum``)."""
-    tensors: tuple[TensorRef, ...]
-    train_steps: NonNegative = 0
-    """Optimizer steps the drafter trainer had taken."""
-
-
-class DrafterAvailable(_Message, tag="drafter_available"):
-    """Drafter ``version`` is published; a generator that speculates with a learned drafter
-    fetches it with :class:`FetchDrafter`. A drafter trainer gets it too (when it joins, after
-    publishing a version that was not above it, when another one publishes): its next version
-    is numbered above it."""
-
-    version: Annotated[int, msgspec.Meta(ge=1)]
-    policy_version: int
-    checksum: str
-
-
-class FetchDrafter(_Message, tag="fetch_drafter"):
-    """Send me drafter version ``version`` (answered by one :class:`DrafterWeights`)."""
-
-    version: Annotated[int, msgspec.Meta(ge=1)]
-
-
-class DrafterWeights(_Message, tag="drafter_weights"):
-    """A whole drafter version (a few MB: one message); applied between steps."""
-
-    version: Annotated[int, msgspec.Meta(ge=1)]
-    policy_version: int
-    config: str
-    checksum: str
-    tensors: tuple[TensorRef, ...]
-
-
-class AckDrafter(_Message, tag="ack_drafter"):
-    """The generator now serves drafter ``version`` and computed ``checksum`` over what it received;
-    with ``refused`` set it did not load it (and says why) and keeps what it served before."""
-
-    version: Annotated[int, msgspec.Meta(ge=1)]
-    checksum: str
-    refused: str = ""
-
-
 # ---- liveness, stats, control -----------------------------------------------------------------
 
 
-class Heartbeat(_Message, tag="heartbeat"):
+class Heartbeat(WireMessage, tag="heartbeat"):
     """Sent every heartbeat interval; its absence for a timeout marks the generator dead."""
 
     policy_version: int
@@ -380,7 +237,7 @@ class Heartbeat(_Message, tag="heartbeat"):
     """How many more sequences (samples) it can take now."""
 
 
-class Stats(_Message, tag="stats"):
+class Stats(WireMessage, tag="stats"):
     """Cumulative generator counters since it started (the trainer takes differences)."""
 
     policy_version: int
@@ -397,7 +254,7 @@ class Stats(_Message, tag="stats"):
     """Drafter version served now (0: none received)."""
 
 
-class Credit(_Message, tag="credit"):
+class Credit(WireMessage, tag="credit"):
     """Flow control: the receiver lets its peer send messages with sequence numbers below ``limit``.
 
     Cumulative (the largest limit wins), so a lost or late grant is healed by the next one.
@@ -406,7 +263,7 @@ class Credit(_Message, tag="credit"):
     limit: NonNegative
 
 
-class Error(_Message, tag="error"):
+class Error(WireMessage, tag="error"):
     """A message was refused; ``seq`` is its sequence number when it could be read."""
 
     code: ErrorCode
@@ -415,7 +272,7 @@ class Error(_Message, tag="error"):
     seq: int | None = None
 
 
-class Dead(_Message, tag="dead"):
+class Dead(WireMessage, tag="dead"):
     """The sender is exiting; its peer stops routing work to it at once (no heartbeat timeout)."""
 
     actor_id: str
@@ -436,3 +293,43 @@ CONTROL_MESSAGES: tuple[type, ...] = (Credit, Heartbeat, Dead)
 """Not numbered and sent without waiting for credit (``protocol/channel.py``): flow control itself,
 liveness and the last word must never be stuck behind data. Their rate is bounded by time, not by
 work, so they cannot flood a peer."""
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Abort",
+    "AckDrafter",
+    "AckWeights",
+    "Capacity",
+    "Credit",
+    "Dead",
+    "DrafterAvailable",
+    "DrafterWeights",
+    "Error",
+    "ErrorCode",
+    "FetchDrafter",
+    "FetchWeights",
+    "FinishReason",
+    "FinishedRollouts",
+    "Heartbeat",
+    "Hello",
+    "NonNegative",
+    "PublishDrafter",
+    "Refuse",
+    "RolloutChunk",
+    "RolloutTokens",
+    "SampleResume",
+    "SpecStats",
+    "Stats",
+    "SubmitGroup",
+    "TensorRef",
+    "TensorSpec",
+    "ToDrafter",
+    "ToGenerator",
+    "ToTrainer",
+    "WeightsAvailable",
+    "WeightsChunk",
+    "Welcome",
+    "WireDtype",
+    "WireMessage",
+    "WireStruct",
+]

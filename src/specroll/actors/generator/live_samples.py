@@ -78,7 +78,6 @@ class LiveSamples:
         except ValueError as e:
             for stream in added:
                 self.engine.abort(stream.request_id)
-                self._forget_cap(stream.request_id)
             raise SampleRefused("bad_request", f"group {msg.group_id!r}: {e}") from None
         self.groups[msg.group_id] = {s.index: s for s in added}
         self.streams.update((s.request_id, s) for s in added)
@@ -127,8 +126,7 @@ class LiveSamples:
 
     def token_caps(self) -> dict[str, int]:
         """Live request id → the most prompt + response tokens it may reach."""
-        return {s.request_id: min(self.engine.max_model_len, len(s.prompt_token_ids) + s.sampling.max_tokens)
-                for s in self.streams.values()}
+        return {request_id: self.engine.token_limit(request_id) for request_id in self.engine.live_request_ids()}
 
     def recompute(self) -> None:
         """Re-prefill every live request under the new weights: abort it and add it again with its
@@ -155,19 +153,11 @@ class LiveSamples:
             seed = hash((seed, stream.index, stream.engine_base)) & (2**63 - 1)
         sampling = msgspec.structs.replace(sampling, max_tokens=stream.remaining, seed=seed)
         self.engine.add_request(prompt, sampling, stream.request_id, group_id=stream.group_id)
-        if self.drafter.counter is not None:
-            cap = min(self.engine.max_model_len, len(prompt) + stream.remaining)
-            self.drafter.counter.max_len[stream.request_id] = cap
-
-    def _forget_cap(self, request_id: str) -> None:
-        if self.drafter.counter is not None:
-            self.drafter.counter.max_len.pop(request_id, None)
 
     def _finish(self, stream: SampleStream, reason: FinishReason) -> None:
         """Send the sample's final chunk and forget it (and its group once every sample finished)."""
         self.put(self._chunk(stream, reason))
         self.streams.pop(stream.request_id, None)
-        self._forget_cap(stream.request_id)
         group = self.groups.get(stream.group_id)
         if group is not None:
             group.pop(stream.index, None)

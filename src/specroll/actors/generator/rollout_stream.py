@@ -100,15 +100,13 @@ class DraftCounter:
     """A :class:`~specroll.engine.spec.proposer.Proposer` that forwards to ``inner`` and records how many
     drafts of each request the engine verifies in a step (for per-chunk :class:`SpecStats`).
 
-    The engine caps a row's drafts with :func:`~specroll.engine.spec.proposer.draft_cap`; ``max_len``
-    holds each live request's length limit so the count here matches.
+    The engine caps a row's drafts with :func:`~specroll.engine.spec.proposer.draft_cap` over the
+    row's ``max_len``; the count here applies the same cap to the same row.
     """
 
     def __init__(self, inner: Proposer) -> None:
         self.inner = inner
         self.feature_layers: tuple[int, ...] = tuple(inner.feature_layers)
-        self.max_len: dict[str, int] = {}
-        """request id → hard cap on prompt + response tokens of the engine request."""
         self.drafted: dict[str, int] = {}
         """request id → drafts verified in the last step (cleared by the actor after each step)."""
 
@@ -124,6 +122,6 @@ class DraftCounter:
     def propose(self, batch: Sequence[DraftInput], k: int) -> Proposal:
         proposal = self.inner.propose(batch, k)
         for row, n in zip(batch, proposal.num_drafts.tolist(), strict=True):
-            cap = draft_cap(self.max_len.get(row.request_id, 0), len(row.token_ids), k)
+            cap = k if row.max_len is None else draft_cap(row.max_len, len(row.token_ids), k)
             self.drafted[row.request_id] = max(0, min(int(n), cap))
         return proposal

@@ -21,7 +21,8 @@ def propose_drafts(
     if not decoding:
         return {}, {}
     proposal = proposer.propose(
-        [DraftInput(seq.request_id, seq.group_id, seq.token_ids, seq.sampling) for seq in decoding], k
+        [DraftInput(seq.request_id, seq.group_id, seq.token_ids, seq.sampling, seq.max_len) for seq in decoding],
+        k
     )
     valid = valid_drafts(proposal, len(decoding), k, vocab_size)  # [B] usable drafts per row
     drafts, probs = {}, {}

@@ -47,6 +47,9 @@ class DraftInput:
     """Prompt + response so far."""
     sampling: SamplingParams
     """The request's sampling; a sampling drafter draws from q processed the same way."""
+    max_len: int | None = None
+    """The most prompt + response tokens the request may reach (its ``max_tokens``, capped by the
+    context): with :func:`draft_cap`, how many drafts the engine verifies. ``None``: not given."""
 
 
 @dataclass(frozen=True)
