@@ -211,15 +211,6 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def token_limit(self, request_id: str) -> int:
-        """The most prompt + response tokens a live request may reach: its ``max_tokens`` after the
-        prompt, capped by the context.
-
-        Raises:
-            KeyError: no live request has this id.
-        """
-        return self._live(request_id).max_len
-
     def prompt_token_ids(self, request_id: str) -> list[int]:
         """The prompt of a live request.
 

@@ -320,7 +320,7 @@ class GeneratorActor:
 
     def _apply_drafter(self, ready: ReadyDrafter) -> None:
         self.samples.flush()
-        self.peer.put(self.drafter.swap(ready, self.samples.token_caps()))
+        self.peer.put(self.drafter.swap(ready))
         self._drafter_fetch.done(ready.version)
         self._maybe_fetch_drafter()
 

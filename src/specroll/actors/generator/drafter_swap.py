@@ -77,11 +77,8 @@ class DrafterSlot:
         self.kv_cache_memory_gb = kv_cache_memory_gb
         self.seed = seed
 
-    def apply(self, ready: ReadyDrafter, max_len: dict[str, int]) -> DraftCounter:
+    def apply(self, ready: ReadyDrafter) -> DraftCounter:
         """Serve ``ready`` from the next step on; returns the (possibly new) draft counter.
-
-        Args:
-            max_len: live request id → its token cap, for a new counter's draft counting.
 
         Raises:
             DrafterError: the engine refused it (nothing changed then).
@@ -93,18 +90,17 @@ class DrafterSlot:
             proposer = EagleProposer(ready.head, sample_drafts=True, kv_cache_memory_gb=self.kv_cache_memory_gb,
                                      page_size=self.engine.config.page_size, seed=self.seed)
             counter = DraftCounter(proposer)
-            counter.max_len.update(max_len)
             self.engine.set_proposer(counter)
             self.counter = counter
         self.version, self.checksum = ready.version, ready.checksum
         assert self.counter is not None
         return self.counter
 
-    def swap(self, ready: ReadyDrafter, token_caps: dict[str, int]) -> AckDrafter:
+    def swap(self, ready: ReadyDrafter) -> AckDrafter:
         """:meth:`apply` ``ready`` and return the acknowledgement for the trainer (with the refusal,
         when the engine refused it and nothing changed)."""
         try:
-            self.apply(ready, token_caps)
+            self.apply(ready)
         except (DrafterError, ValueError) as e:
             log.error("drafter version %d refused by the engine: %s; still serving drafter version %d",
                       ready.version, e, self.version)

@@ -124,10 +124,6 @@ class LiveSamples:
             if stream.token_ids:
                 self.put(self._chunk(stream))
 
-    def token_caps(self) -> dict[str, int]:
-        """Live request id → the most prompt + response tokens it may reach."""
-        return {request_id: self.engine.token_limit(request_id) for request_id in self.engine.live_request_ids()}
-
     def recompute(self) -> None:
         """Re-prefill every live request under the new weights: abort it and add it again with its
         response so far folded into the prompt. Its emitted tokens stay in the stream (with their

@@ -13,7 +13,14 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
+
 from specroll.actors.jobs.generate import GenerateError
+from specroll.drafter.eagle_head import DrafterError, EagleHead
+from specroll.drafter.learner import DrafterLearner, LearnerConfig
+from specroll.engine.checkpoint import CheckpointError, load_checkpoint
+from specroll.engine.device import check_device
+from specroll.engine.model import CausalLM
 
 
 def read_rollouts(path: str) -> list[tuple[list[int], int]]:
@@ -57,14 +64,6 @@ def run_drafter_train(args: argparse.Namespace) -> None:
             paths, files, model, or a drafter (``--init``) made for another target; nothing is
             written then.
     """
-    import torch
-
-    from specroll.drafter.eagle_head import DrafterError, EagleHead
-    from specroll.drafter.learner import DrafterLearner, LearnerConfig
-    from specroll.engine.checkpoint import CheckpointError, load_checkpoint
-    from specroll.engine.device import check_device
-    from specroll.engine.model import CausalLM
-
     try:
         device = check_device(args.device)
     except ValueError as exc:

@@ -11,6 +11,14 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from specroll.actors.jobs.progress import run_with_progress
+from specroll.drafter.eagle import EagleProposer
+from specroll.drafter.suffix import SuffixProposer
+from specroll.engine.chat_template import ChatTemplateError
+from specroll.engine.checkpoint import CheckpointError
+from specroll.engine.config import EngineConfig
+from specroll.engine.engine import Engine
+from specroll.protocol.sampling import SamplingParams
 from specroll.rl.tasks import (
     Prompt,
     PromptFileError,
@@ -22,9 +30,7 @@ from specroll.rl.tasks import (
 )
 
 if TYPE_CHECKING:
-    from specroll.engine.engine import Engine
     from specroll.engine.tokenizer import Tokenizer
-    from specroll.protocol.sampling import SamplingParams
 
 
 class GenerateError(Exception):
@@ -33,7 +39,6 @@ class GenerateError(Exception):
 
 class RolloutRecord(msgspec.Struct, frozen=True):
     """One line of the output file."""
-
     prompt_id: str
     sample_index: int
     prompt: str
@@ -66,8 +71,6 @@ def run_generate(args: argparse.Namespace) -> None:
         GenerateError: bad prompts file, model, sampling value or a prompt too long; nothing is
             written then.
     """
-    from specroll.protocol.sampling import SamplingParams
-
     if Path(args.out).is_dir():
         raise GenerateError(f"--out {args.out} is a directory; expected a file path")
     prompts = _load_task(args)
@@ -104,8 +107,6 @@ def _generate(args: argparse.Namespace, prompts: list[Prompt], base: SamplingPar
             engine.add_request(prompt_ids[p.prompt_id], msgspec.structs.replace(base, seed=seed),
                                request_id=f"{p.prompt_id}#{i}", group_id=p.prompt_id)
 
-    from specroll.actors.jobs.progress import run_with_progress
-
     run = run_with_progress(engine, total=len(prompts) * args.n, disable=args.no_progress)
     done, num_tokens, elapsed = run.completions, run.num_tokens, run.seconds
 
@@ -139,10 +140,7 @@ def _speculation_summary(engine: Engine) -> str:
             f"acceptance length {stats.acceptance_length:.2f}")
 
 
-def _build_engine(args: argparse.Namespace):  # -> Engine, imported lazily (torch)
-    from specroll.engine.checkpoint import CheckpointError
-    from specroll.engine.config import EngineConfig
-    from specroll.engine.engine import Engine
+def _build_engine(args: argparse.Namespace) -> Engine:
 
     if args.drafter is not None and args.speculative not in ("eagle", "auto"):
         raise GenerateError(f"--drafter {args.drafter} is used only with --speculative eagle or auto, "
@@ -162,22 +160,16 @@ def _build_engine(args: argparse.Namespace):  # -> Engine, imported lazily (torc
         raise GenerateError(str(exc)) from None
 
 
-def _build_proposer(args: argparse.Namespace, page_size: int):  # -> Proposer | None
+def _build_proposer(args: argparse.Namespace, page_size: int) -> EagleProposer | SuffixProposer | None:
     if args.speculative == "off":
         return None
     if args.drafter is not None:
-        from specroll.drafter.eagle import EagleProposer
-
         return EagleProposer(args.drafter, page_size=page_size, seed=args.seed)
-    from specroll.drafter.suffix import SuffixProposer
-
     return SuffixProposer()
 
 
 def _encode_prompt(tok: Tokenizer, question: str) -> list[int]:
     """The chat-formatted prompt, or the plain question and instruction for a base model."""
-    from specroll.engine.chat_template import ChatTemplateError
-
     messages = format_question(question)
     if tok.chat_template is None:
         return tok.encode(messages[-1]["content"])
@@ -191,7 +183,6 @@ class _AtomicOutput:
     """The output file, written all at once: a temporary file beside it is created before any work
     (so an unwritable path fails at once) and renamed over it on success; on failure the temporary
     file and any folders made for it are removed, and an existing output is left untouched."""
-
     def __init__(self, path: Path) -> None:
         self.path = path
 

@@ -10,7 +10,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
+
 from specroll.actors.jobs.generate import GenerateError, _encode_prompt, _load_task
+from specroll.drafter.eagle_head import EagleConfig, EagleHead, build_draft_vocab, eagle3_feature_layers
+from specroll.engine.checkpoint import CheckpointError, load_checkpoint
 
 
 def run_init_drafter(args: argparse.Namespace) -> None:
@@ -19,11 +23,6 @@ def run_init_drafter(args: argparse.Namespace) -> None:
     Raises:
         GenerateError: bad model, prompts, feature choice or vocabulary size; nothing is written then.
     """
-    import torch
-
-    from specroll.drafter.eagle_head import EagleConfig, EagleHead, build_draft_vocab, eagle3_feature_layers
-    from specroll.engine.checkpoint import CheckpointError, load_checkpoint
-
     if not args.out.strip():
         raise GenerateError("--out is empty; expected the directory to write the drafter into")
     out = Path(args.out)

@@ -7,11 +7,17 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specroll.actors.launch.errors import LaunchError
+from specroll.actors.trainer.checkpoint import STATE_FILE, find_checkpoint
+from specroll.drafter.eagle_head import DrafterError, EagleHead
+from specroll.engine.checkpoint import CheckpointError, load_model_config
+from specroll.engine.registry import resolve_model
+from specroll.rl.tasks import PromptFileError, load_prompts
 
 if TYPE_CHECKING:
     from specroll.actors.config.schema import RunConfig
@@ -30,13 +36,6 @@ def preflight(config: RunConfig) -> str | None:
     Raises:
         LaunchError: naming the key, the value and what was expected.
     """
-    import socket
-
-    from specroll.actors.trainer.checkpoint import STATE_FILE, find_checkpoint
-    from specroll.engine.checkpoint import CheckpointError
-    from specroll.engine.registry import resolve_model
-    from specroll.rl.tasks import PromptFileError, load_prompts
-
     try:
         resolve_model(config.model.name)
     except CheckpointError as e:
@@ -76,8 +75,6 @@ def _check_drafter(config: RunConfig) -> None:
     cold_start = drafter.enabled and drafter.path is None
     if drafter.path is None and not cold_start:
         return
-    from specroll.drafter.eagle_head import DrafterError, EagleHead
-    from specroll.engine.checkpoint import CheckpointError, load_model_config
 
     try:
         model = load_model_config(config.model.name)
