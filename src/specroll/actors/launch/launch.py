@@ -5,7 +5,7 @@ Lifecycle:
 
 1. The config is loaded and validated (a ``ConfigError`` is one line, exit 2, nothing started), the
    model, prompts, port and checkpoint are checked and the run directory is locked
-   (``launch_preflight.py``), and the config is written resolved to ``RUN_DIR/config.toml``; every
+   (``preflight.py``), and the config is written resolved to ``RUN_DIR/config.toml``; every
    role reads that file.
 2. The trainer starts (``python -m specroll.actors.trainer --config RUN_DIR/config.toml``) after a
    stale ``RUN_DIR/trainer.endpoint`` is removed; once bound it writes its endpoint there, which the

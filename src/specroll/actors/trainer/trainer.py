@@ -31,9 +31,10 @@ Policy version: the number of optimizer steps taken, plus any jumps made so that
 never below one a generator already reports (step 2, and whenever a generator or a rollout token
 reports a version above the trainer's; the current weights are then republished above it).
 
-Beside this module: the prompt order in ``prompt_cycle.py``, the metrics records in
-``trainer_metrics.py``, checkpoints in ``trainer_checkpoint.py``, the GRPO maths in ``grpo.py`` and
-``grpo_step.py``.
+Beside this module: its start (policy, optimizer, prompts, restore) in ``setup.py``, the prompt
+order in ``prompt_cycle.py``, the metrics records in ``metrics.py``, checkpoints in
+``checkpoint.py``, the command line in ``cli.py``; the GRPO maths in ``specroll/rl/`` (``grpo.py``,
+``grpo_step.py``).
 """
 
 from __future__ import annotations
