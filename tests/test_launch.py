@@ -138,9 +138,11 @@ def test_launch_runs_three_steps_and_leaves_nothing(tmp_path: Path, tiny_checkpo
     assert steps == [1, 2, 3]
     assert [line.split(":")[0] for line in out.splitlines()] == ["step 1", "step 2", "step 3"]
     assert (run_dir / "config.toml").exists() and (run_dir / "trainer.endpoint").exists()
-    for i in range(2):  # served, then stopped by the launcher's SIGTERM (not by the SIGKILL fallback)
-        log = (run_dir / "logs" / f"generator-{i}.log").read_text()
-        assert "welcomed by" in log and "exits with code 0: received SIGTERM" in log, log
+    logs = [(run_dir / "logs" / f"generator-{i}.log").read_text() for i in range(2)]
+    # Each is stopped by the launcher's SIGTERM (not by the SIGKILL fallback) — also one still loading
+    # its model when the short run ended, which a loaded machine makes possible; at least one served.
+    assert all("exits with code 0: received SIGTERM" in log for log in logs), logs
+    assert any("welcomed by" in log for log in logs), logs
     assert "finished 3 steps" in err
 
 
@@ -232,7 +234,7 @@ def test_generator_settings_from_config_with_flag_overrides(tmp_path: Path) -> N
 def test_generator_config_errors_exit_2_with_one_line(tmp_path: Path) -> None:
     config = tmp_path / "run.toml"
     config.write_text("[generator]\nkv_policy = \"sometimes\"\n")
-    for args in (["--config", str(config)], ["--set", "a=1", "--model", "m"]):
+    for args in (["--config", str(config)], ["--set", "a=1", "--model", "m"], ["--model", str(tmp_path / "none")]):
         proc = subprocess.run([sys.executable, "-m", "specroll.actors.generator", "--connect", "tcp://127.0.0.1:9",
                                *args], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr

@@ -36,56 +36,9 @@ from specroll.drafter.eagle_head import (
     eagle3_feature_layers,
     head_checksum,
 )
+from specroll.drafter.learner_config import LearnerConfig
 from specroll.drafter.ttt import Rollout, target_features, ttt_loss, window_start
 from specroll.engine.model import CausalLM
-
-
-@dataclass(frozen=True)
-class LearnerConfig:
-    """Training settings of a :class:`DrafterLearner`.
-
-    Raises:
-        ValueError: on construction, naming the field, when a value is out of range.
-    """
-
-    lr: float = 1e-3
-    """AdamW learning rate (constant)."""
-    weight_decay: float = 0.0
-    batch: int = 4
-    """Windows per optimizer step."""
-    window: int = 128
-    """Tokens per window (a window ends in the response); at least ``ttt_steps + 2``."""
-    ttt_steps: int = 3
-    """Unrolled draft steps of the training-time-test loss."""
-    hidden_weight: float = 0.0
-    """Weight of the optional hidden-state regression (:func:`ttt_loss`); 0: soft CE only."""
-    buffer_rollouts: int = 512
-    """Replay buffer capacity in rollouts (oldest dropped first): the recent RL steps."""
-    min_rollouts: int = 8
-    """Rollouts needed before the first step (cold start builds the head from them)."""
-    max_context: int = 1024
-    """Tokens of a rollout whose features are computed (a longer one is cut at the end)."""
-    draft_vocab_size: int = 4096
-    """Draft vocabulary of a cold-started head (capped at the target's vocabulary)."""
-    features: str = "eagle3"
-    """Taps of a cold-started head: ``eagle3`` (low/mid/high layers) or ``last`` (EAGLE-1)."""
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("batch", "window", "ttt_steps", "buffer_rollouts", "min_rollouts", "max_context",
-                     "draft_vocab_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"drafter {name}={getattr(self, name)}, expected a positive integer")
-        if self.window < self.ttt_steps + 2:  # step i of the unrolled loss predicts x_{t+2+i}
-            raise ValueError(f"drafter window={self.window}, expected at least ttt_steps + 2 = {self.ttt_steps + 2} "
-                             f"tokens (ttt_steps={self.ttt_steps}; the first draft predicts x_(t+2))")
-        if self.hidden_weight < 0:
-            raise ValueError(f"drafter hidden_weight={self.hidden_weight}, expected >= 0")
-        if not self.lr > 0 or self.weight_decay < 0:
-            raise ValueError(f"drafter lr={self.lr}, weight_decay={self.weight_decay}: expected lr > 0 and "
-                             "weight_decay >= 0")
-        if self.features not in ("eagle3", "last"):
-            raise ValueError(f"drafter features={self.features!r}, expected 'eagle3' or 'last'")
 
 
 @dataclass(frozen=True)

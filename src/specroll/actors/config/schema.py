@@ -35,7 +35,7 @@ import msgspec
 from specroll.actors.config.section import Section as _Section
 from specroll.actors.config.section import check_literals as _check_literals
 from specroll.actors.config.section import require as _require
-from specroll.drafter.learner import LearnerConfig
+from specroll.drafter.learner_config import LearnerConfig
 from specroll.engine.config import EngineConfig
 from specroll.engine.registry import DEFAULT_MODEL
 from specroll.protocol.sampling import SamplingParams

@@ -16,6 +16,7 @@ from specroll.actors.config import ConfigError, RunConfig, load_config
 from specroll.actors.drafter_trainer.actor import run_drafter
 from specroll.actors.exit_codes import EXIT_REFUSED
 from specroll.actors.peer.endpoint import check_endpoint
+from specroll.actors.peer.exit import run_stoppable
 from specroll.drafter.eagle_head import DrafterError
 from specroll.engine.checkpoint import CheckpointError
 
@@ -43,8 +44,10 @@ def serve(config: RunConfig, connect: str, actor_id: str | None = None, log_leve
     except ValueError as e:
         print(f"{prog}: error: --connect {e}", file=sys.stderr)
         return EXIT_REFUSED
+    actor_id = actor_id or f"drafter-{uuid.uuid4().hex}"
     try:
-        return anyio.run(run_drafter, config, connect, actor_id or f"drafter-{uuid.uuid4().hex}", backend="asyncio")
+        return run_stoppable(lambda: anyio.run(run_drafter, config, connect, actor_id, backend="asyncio"),
+                             logging.getLogger("specroll.drafter"), "drafter trainer", actor_id)
     except (CheckpointError, DrafterError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_REFUSED

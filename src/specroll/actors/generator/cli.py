@@ -21,6 +21,9 @@ from specroll.actors.config import ConfigError, RunConfig, load_config, toml_val
 from specroll.actors.exit_codes import EXIT_REFUSED
 from specroll.actors.generator.actor import run_generator
 from specroll.actors.peer.endpoint import endpoint_arg
+from specroll.actors.peer.exit import run_stoppable
+from specroll.drafter.eagle_head import DrafterError
+from specroll.engine.errors import CheckpointError
 
 FLAG_KEYS: dict[str, str] = {
     "model": "model.name",
@@ -143,7 +146,13 @@ def serve(start: GeneratorStart) -> int:
     """Run one generator process: log to stderr, serve the trainer until stopped, return the exit code."""
     logging.basicConfig(level=start.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return anyio.run(run_generator, start.config, start.connect, start.actor_id, backend="asyncio")
+    try:
+        return run_stoppable(
+            lambda: anyio.run(run_generator, start.config, start.connect, start.actor_id, backend="asyncio"),
+            logging.getLogger("specroll.generator"), "generator", start.actor_id)
+    except (CheckpointError, DrafterError) as e:  # the model or the drafter to serve does not load
+        print(f"specroll generator: error: {e}", file=sys.stderr)
+        return EXIT_REFUSED
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,6 +9,9 @@ at once instead of after a heartbeat timeout, and exits with the code of the fir
 from __future__ import annotations
 
 import logging
+import signal
+from collections.abc import Callable
+from types import FrameType
 
 import anyio
 
@@ -32,3 +35,29 @@ async def report_exit(channel: Channel, actor_id: str, exit: tuple[int, str] | N
     log.log(logging.INFO if code == EXIT_OK else logging.ERROR, "%s %s exits with code %d: %s", what, actor_id,
             code, reason)
     return code
+
+
+class _StoppedWhileStarting(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signal_name = signal.Signals(signum).name
+
+
+def run_stoppable(run: Callable[[], int], log: logging.Logger, what: str, actor_id: str) -> int:
+    """Run a peer's whole process, ``run()`` (load the model, connect, serve), so that a SIGTERM or
+    SIGINT arriving before its connection watches signals itself — while the model loads — ends it
+    with code 0, logged like every other stop, instead of killing it half-started (a launcher that
+    stops a short run may signal a generator that is still loading). Returns ``run()``'s code."""
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise _StoppedWhileStarting(signum)
+
+    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return run()
+    except _StoppedWhileStarting as e:
+        log.info("%s %s exits with code %d: received %s while starting", what, actor_id, EXIT_OK, e.signal_name)
+        return EXIT_OK
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
