@@ -100,7 +100,7 @@ def _add_drafter(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("drafter", help="EAGLE drafters: 'drafter train' (offline), 'drafter serve' (online)",
                        description="Train EAGLE drafters offline or run the online drafter trainer.")
     dsub = p.add_subparsers(dest="drafter_command", required=True, metavar="SUBCOMMAND")
-    from specroll.actors.drafter_trainer.cli import add_arguments
+    from specroll.actors.drafter_trainer.args import add_arguments
 
     add_arguments(dsub.add_parser(
         "serve", help="run the drafter trainer actor (connects to a trainer)",
@@ -240,7 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = _role_config(args, "specroll trainer")
         return EXIT_REFUSED if config is None else serve_trainer(config)
     if args.command == "drafter" and args.drafter_command == "serve":
-        from specroll.actors.drafter_trainer.cli import PROG, serve
+        from specroll.actors.drafter_trainer.args import PROG
+        from specroll.actors.drafter_trainer.cli import serve
 
         config = _role_config(args, PROG)
         return EXIT_REFUSED if config is None else serve(config, args.connect, args.actor_id, args.log_level)

@@ -14,24 +14,12 @@ import anyio
 
 from specroll.actors.config import ConfigError, RunConfig, load_config
 from specroll.actors.drafter_trainer.actor import run_drafter
+from specroll.actors.drafter_trainer.args import PROG, add_arguments
 from specroll.actors.exit_codes import EXIT_REFUSED
 from specroll.actors.peer.endpoint import check_endpoint
 from specroll.actors.peer.exit import run_stoppable
 from specroll.drafter.eagle_head import DrafterError
 from specroll.engine.checkpoint import CheckpointError
-
-PROG = "specroll drafter serve"
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """``--connect``, ``--config``, ``--set``, ``--actor-id``, ``--log-level``."""
-    p.add_argument("--connect", required=True, metavar="tcp://HOST:PORT",
-                   help="the trainer's endpoint (RUN_DIR/trainer.endpoint on the trainer's host)")
-    p.add_argument("--config", default=None, metavar="FILE", help="run config TOML (default: the built-in defaults)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. drafter.duty_cycle=0.3 (repeatable)")
-    p.add_argument("--actor-id", default=None, help="unique id (default: drafter-<uuid4 hex>)")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
 def serve(config: RunConfig, connect: str, actor_id: str | None = None, log_level: str = "INFO",
@@ -55,7 +43,7 @@ def serve(config: RunConfig, connect: str, actor_id: str | None = None, log_leve
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: parse ``argv``, run the drafter trainer, return its exit code (2: bad input)."""
-    p = argparse.ArgumentParser(prog=PROG,
+    p = argparse.ArgumentParser(prog="python -m specroll.actors.drafter_trainer",
                                 description="Run the drafter trainer: train the EAGLE drafter online on the "
                                             "trainer's rollouts and publish drafter versions to the generators.")
     add_arguments(p)
