@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -66,11 +66,11 @@ class ClientReceive:
     _version_event: Wakeup
     _generators_event: Wakeup
 
-    def _queue(self, actor: str, msg: Any, tensors: list[torch.Tensor] | None = None) -> None:
-        raise NotImplementedError  # the client's
+    if TYPE_CHECKING:  # the client's own methods, which this half calls (declared for type checkers only)
 
-    def _dispatch(self) -> None:
-        raise NotImplementedError  # the client's
+        def _queue(self, actor: str, msg: Any, tensors: list[torch.Tensor] | None = None) -> None: ...
+
+        def _dispatch(self) -> None: ...
 
     def _generator_gone(self, actor: str, why: str) -> None:
         """A generator or drafter trainer died or left: forget it (a generator's groups resume elsewhere)."""
