@@ -31,7 +31,7 @@ def test_dispatch_follows_free_capacity_and_the_in_flight_bound() -> None:
     sent = c.dispatch()
     assert sorted(actor for actor, _ in sent) == ["a", "a", "b"]
     assert [m.group_id for _, m in sent] == ["g0", "g1", "g2"]  # oldest first
-    assert c.num_in_flight == 3 and c.num_queued == 2
+    assert c.num_in_flight() == 3 and c.num_queued() == 2
     c.on_heartbeat("b", free_groups=5, policy_version=0)
     assert c.dispatch() == []  # the in-flight bound holds even with free capacity
 

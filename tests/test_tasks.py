@@ -9,14 +9,17 @@ from pathlib import Path
 import pytest
 
 from specroll.rl.tasks import (
+    ARITHMETIC_INSTRUCTION,
     REWARDS,
     Prompt,
     PromptFileError,
     builtin_prompts,
+    builtin_task,
     extract_last_number,
     format_question,
     get_reward,
     gsm8k_reward,
+    hold_out,
     load_prompts,
 )
 
@@ -122,64 +125,69 @@ def test_missing_and_empty_files(tmp_path: Path) -> None:
         load_prompts(empty, limit=0)
 
 
-# ---------------------------------------------------------------------------- builtin_prompts
+# ------------------------------------------------------------------------------- builtin task
 
 
-def _recompute(question: str) -> int:
-    """Solve a built-in question independently, from the numbers in its text."""
-    n = [int(x) for x in re.findall(r"\d+", question)]
-    if "notebooks" in question:  # a notebooks at $p, b pens at $q, pay with a bill
-        a, p, b, q, bill = n
-        return bill - a * p - b * q
-    if "friends" in question:  # total items, `each` to each of `friends`, keep the rest
-        total, each, friends = n
-        return total - each * friends
-    if "miles per hour" in question:
-        s1, h1, s2, h2 = n
-        return s1 * h1 + s2 * h2
-    if "years older" in question:  # gap, in `years` years the younger will be `future`
-        gap, years, future = n
-        return future - years + gap
-    if "trays" in question:
-        trays, per_tray, morning, afternoon = n
-        return trays * per_tray - morning - afternoon
-    if "earns" in question:
-        wage, weeks, spent = n
-        return 2 * (wage * weeks - spent)
-    raise AssertionError(f"unrecognised built-in question: {question}")
+def _solve(question: str) -> int:
+    """Solve a built-in question independently, from its text."""
+    m = re.fullmatch(r"What is (\d+) ([+*-]) (\d+)\?", question)
+    assert m is not None, question
+    a, op, b = int(m[1]), m[2], int(m[3])
+    return {"+": a + b, "-": a - b, "*": a * b}[op]
 
 
-def test_builtin_prompts_answers_are_correct() -> None:
-    for seed, count in [(0, 24), (1, 24), (2, 24), (3, 24), (4, 2000)]:  # a large set meets rare draws
-        prompts = builtin_prompts(count=count, seed=seed)
-        assert len(prompts) == count
-        assert len({p.prompt_id for p in prompts}) == count
-        for prompt in prompts:
-            assert prompt.answer == str(_recompute(prompt.question)), prompt
-            assert int(prompt.answer) >= 0
-            assert prompt.question.endswith("?")
-            assert gsm8k_reward(f"So the answer is {prompt.answer}.", prompt.answer) == 1.0
+@pytest.mark.parametrize("digits", [1, 2, 3])
+def test_builtin_task_answers_are_correct_and_splits_are_disjoint(digits: int) -> None:
+    split = builtin_task(count=500, seed=3, digits=digits, eval_count=64)
+    assert len(split.eval) == 64
+    assert len(split.train) == (255 - 64 if digits == 1 else 500)  # one-digit +-* problems number 255
+    for prompt in split.train + split.eval:
+        assert prompt.answer == str(_solve(prompt.question)), prompt
+        assert int(prompt.answer) >= 0
+        lo = 0 if digits == 1 else 10 ** (digits - 1)
+        assert all(lo <= int(x) < 10**digits for x in re.findall(r"\d+", prompt.question))
+        assert gsm8k_reward(f"So the answer is {prompt.answer}.", prompt.answer) == 1.0
+    ids = [p.prompt_id for p in split.train + split.eval]
+    assert len(set(ids)) == len(ids)  # distinct problems, and no evaluation prompt is ever trained on
+    assert split.instruction == ARITHMETIC_INSTRUCTION
 
 
-def test_builtin_prompts_hand_checked_and_cover_all_templates() -> None:
-    # Hand-checked: 9 trays x 15 = 135 cookies, 135 - 62 - 46 = 27.
-    first = builtin_prompts(count=1, seed=0)[0]
-    assert "9 trays" in first.question and "15 cookies" in first.question
-    assert "62 cookies" in first.question and "46 cookies" in first.question
-    assert first.answer == "27"
-    keywords = ("notebooks", "friends", "miles per hour", "years older", "trays", "earns")
-    prompts = builtin_prompts(count=6, seed=3)
-    assert all(any(k in p.question for p in prompts) for k in keywords)
+def test_builtin_task_is_deterministic_and_the_eval_set_is_the_same_for_every_seed() -> None:
+    a, b = builtin_task(count=32, seed=1), builtin_task(count=32, seed=1)
+    assert a == b
+    assert builtin_task(count=8, seed=1).train == a.train[:8]
+    # Pinned (a change of order changes every run): the first prompts for seed 1, the held-out set's first.
+    assert [p.prompt_id for p in a.train[:3]] == ["arith-7*7", "arith-6+6", "arith-2*7"]
+    assert (a.train[0].question, a.train[0].answer) == ("What is 7 * 7?", "49")
+    assert [p.prompt_id for p in a.eval[:2]] == ["arith-4+3", "arith-5-0"]
+    others = [builtin_task(count=32, seed=seed) for seed in range(4)]
+    assert all(o.eval == a.eval for o in others)  # every run seed evaluates on the same prompts
+    assert len({tuple(p.prompt_id for p in o.train) for o in others}) == 4  # but trains in its own order
+    assert builtin_task(count=16, seed=0, operators="+").eval != a.eval  # the set follows the task
+    assert all("+" in p.question for p in builtin_task(count=16, seed=0, operators="+").train)
+    assert builtin_prompts(count=16, seed=2) == builtin_task(count=16, seed=2).train
 
 
-def test_builtin_prompts_deterministic_per_seed() -> None:
-    assert builtin_prompts(count=16, seed=1) == builtin_prompts(count=16, seed=1)
-    assert builtin_prompts(count=8, seed=1) == builtin_prompts(count=16, seed=1)[:8]
-    questions = {seed: [p.question for p in builtin_prompts(count=16, seed=seed)] for seed in range(4)}
-    assert len({tuple(q) for q in questions.values()}) == 4
-    assert builtin_prompts(count=0) == []
-    with pytest.raises(ValueError, match="-1"):
-        builtin_prompts(count=-1)
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"count": 0}, "count=0"),
+    ({"eval_count": -1}, "eval_count=-1"),
+    ({"digits": 4}, "digits=4"),
+    ({"operators": "+/"}, "operators='\\+/'"),
+    ({"operators": "++"}, "operators='\\+\\+'"),
+    ({"eval_count": 255}, "lower eval.count"),
+])
+def test_builtin_task_refuses_bad_settings(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        builtin_task(**kwargs)
+
+
+def test_hold_out_keeps_the_last_prompts_for_evaluation() -> None:
+    prompts = [Prompt(prompt_id=str(i), question=f"q{i}", answer=str(i)) for i in range(10)]
+    split = hold_out(prompts, 3)
+    assert [p.prompt_id for p in split.train] == [str(i) for i in range(7)]
+    assert [p.prompt_id for p in split.eval] == ["7", "8", "9"]
+    with pytest.raises(ValueError, match="cannot hold out 10 of 10"):
+        hold_out(prompts, 10)
 
 
 # ------------------------------------------------------------------------------------ rewards

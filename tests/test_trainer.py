@@ -65,7 +65,7 @@ def overrides(run_dir: Path, model: Path, **extra: object) -> list[str]:
         "trainer.batch_groups": 2, "trainer.group_size": 2, "trainer.max_groups_in_flight": 8,
         "trainer.learning_rate": 1e-3, "trainer.weight_decay": 0.1, "trainer.max_staleness": 1,
         "trainer.checkpoint_every": 1, "trainer.train_threads": 1, "generator.count": 2, "generator.heartbeat_s": 0.2,
-        "generator.sampling.max_tokens": 16, "network.heartbeat_timeout_s": 5.0,
+        "generator.sampling.max_tokens": 16, "network.heartbeat_timeout_s": 5.0, "eval.every": 0,
     }
     values.update({k.replace("__", "."): v for k, v in extra.items()})
     return [f"{k}={json.dumps(v)}" for k, v in values.items()]

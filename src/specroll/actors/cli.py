@@ -202,6 +202,19 @@ def _add_generator(sub: argparse._SubParsersAction) -> None:
     _add_set(p)
 
 
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="draw a run's metrics and timeline as PNGs (reward, throughput, staleness, acceptance, timeline)",
+        description="Read RUN_DIR/metrics.jsonl and RUN_DIR/timeline.jsonl of a run (finished, killed or still "
+        "going) and write reward.png, throughput.png, staleness.png, acceptance.png and timeline.png to --out, "
+        "printing each path. A missing file or an unreadable line is one warning on stderr and the rest is "
+        "drawn; a run without any metrics record is an error (exit 2).",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of 'specroll launch' (its run_dir)")
+    p.add_argument("--out", default=None, metavar="DIR", help="folder for the PNGs (default: RUN_DIR/report)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specroll", description="specroll: a rollout engine for RL on LLMs")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -211,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch(sub)
     _add_trainer(sub)
     _add_generator(sub)
+    _add_report(sub)
     return parser
 
 
@@ -234,6 +248,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_launch(args.config, args.overrides, trainer_module=args.trainer_module or TRAINER_MODULE,
                           startup_timeout_s=args.startup_timeout_s, grace_s=args.grace_s)
+    if args.command == "report":
+        from specroll.actors.jobs.report import run_report
+
+        return run_report(args.run_dir, args.out)
     if args.command == "trainer":
         from specroll.actors.trainer.cli import serve as serve_trainer
 

@@ -20,9 +20,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from specroll.protocol.messages import RolloutChunk, SampleResume, SubmitGroup
 from specroll.protocol.sampling import SamplingParams
+
+Lane = Literal["train", "eval"]
+"""What a group is for: ``train`` groups count against ``max_groups_in_flight`` and feed training;
+``eval`` groups (held-out evaluation) are dispatched before any queued training group, do not count
+against that bound, and finish into a queue of their own, so training never sees them."""
+LANES: tuple[Lane, ...] = ("eval", "train")  # dispatch order
 
 
 class ChunkError(ValueError):
@@ -56,6 +63,7 @@ class Group:
     sampling: SamplingParams
     payload: object = None
     """Whatever the caller attached to the prompt (e.g. the reference answer for the reward)."""
+    lane: Lane = "train"
     generator: str | None = None
     """Actor id serving it now; None while queued."""
     dispatches: int = 0
@@ -85,6 +93,9 @@ class GeneratorState:
     actor_id: str
     free_groups: int = 0
     """Groups it can still take, as of its last heartbeat minus groups sent since."""
+    free_seqs: int | None = None
+    """Samples it can still take, as of its last heartbeat minus samples sent since (None: it reports
+    groups only, and a group of any size takes one of ``free_groups``)."""
     policy_version: int = 0
     """The policy version it serves: the newest its heartbeats or acknowledgements reported (one
     incarnation's engine only moves forward; the two messages may arrive in either order)."""
@@ -106,8 +117,9 @@ class RolloutCoordinator:
         self.groups: dict[str, Group] = {}
         """Every group queued or in flight, by id."""
         self.generators: dict[str, GeneratorState] = {}
-        self._queue: deque[str] = deque()  # group ids waiting for a generator, oldest first
-        self._finished: deque[Group] = deque()
+        self._queues: dict[Lane, deque[str]] = {lane: deque() for lane in LANES}
+        """Group ids waiting for a generator, oldest first, per lane."""
+        self._finished: dict[Lane, deque[Group]] = {lane: deque() for lane in LANES}
         self._next_id = 0
         self.ignored_chunks = 0
         """Chunks from a generator that no longer serves their group (late after a death or abort)."""
@@ -116,8 +128,9 @@ class RolloutCoordinator:
 
     # ---- prompts and generators -----------------------------------------------------------
 
-    def add_group(self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, payload: object = None) -> str:
-        """Queue a group of ``n`` samples of one prompt; returns its id.
+    def add_group(self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, payload: object = None,
+                  lane: Lane = "train") -> str:
+        """Queue a group of ``n`` samples of one prompt in ``lane`` (see :data:`Lane`); returns its id.
 
         Raises:
             ValueError: empty prompt or ``n`` < 1.
@@ -126,22 +139,25 @@ class RolloutCoordinator:
             raise ValueError("empty prompt: expected at least one token id")
         if n < 1:
             raise ValueError(f"n={n}, expected at least one sample per group")
+        if lane not in LANES:
+            raise ValueError(f"lane={lane!r}, expected one of {LANES}")
         group_id = f"g{self._next_id}"
         self._next_id += 1
         self.groups[group_id] = Group(group_id, list(prompt_token_ids), [Sample() for _ in range(n)], sampling,
-                                      payload)
-        self._queue.append(group_id)
+                                      payload, lane)
+        self._queues[lane].append(group_id)
         return group_id
 
     def add_generator(self, actor_id: str) -> None:
         """A generator completed its handshake (a restarted one comes back under a new id)."""
         self.generators.setdefault(actor_id, GeneratorState(actor_id))
 
-    def on_heartbeat(self, actor_id: str, free_groups: int, policy_version: int) -> None:
-        """Record a generator's reported capacity and served policy version."""
+    def on_heartbeat(self, actor_id: str, free_groups: int, policy_version: int, free_seqs: int | None = None) -> None:
+        """Record a generator's reported capacity (groups, and samples when it reports them) and
+        served policy version."""
         gen = self.generators.get(actor_id)
         if gen is not None:
-            gen.free_groups = free_groups
+            gen.free_groups, gen.free_seqs = free_groups, free_seqs
             gen.policy_version = max(gen.policy_version, policy_version)
 
     def on_served(self, actor_id: str, policy_version: int) -> None:
@@ -162,39 +178,55 @@ class RolloutCoordinator:
             return []
         orphans = sorted(gen.groups, key=lambda g: int(g[1:]))
         for group_id in reversed(orphans):  # oldest first at the front
-            self.groups[group_id].generator = None
-            self._queue.appendleft(group_id)
+            group = self.groups[group_id]
+            group.generator = None
+            self._queues[group.lane].appendleft(group_id)
         self.resumed_groups += len(orphans)
         return orphans
 
     # ---- dispatch ---------------------------------------------------------------------------
 
-    @property
-    def num_in_flight(self) -> int:
-        """Groups dispatched and not finished."""
-        return sum(1 for g in self.groups.values() if g.generator is not None)
+    def num_in_flight(self, lane: Lane = "train") -> int:
+        """Groups of ``lane`` dispatched and not finished."""
+        return sum(1 for g in self.groups.values() if g.generator is not None and g.lane == lane)
 
-    @property
-    def num_queued(self) -> int:
-        return len(self._queue)
+    def num_queued(self, lane: Lane = "train") -> int:
+        """Groups of ``lane`` waiting for a generator."""
+        return len(self._queues[lane])
+
+    def num_pending(self, lane: Lane = "train") -> int:
+        """Groups of ``lane`` queued or in flight."""
+        return sum(1 for g in self.groups.values() if g.lane == lane)
 
     def dispatch(self) -> list[tuple[str, SubmitGroup]]:
-        """Assign queued groups to generators with free capacity, most free first, while fewer than
-        ``max_groups_in_flight`` are in flight. Returns (actor id, message) pairs to send."""
+        """Assign queued groups to generators with room for them, most room first: evaluation groups
+        first, then training groups while fewer than ``max_groups_in_flight`` of them are in flight.
+        Returns (actor id, message) pairs to send."""
         out = []
-        budget = self.max_groups_in_flight - self.num_in_flight
-        while self._queue and budget > 0:
-            gen = max(self.generators.values(), key=lambda g: (g.free_groups, -len(g.groups)), default=None)
-            if gen is None or gen.free_groups <= 0:
-                break
-            group = self.groups[self._queue.popleft()]
-            group.generator = gen.actor_id
-            group.dispatches += 1
-            gen.groups.add(group.group_id)
-            gen.free_groups -= 1
-            budget -= 1
-            out.append((gen.actor_id, group.submit_message()))
+        for lane in LANES:
+            queue = self._queues[lane]
+            budget = self.max_groups_in_flight - self.num_in_flight("train") if lane == "train" else len(queue)
+            while queue and budget > 0:
+                group = self.groups[queue[0]]
+                size = sum(not s.finished for s in group.samples)
+                gen = max(self.generators.values(), key=lambda g: (self._room(g, size), -len(g.groups)), default=None)
+                if gen is None or self._room(gen, size) <= 0:
+                    break
+                queue.popleft()
+                group.generator = gen.actor_id
+                group.dispatches += 1
+                gen.groups.add(group.group_id)
+                gen.free_groups = max(0, gen.free_groups - 1)
+                if gen.free_seqs is not None:
+                    gen.free_seqs -= size
+                budget -= 1
+                out.append((gen.actor_id, group.submit_message()))
         return out
+
+    @staticmethod
+    def _room(gen: GeneratorState, size: int) -> int:
+        """How many groups of ``size`` samples ``gen`` can take now."""
+        return gen.free_groups if gen.free_seqs is None else gen.free_seqs // max(size, 1)
 
     # ---- chunks -----------------------------------------------------------------------------
 
@@ -234,7 +266,7 @@ class RolloutCoordinator:
         if not group.finished:
             return None
         self._retire(group)
-        self._finished.append(group)
+        self._finished[group.lane].append(group)
         return group
 
     def _issued(self, group_id: str) -> bool:
@@ -247,6 +279,8 @@ class RolloutCoordinator:
             gen = self.generators[group.generator]
             gen.groups.discard(group.group_id)
             gen.free_groups += 1  # until its next heartbeat says otherwise
+            if gen.free_seqs is not None:
+                gen.free_seqs += len(group.samples)
 
     def abort(self, group_id: str) -> str | None:
         """Drop a group; returns the generator to send ``Abort`` to (None if it was queued).
@@ -255,21 +289,22 @@ class RolloutCoordinator:
             KeyError: no such group queued or in flight.
         """
         group = self.groups[group_id]
-        if group_id in self._queue:
-            self._queue.remove(group_id)
+        if group_id in self._queues[group.lane]:
+            self._queues[group.lane].remove(group_id)
         self._retire(group)
         return group.generator
 
-    def pop_finished(self, limit: int | None = None) -> list[Group]:
-        """Finished groups, oldest first (at most ``limit``)."""
+    def pop_finished(self, limit: int | None = None, lane: Lane = "train") -> list[Group]:
+        """Finished groups of ``lane``, oldest first (at most ``limit``)."""
+        finished = self._finished[lane]
         out = []
-        while self._finished and (limit is None or len(out) < limit):
-            out.append(self._finished.popleft())
+        while finished and (limit is None or len(out) < limit):
+            out.append(finished.popleft())
         return out
 
-    @property
-    def num_finished(self) -> int:
-        return len(self._finished)
+    def num_finished(self, lane: Lane = "train") -> int:
+        """Finished groups of ``lane`` not yet popped."""
+        return len(self._finished[lane])
 
     def groups_of(self, actor_id: str) -> Iterable[str]:
         """Ids of the groups a generator serves now."""

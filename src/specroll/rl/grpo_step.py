@@ -9,7 +9,9 @@ Synchronous torch code with no I/O, called by the trainer actor in a worker thre
 * :func:`train_step` enforces the staleness bound η per token, runs the differentiable forward
   (``CausalLM.score``) over ``grad_accum_steps`` micro-batches, accumulates the gradient of the
   off-policy-corrected token-level loss (one token mean over the whole step), clips the global
-  gradient norm and takes one AdamW step.
+  gradient norm and takes one AdamW step. On the way it measures the training–inference mismatch
+  (:class:`Mismatch`): the trainer's own logprob of every lag-0 token against the behavior logprob
+  the generator recorded for it.
 """
 
 from __future__ import annotations
@@ -94,6 +96,37 @@ def build_batch(
 
 
 @dataclass
+class Mismatch:
+    """Training–inference logprob mismatch over the lag-0 response tokens of a step: tokens sampled by
+    the very weights being trained, so any gap is numerics (dtype, kernels, batch shapes) or K/V kept
+    across a weight update (``kv_policy = "keep"``), not learning.
+
+    With ``d = log π_trainer(x) − log μ_behavior(x)`` per token: ``diff_mean`` = mean |d|,
+    ``diff_max`` = max |d|, ``kl_k3`` = mean ``(e^d − 1) − d``, the k3 estimator of KL(μ ‖ π) from
+    samples of μ (J. Schulman, "Approximating KL Divergence", 2020), ≥ 0 per token. All None when the
+    step trained no lag-0 token. The behavior logprob is under the processed sampling distribution,
+    so the comparison is exact only at temperature 1 without top-k/top-p (the default).
+    """
+
+    tokens: int = 0
+    diff_mean: float | None = None
+    diff_max: float | None = None
+    kl_k3: float | None = None
+
+    def add(self, logprobs: torch.Tensor, behavior: torch.Tensor) -> None:
+        """Fold in one micro-batch: ``logprobs`` and ``behavior`` are float ``[N]`` over its lag-0 tokens."""
+        if logprobs.numel() == 0:
+            return
+        d = (logprobs.double() - behavior.double())  # [N]
+        n, total = int(d.numel()), self.tokens + int(d.numel())
+        mean_abs, k3 = float(d.abs().mean()), float((torch.expm1(d) - d).mean())
+        self.diff_mean = mean_abs if self.diff_mean is None else (self.diff_mean * self.tokens + mean_abs * n) / total
+        self.kl_k3 = k3 if self.kl_k3 is None else (self.kl_k3 * self.tokens + k3 * n) / total
+        self.diff_max = max(self.diff_max or 0.0, float(d.abs().max()))
+        self.tokens = total
+
+
+@dataclass
 class StepResult:
     """What one :func:`train_step` did (loss diagnostics averaged over its trained tokens)."""
 
@@ -113,6 +146,8 @@ class StepResult:
     """Samples removed whole (``staleness_policy = "drop"``)."""
     staleness: dict[int, int] = field(default_factory=dict)
     """Version lag → number of trained tokens with that lag."""
+    mismatch: Mismatch = field(default_factory=Mismatch)
+    """The trainer's logprobs against the behavior logprobs on lag-0 tokens."""
 
     @property
     def max_lag(self) -> int:
@@ -165,12 +200,16 @@ def train_step(
     sums = dict.fromkeys(("is_weight_mean", "truncated_fraction", "clip_fraction", "approx_kl"), 0.0)
     loss_sum = 0.0
     lengths = batch.attention_mask.sum(dim=1)  # [B]
+    lag0 = batch.loss_mask & (batch.versions == current_version)  # [B, T]: sampled by the weights trained now
+    mismatch = Mismatch()
     for rows in torch.arange(batch.input_ids.shape[0]).tensor_split(config.grad_accum_steps):
         if rows.numel() == 0:
             continue
         t = int(lengths[rows].max())  # trim the micro-batch to its own longest row
         ids, attn = batch.input_ids[rows, :t], batch.attention_mask[rows, :t]  # [b, t]
         logprobs = token_logprobs(model.score(ids, attn), ids)  # [b, t]
+        fresh = lag0[rows, :t]  # [b, t]
+        mismatch.add(logprobs.detach()[fresh], batch.behavior_logprobs[rows, :t][fresh])
         loss, m = policy_loss(logprobs, batch.behavior_logprobs[rows, :t], batch.advantages[rows], mask[rows, :t],
                               kind=config.loss, tis_cap=config.tis_cap, clip_eps=config.clip_eps,
                               num_tokens=max(total, 1))
@@ -187,5 +226,5 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     k = max(total, 1)
     return StepResult(loss=loss_sum, grad_norm=grad_norm, trained_tokens=total, tokens_masked_stale=masked,
-                      samples_dropped_stale=dropped, staleness=dict(sorted(lags.items())),
+                      samples_dropped_stale=dropped, staleness=dict(sorted(lags.items())), mismatch=mismatch,
                       **{key: value / k for key, value in sums.items()})

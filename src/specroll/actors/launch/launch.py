@@ -16,7 +16,8 @@ Lifecycle:
    trainer's with a failure) or SIGINT/SIGTERM to the launcher ends it with a failure report naming
    who died and the tail of its log.
 5. Teardown (always, in a ``finally``): SIGTERM to each live process group, ``grace_s`` to exit,
-   then SIGKILL to every process group the launcher started, then reap.
+   then SIGKILL to every process group the launcher started, then reap. Once anything was started,
+   the last line names the command that draws the run (``specroll report RUN_DIR``).
 
 Process hygiene (the mechanics in ``role_process.py``): each role runs in its own process group
 (``pgid == pid``) with stdout and stderr in ``RUN_DIR/logs/<role>.log``; ``RUN_DIR/pids.json`` lists
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -72,7 +74,8 @@ METRICS_FILENAME = "metrics.jsonl"
 _WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::")
 
 
-PROGRESS_FIELDS = ("policy_version", "reward_mean", "accuracy", "loss", "gen_tokens_per_s", "max_lag",
+PROGRESS_FIELDS = ("policy_version", "reward_mean", "accuracy", "eval_accuracy", "eval_step", "loss",
+                   "logprob_diff_mean", "logprob_kl_k3", "gen_tokens_per_s", "max_lag",
                    "tokens_masked_stale", "samples_dropped_stale", "acceptance_length", "acceptance_length_window",
                    "drafter_version", "step_s", "wait_s")
 """Fields of a metrics record shown in the launcher's progress line, when present (in this order)."""
@@ -166,7 +169,7 @@ class Launcher:
             for i in range(self.config.generator.count):
                 self._spawn(f"generator-{i}", [GENERATOR_MODULE, "--config", str(config_path), "--connect", endpoint,
                                                "--actor-id", f"generator-{i}"])
-            if self.config.drafter.enabled:
+            if self.config.runs_drafter_trainer():
                 self._spawn(DRAFTER_ROLE, [DRAFTER_MODULE, "--config", str(config_path), "--connect", endpoint,
                                            "--actor-id", "drafter-0"])
             return self._watch(trainer)
@@ -181,6 +184,8 @@ class Launcher:
             finally:
                 for s, handler in previous.items():
                     signal.signal(s, handler)
+                if self.processes:  # something ran, so there is (or may be) something to draw
+                    self.say(f"report: specroll report {shlex.quote(str(self.run_dir))}")
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         if self._signal is not None:

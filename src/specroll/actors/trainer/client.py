@@ -41,6 +41,7 @@ from specroll.actors.trainer.client_receive import ClientReceive
 from specroll.actors.trainer.drafter_relay import DrafterRelay
 from specroll.actors.trainer.foreign_groups import ForeignGroups
 from specroll.actors.trainer.peer_outboxes import Outboxes
+from specroll.actors.trainer.timeline import Timeline
 from specroll.actors.trainer.weights_publish import PublishedWeights
 from specroll.actors.wakeup import Wakeup
 from specroll.protocol.channel import DEFAULT_WINDOW, Channel
@@ -53,7 +54,7 @@ from specroll.protocol.messages import (
 )
 from specroll.protocol.sampling import SamplingParams
 from specroll.protocol.sockets import DEFAULT_HWM, close_socket, last_endpoint, make_socket
-from specroll.rl.coordinator import Group, RolloutCoordinator
+from specroll.rl.coordinator import Group, Lane, RolloutCoordinator
 
 __all__ = ["RolloutClient"]
 
@@ -73,6 +74,11 @@ class RolloutClient(ClientReceive):
         allow_public: permit binding to a non-loopback address.
         on_chunk: called with ``(actor_id, chunk)`` for every merged chunk (partial rollouts).
         actor_id: this side's id in the handshake.
+        timeline: where to record what the client sees (``RUN_DIR/timeline.jsonl``): each generator's
+            load at every heartbeat (``generator_load``), policy versions published and acknowledged
+            (``policy_published``, ``policy_served``), drafter versions accepted and served
+            (``drafter_published``, ``drafter_served``) and every finished group (``group_finished``,
+            with its lane); None records nothing. The caller owns it (and closes it).
     """
 
     def __init__(
@@ -86,6 +92,7 @@ class RolloutClient(ClientReceive):
         allow_public: bool = False,
         on_chunk: Callable[[str, RolloutChunk], None] | None = None,
         actor_id: str = "trainer",
+        timeline: Timeline | None = None,
     ) -> None:
         self.bind = bind
         self.coordinator = RolloutCoordinator(max_groups_in_flight)
@@ -94,6 +101,7 @@ class RolloutClient(ClientReceive):
         self.window, self.hwm, self.allow_public = window, hwm, allow_public
         self.on_chunk = on_chunk
         self.actor_id = actor_id
+        self.timeline = timeline
         self.endpoint = ""
         """The bound endpoint, e.g. ``tcp://127.0.0.1:41234`` (set by :meth:`start`)."""
         self.generator_stats: dict[str, Stats] = {}
@@ -103,7 +111,7 @@ class RolloutClient(ClientReceive):
         self.protocol_errors = 0
         """Messages refused: malformed, out of sequence, from a peer without a handshake, or chunks
         that cannot be merged (each logged, and answered with ``Error`` where credit allows)."""
-        self.drafters = DrafterRelay(self._queue)
+        self.drafters = DrafterRelay(self._queue, timeline=timeline)
         """Drafter trainers, the current drafter version and acceptance per (drafter, policy) version."""
         self.drafter_policy_versions: dict[str, int] = {}
         """Policy version each drafter trainer acknowledged holding."""
@@ -172,15 +180,20 @@ class RolloutClient(ClientReceive):
     # ---- the API ------------------------------------------------------------------------------
 
     async def submit(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, payload: object = None
+        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, payload: object = None,
+        lane: Lane = "train",
     ) -> str:
         """Queue a group of ``n`` samples of one prompt (token ids, chat template applied); it is
         dispatched when a generator has room. Returns the group id.
 
+        ``lane="eval"`` (held-out evaluation): dispatched before queued training groups, not counted
+        against ``max_groups_in_flight``, finished into its own queue (``pop_finished(lane="eval")``)
+        and never forwarded to drafter trainers.
+
         Raises:
-            ValueError: empty prompt or ``n`` < 1.
+            ValueError: empty prompt, ``n`` < 1 or an unknown lane.
         """
-        group_id = self.coordinator.add_group(prompt_token_ids, n, sampling, payload)
+        group_id = self.coordinator.add_group(prompt_token_ids, n, sampling, payload, lane)
         self._dispatch()
         return group_id
 
@@ -193,23 +206,24 @@ class RolloutClient(ClientReceive):
         await self.wait_finished(1, timeout)
         return self.coordinator.pop_finished(1)[0]
 
-    async def wait_finished(self, count: int, timeout: float | None = None) -> None:
-        """Wait until at least ``count`` finished groups are ready (none is taken).
+    async def wait_finished(self, count: int, timeout: float | None = None, lane: Lane = "train") -> None:
+        """Wait until at least ``count`` finished groups of ``lane`` are ready (none is taken).
 
         Raises:
             TimeoutError: fewer finished within ``timeout`` seconds.
         """
         with anyio.fail_after(timeout):
-            while self.coordinator.num_finished < count:
+            while self.coordinator.num_finished(lane) < count:
                 await self._finished_event.wait()
 
-    def pop_finished(self, limit: int | None = None) -> list[Group]:
-        """Finished groups ready now, oldest first, without waiting."""
-        return self.coordinator.pop_finished(limit)
+    def pop_finished(self, limit: int | None = None, lane: Lane = "train") -> list[Group]:
+        """Finished groups of ``lane`` ready now, oldest first, without waiting."""
+        return self.coordinator.pop_finished(limit, lane)
 
     @property
     def num_finished(self) -> int:
-        return self.coordinator.num_finished
+        """Finished training groups not yet popped."""
+        return self.coordinator.num_finished()
 
     @property
     def generator_versions(self) -> dict[str, int]:
@@ -219,8 +233,8 @@ class RolloutClient(ClientReceive):
 
     @property
     def num_pending(self) -> int:
-        """Groups queued or in flight."""
-        return len(self.coordinator.groups)
+        """Training groups queued or in flight."""
+        return self.coordinator.num_pending()
 
     async def abort(self, group_id: str) -> None:
         """Drop a group; its generator stops it. Chunks arriving later are ignored.
@@ -262,6 +276,8 @@ class RolloutClient(ClientReceive):
             ValueError: an unknown dtype or a version not above the last published one.
         """
         announce = self._weights.publish(named_tensors, version, dtype)
+        if self.timeline is not None:
+            self.timeline.record("policy_published", version=version)
         for actor in [*self.coordinator.generators, *self.drafters.drafters]:
             self._queue(actor, announce)
 

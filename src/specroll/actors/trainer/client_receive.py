@@ -18,6 +18,7 @@ import torch
 from specroll.actors.trainer.drafter_relay import DrafterRelay
 from specroll.actors.trainer.foreign_groups import ForeignGroups
 from specroll.actors.trainer.peer_outboxes import Outboxes
+from specroll.actors.trainer.timeline import Timeline
 from specroll.actors.trainer.weights_publish import PublishedWeights
 from specroll.actors.wakeup import Wakeup
 from specroll.protocol.channel import Channel, SequenceError
@@ -55,6 +56,7 @@ class ClientReceive:
     dead_generators: list[str]
     drafter_policy_versions: dict[str, int]
     protocol_errors: int
+    timeline: Timeline | None
     _foreign: ForeignGroups
     _weights: PublishedWeights
     _channel: Channel[Any] | None
@@ -148,13 +150,19 @@ class ClientReceive:
                 finished = self.coordinator.on_chunk(actor, msg)
                 self.drafters.on_chunk(msg)
                 if finished is not None:
-                    self.drafters.on_group_finished(finished)
+                    if self.timeline is not None:
+                        self.timeline.record("group_finished", group_id=finished.group_id, lane=finished.lane)
+                    if finished.lane == "train":  # evaluation rollouts are not the drafter's data
+                        self.drafters.on_group_finished(finished)
                     self._finished_event.notify()
                 if self.on_chunk is not None:
                     self.on_chunk(actor, msg)
             case Heartbeat():
-                self.coordinator.on_heartbeat(actor, msg.free_groups, msg.policy_version)
+                self.coordinator.on_heartbeat(actor, msg.free_groups, msg.policy_version, msg.free_seqs)
                 self._load[actor] = (msg.batch_size, msg.batch_size + msg.free_seqs)
+                if self.timeline is not None:
+                    self.timeline.record("generator_load", actor=actor, live=msg.batch_size,
+                                         capacity=msg.batch_size + msg.free_seqs)
                 if actor not in self._capacity_known:
                     self._capacity_known.add(actor)
                     self._generators_event.notify()
@@ -164,6 +172,8 @@ class ClientReceive:
                 self._on_fetch(actor, msg.version)
             case AckWeights():
                 self.coordinator.on_served(actor, msg.version)
+                if self.timeline is not None:
+                    self.timeline.record("policy_served", actor=actor, version=msg.version)
                 self._version_event.notify()
             case Stats():
                 self.generator_stats[actor] = msg

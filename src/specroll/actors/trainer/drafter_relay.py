@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from specroll.actors.trainer.timeline import Timeline
 from specroll.protocol.messages import (
     AckDrafter,
     Capacity,
@@ -64,10 +65,13 @@ class DrafterRelay:
 
     Args:
         send: queues a message (and tensors) for a peer.
+        timeline: records ``drafter_published`` when a version becomes current and ``drafter_served``
+            when a generator acknowledges one it swapped in (None: nothing recorded).
     """
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, timeline: Timeline | None = None) -> None:
         self._send = send
+        self.timeline = timeline
         self.drafters: set[str] = set()
         """Connected drafter trainers."""
         self.published: DrafterWeights | None = None
@@ -113,6 +117,8 @@ class DrafterRelay:
                                         checksum=msg.checksum, tensors=msg.tensors)
         log.info("drafter version %d published by %s (trained against policy %d, %d steps)", msg.version, actor,
                  msg.policy_version, msg.train_steps)
+        if self.timeline is not None:
+            self.timeline.record("drafter_published", version=msg.version)
         for other in self.drafters - {actor}:  # concurrent drafter trainers keep one numbering
             self._send(other, self._announcement(), None)
 
@@ -137,6 +143,8 @@ class DrafterRelay:
             log.error("generator %s refused drafter version %d: %s", actor, msg.version, msg.refused)
             return
         self.generator_drafters[actor] = (msg.version, msg.checksum)
+        if self.timeline is not None:
+            self.timeline.record("drafter_served", actor=actor, version=msg.version)
         p = self.published
         if p is not None and p.version == msg.version and p.checksum != msg.checksum:
             log.error("generator %s serves drafter version %d with checksum %s..., published %s...", actor,

@@ -1,5 +1,7 @@
-"""The trainer's metrics: one record per step for ``RUN_DIR/metrics.jsonl`` (rewards, the loss and
-its diagnostics, staleness, generation rate, acceptance length, the generators' state), and the
+"""The trainer's metrics: one record per step for ``RUN_DIR/metrics.jsonl`` (wall-clock time, rewards,
+the loss and its diagnostics, staleness, the training–inference logprob mismatch on lag-0 tokens,
+generation rate, acceptance length, the generators' state; the trainer adds the held-out
+evaluation's ``eval_*`` fields to the line after each evaluation), and the
 trimming of that file back to a checkpoint's step when a run resumes.
 """
 
@@ -7,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -68,8 +71,11 @@ class StepMetrics:
             step_s: seconds the step took; ``wait_s`` seconds it waited for its groups.
         """
         lengths = [len(s.token_ids) for g in groups for s in g.samples]
+        m = r.mismatch
         return {
             "step": step,
+            "time": time.time(),
+            "samples": len(lengths),
             "policy_version": version,
             "trained_version": trained_version,
             "reward_mean": float(rewards.mean()),
@@ -85,6 +91,10 @@ class StepMetrics:
             "samples_dropped_stale": r.samples_dropped_stale,
             "staleness": {str(lag): count for lag, count in r.staleness.items()},
             "max_lag": r.max_lag,
+            "logprob_diff_mean": m.diff_mean,
+            "logprob_diff_max": m.diff_max,
+            "logprob_kl_k3": m.kl_k3,
+            "logprob_mismatch_tokens": m.tokens,
             "response_tokens_mean": sum(lengths) / len(lengths),
             "gen_tokens_per_s": self._generation_rate(),
             "acceptance_length": self._acceptance_length(),

@@ -1,5 +1,6 @@
-"""What the trainer starts from: the policy, its tokenizer, AdamW and the prompt order, restored
-from ``RUN_DIR/checkpoint`` when one is there; and the trainer's one error type."""
+"""What the trainer starts from: the policy, its tokenizer, AdamW, the prompt order and the held-out
+evaluation prompts, restored from ``RUN_DIR/checkpoint`` when one is there; and the trainer's one
+error type."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from specroll.actors.trainer.prompt_cycle import PromptCycle
 from specroll.engine.checkpoint import load_checkpoint
 from specroll.engine.model import CausalLM
 from specroll.engine.tokenizer import Tokenizer
-from specroll.rl.tasks import builtin_prompts, format_question, load_prompts
+from specroll.rl.tasks import Prompt, TaskSplit, builtin_task, format_question, hold_out, load_prompts
 
 
 class TrainerError(RuntimeError):
@@ -34,6 +35,9 @@ class TrainerSetup:
     tokenizer: Tokenizer
     optimizer: torch.optim.Optimizer
     prompts: PromptCycle
+    eval_prompts: list[tuple[Prompt, list[int]]]
+    """The held-out evaluation prompts with their token ids (chat template applied); empty when
+    ``eval.every`` is 0."""
     state: TrainerState
     resumed_from: Path | None
 
@@ -46,10 +50,13 @@ def load_setup(config: RunConfig) -> TrainerSetup:
     model.load_weights(ckpt.weights)
     tc = config.trainer
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.learning_rate, weight_decay=tc.weight_decay)
-    task = config.task
-    prompts = (load_prompts(task.prompts, task.max_prompts) if task.prompts is not None
-               else builtin_prompts(task.builtin_count, config.seed))
-    token_ids = [ckpt.tokenizer.encode_chat(format_question(p.question)) for p in prompts]
+    split = load_task(config)
+
+    def encode(p: Prompt) -> list[int]:
+        return ckpt.tokenizer.encode_chat(format_question(p.question, split.instruction))
+
+    token_ids = [encode(p) for p in split.train]
+    eval_prompts = [(p, encode(p)) for p in split.eval] if config.eval.every else []
     state = TrainerState(step=0, policy_version=0, prompt_cursor=0, seed=config.seed, model=config.model.name)
     path = find_checkpoint(config.run_dir)
     if path is not None:
@@ -57,5 +64,26 @@ def load_setup(config: RunConfig) -> TrainerSetup:
         if state.seed != config.seed:
             raise TrainerError(f"{path}: saved with seed {state.seed}, but the config has seed={config.seed}; "
                                "resume with the same seed or use another run_dir")
-    cycle = PromptCycle(token_ids, [p.answer for p in prompts], config.seed, state.prompt_cursor)
-    return TrainerSetup(model, ckpt.tokenizer, optimizer, cycle, state, path)
+    cycle = PromptCycle(token_ids, split.train, config.seed, state.prompt_cursor)
+    return TrainerSetup(model, ckpt.tokenizer, optimizer, cycle, eval_prompts, state, path)
+
+
+def load_task(config: RunConfig) -> TaskSplit:
+    """The run's training prompts and held-out evaluation prompts (``[task]`` and ``[eval]``): the
+    built-in task's own split; a prompt file's last ``eval.count`` prompts held out (none while
+    ``eval.every`` is 0); or, with ``eval.prompts``, that file's first ``eval.count``.
+
+    Raises:
+        PromptFileError: a prompt file cannot be read or is malformed.
+        ValueError: the split leaves nothing to train on.
+    """
+    task, ev = config.task, config.eval
+    if task.prompts is None:
+        split = builtin_task(task.builtin_count, config.seed, digits=task.digits, operators=task.operators,
+                             eval_count=ev.count)
+    else:
+        prompts = load_prompts(task.prompts, task.max_prompts)
+        split = TaskSplit(prompts, []) if ev.prompts is not None or not ev.every else hold_out(prompts, ev.count)
+    if ev.prompts is not None:
+        split = TaskSplit(split.train, load_prompts(ev.prompts, ev.count), split.instruction)
+    return split

@@ -27,6 +27,15 @@ Timeline:
 5. before the last metrics line: wait (at most ``network.heartbeat_timeout_s``) until every
    connected generator acknowledged the final version.
 
+``trainer.mode = "sync"`` replaces 3–4 by the synchronous loop: submit ``batch_groups`` groups, wait
+until all of them finished, train, publish, wait until every generator serves the new version.
+
+Held-out evaluation (``[eval]``, ``evaluation.py``): the weights before the first step, after every
+``eval.every`` steps and after the last are evaluated by the generators while training goes on; the
+next publish waits for it (an ``eval_wait`` phase), and its figures go into the next metrics line.
+Every phase, the groups of each step and each evaluation are also appended to
+``RUN_DIR/timeline.jsonl`` (``timeline.py``).
+
 Policy version: the number of optimizer steps taken, plus any jumps made so that a version is
 never below one a generator already reports (step 2, and whenever a generator or a rollout token
 reports a version above the trainer's; the current weights are then republished above it).
@@ -39,18 +48,20 @@ order in ``prompt_cycle.py``, the metrics records in ``metrics.py``, checkpoints
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import anyio
 import msgspec
 import torch
+from anyio.abc import TaskGroup
 from tqdm import tqdm
 
 from specroll.actors.config import RunConfig, write_resolved
@@ -61,12 +72,14 @@ from specroll.actors.trainer.checkpoint import (
     save_checkpoint,
 )
 from specroll.actors.trainer.client import RolloutClient
+from specroll.actors.trainer.evaluation import Evaluation, Evaluator
 from specroll.actors.trainer.metrics import StepMetrics, truncate_metrics
 from specroll.actors.trainer.setup import TrainerError, TrainerSetup, load_setup
+from specroll.actors.trainer.timeline import TIMELINE_FILENAME, Timeline
 from specroll.actors.wakeup import Wakeup
 from specroll.rl.coordinator import Group
 from specroll.rl.grpo_step import StepResult, build_batch, train_step
-from specroll.rl.tasks import RewardFn, get_reward
+from specroll.rl.tasks import Prompt, RewardFn, get_reward
 
 log = logging.getLogger("specroll.trainer")
 
@@ -95,8 +108,9 @@ class Trainer:
         client: a started client generators connect to.
     """
 
-    def __init__(self, config: RunConfig, setup: TrainerSetup, client: RolloutClient) -> None:
-        self.config, self.client = config, client
+    def __init__(self, config: RunConfig, setup: TrainerSetup, client: RolloutClient,
+                 timeline: Timeline | None = None) -> None:
+        self.config, self.client, self.timeline = config, client, timeline
         self.model, self.optimizer, self.tokenizer = setup.model, setup.optimizer, setup.tokenizer
         self.prompts = setup.prompts
         self.step, self.version = setup.state.step, setup.state.policy_version
@@ -111,6 +125,12 @@ class Trainer:
         """Notified when a step takes finished groups, so the feeder submits more."""
         self.step_metrics = StepMetrics(client, config.drafter.acceptance_floor)
         self._last_checkpoint = self.step
+        self.evaluator = Evaluator(client, setup.eval_prompts, config.generator.sampling, config.eval.greedy,
+                                   self.reward_fn, self.tokenizer, config.network.heartbeat_timeout_s,
+                                   self._check_generators, timeline) if setup.eval_prompts else None
+        self._evaluation: Evaluation | None = None
+        """A finished evaluation not yet written to a metrics line."""
+        self._tg: TaskGroup | None = None
 
     async def run(self) -> None:
         """Train until ``config.steps`` steps are done.
@@ -125,13 +145,17 @@ class Trainer:
                 return
             await self._publish_after_resume()
             truncate_metrics(self.run_dir / METRICS_FILENAME, self.step)
+        sync = self.config.trainer.mode == "sync"
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._feed)
+            self._tg = tg
+            if not sync:
+                tg.start_soon(self._feed)
+            self._maybe_evaluate()  # the weights before the first step
             # disable=None: no bar when stderr is a log file (the launcher prints a line per step instead)
             with tqdm(total=self.config.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                       file=sys.stderr, disable=None) as bar:
                 while self.step < self.config.steps:
-                    await self._one_step(bar)
+                    await self._one_step(bar, sync)
             if self._last_checkpoint != self.step:
                 await self._checkpoint()
             tg.cancel_scope.cancel()
@@ -143,9 +167,9 @@ class Trainer:
         tc, sampling = self.config.trainer, self.config.generator.sampling
         while True:
             while self.client.num_pending + self.client.num_finished < tc.max_groups_in_flight:
-                token_ids, answer, seed = self.prompts.next()
+                token_ids, prompt, seed = self.prompts.next()
                 await self.client.submit(token_ids, tc.group_size, msgspec.structs.replace(sampling, seed=seed),
-                                         payload=answer)
+                                         payload=prompt)
             await self._room.wait()  # no await between the check above and this wait: no wake-up is missed
 
     def _check_generators(self) -> None:
@@ -161,6 +185,14 @@ class Trainer:
                 f"no generator connected to {self.client.endpoint} for {self.no_generator_s:.0f} s "
                 f"({NO_GENERATOR_FACTOR} x network.heartbeat_timeout_s); are generators running and pointed here?",
                 EXIT_PEER_LOST)
+
+    async def _submit_batch(self) -> None:
+        """Sync mode: submit one step's groups."""
+        tc, sampling = self.config.trainer, self.config.generator.sampling
+        for _ in range(tc.batch_groups):
+            token_ids, prompt, seed = self.prompts.next()
+            await self.client.submit(token_ids, tc.group_size, msgspec.structs.replace(sampling, seed=seed),
+                                     payload=prompt)
 
     async def _wait_for_batch(self) -> list[Group]:
         batch = self.config.trainer.batch_groups
@@ -181,8 +213,39 @@ class Trainer:
         return max(versions, default=-1)
 
     async def _publish(self) -> None:
-        await self.client.publish_weights(self.model.hf_weights(), self.version,
-                                          dtype=self.config.trainer.weights_dtype)
+        with self._phase("publish"):
+            await self.client.publish_weights(self.model.hf_weights(), self.version,
+                                              dtype=self.config.trainer.weights_dtype)
+
+    @contextlib.contextmanager
+    def _phase(self, phase: str) -> Iterator[None]:
+        """Record a ``phase`` span of the trainer in the timeline."""
+        start = time.time()
+        try:
+            yield
+        finally:
+            if self.timeline is not None:
+                self.timeline.record("phase", phase=phase, start=start, end=time.time(), step=self.step + 1)
+
+    # ---- evaluation -----------------------------------------------------------------------------
+
+    def _maybe_evaluate(self) -> None:
+        """Start evaluating the current weights before the first step, every ``eval.every`` steps and
+        after the last."""
+        every = self.config.eval.every
+        if self.evaluator is not None and (self.step % every == 0 or self.step == self.config.steps):
+            assert self._tg is not None, "evaluations run inside run()"
+            self.evaluator.start(self._tg, self.step, self.version)
+
+    async def _finish_evaluation(self) -> None:
+        """Hold the next publish until a running evaluation finished (its tokens all carry the
+        version it evaluates); keep its figures for the next metrics line."""
+        if self.evaluator is None:
+            return
+        with self._phase("eval_wait"):
+            evaluation = await self.evaluator.wait()
+        if evaluation is not None:
+            self._evaluation = evaluation
 
     async def _publish_after_resume(self) -> None:
         """Publish the restored weights above every version a generator may serve (timeline step 2)."""
@@ -220,35 +283,45 @@ class Trainer:
 
     # ---- one step ----------------------------------------------------------------------------
 
-    async def _one_step(self, bar: tqdm) -> None:
+    async def _one_step(self, bar: tqdm, sync: bool) -> None:
         wait_start = time.monotonic()
-        groups = await self._wait_for_batch()
+        with self._phase("wait"):
+            if sync:
+                await self._submit_batch()
+            groups = await self._wait_for_batch()
         start = time.monotonic()
         await self._overtake(groups)
         trained_version = self.version
+        if self.timeline is not None:
+            self.timeline.record("step_groups", step=self.step + 1, group_ids=[g.group_id for g in groups],
+                                 prompt_ids=[g.payload.prompt_id for g in groups if isinstance(g.payload, Prompt)])
         pause = self.config.drafter.pause_during_train_step
         if pause:
             self.client.pause_drafter(True)
         try:
-            rewards, result = await anyio.to_thread.run_sync(self._train, groups, trained_version)
+            with self._phase("train"):
+                rewards, result = await anyio.to_thread.run_sync(self._train, groups, trained_version)
         finally:
             if pause:
                 self.client.pause_drafter(False)
+        await self._finish_evaluation()
         self.step += 1
         self.version += 1
         await self._publish()
+        if sync or self.step == self.config.steps:
+            with self._phase("publish"):
+                await self._wait_acks()
+        self._maybe_evaluate()
         if self.step == self.config.steps:
-            await self._wait_acks()
+            await self._finish_evaluation()
         metrics = self.step_metrics.record(self.step, self.version, groups, rewards, result, trained_version,
                                            time.monotonic() - start, start - wait_start)
+        if self._evaluation is not None:
+            metrics.update(self._evaluation.metrics())
+            self._evaluation = None
         with open(self.run_dir / METRICS_FILENAME, "a", encoding="utf-8") as f:
             f.write(json.dumps(metrics) + "\n")
-        accept = metrics["acceptance_length"]
-        bar.set_postfix_str(f"v{self.version} reward {metrics['reward_mean']:.3f} "
-                            + (f"{metrics['gen_tokens_per_s']:.0f} tok/s " if metrics["gen_tokens_per_s"] is not None
-                               else "") + f"lag<={result.max_lag} "
-                            f"masked {result.tokens_masked_stale}"
-                            + (f" accept {accept:.2f}" if accept is not None else ""), refresh=False)
+        bar.set_postfix_str(_progress(metrics, result), refresh=False)
         bar.update(1)
         every = self.config.trainer.checkpoint_every
         if every and self.step % every == 0:
@@ -256,7 +329,7 @@ class Trainer:
 
     def _train(self, groups: list[Group], version: int) -> tuple[torch.Tensor, StepResult]:
         """Rewards and one optimizer step (runs in a worker thread). Returns rewards ``[G, n]``."""
-        answers = [g.payload if isinstance(g.payload, str) else None for g in groups]
+        answers = [g.payload.answer if isinstance(g.payload, Prompt) else None for g in groups]
         rewards = torch.tensor([[self.reward_fn(self.tokenizer.decode(s.token_ids), answer) for s in g.samples]
                                 for g, answer in zip(groups, answers, strict=True)], dtype=torch.float32)  # [G, n]
         batch = build_batch(groups, rewards, normalize_std=self.config.trainer.normalize_std, fill_version=version)
@@ -268,6 +341,20 @@ class Trainer:
         path = await anyio.to_thread.run_sync(save_checkpoint, self.run_dir, self.model, self.optimizer, state)
         self._last_checkpoint = self.step
         log.info("checkpoint of step %d (policy version %d) written to %s", self.step, self.version, path)
+
+
+def _progress(metrics: dict[str, object], result: StepResult) -> str:
+    """The progress bar's postfix for one step."""
+    parts = [f"v{metrics['policy_version']} reward {metrics['reward_mean']:.3f}"]
+    if metrics.get("eval_accuracy") is not None:
+        parts.append(f"eval {metrics['eval_accuracy']:.3f}")
+    if metrics["gen_tokens_per_s"] is not None:
+        parts.append(f"{metrics['gen_tokens_per_s']:.0f} tok/s")
+    parts.append(f"lag<={result.max_lag} masked {result.tokens_masked_stale}")
+    if metrics["acceptance_length"] is not None:
+        parts.append(f"accept {metrics['acceptance_length']:.2f}")
+    return " ".join(parts)
+
 
 # ---- entry points -------------------------------------------------------------------------------
 
@@ -294,10 +381,18 @@ async def _run(config: RunConfig) -> int:
     write_resolved(config)
     if config.trainer.train_threads is not None:
         torch.set_num_threads(config.trainer.train_threads)
-    net = config.network
+    timeline = Timeline(run_dir / TIMELINE_FILENAME)
+    try:
+        return await _serve(config, timeline)
+    finally:
+        timeline.close()
+
+
+async def _serve(config: RunConfig, timeline: Timeline) -> int:
+    run_dir, net = Path(config.run_dir), config.network
     client = RolloutClient(_bind_address(config), max_groups_in_flight=config.trainer.max_groups_in_flight,
                            heartbeat_timeout_s=net.heartbeat_timeout_s, window=net.window, hwm=net.hwm,
-                           allow_public=net.allow_public)
+                           allow_public=net.allow_public, timeline=timeline)
     code = EXIT_OK
     async with client:  # closing it sends Dead to every connected generator
         write_text_atomic(run_dir / ENDPOINT_FILENAME, client.endpoint)
@@ -315,7 +410,7 @@ async def _run(config: RunConfig) -> int:
             if threading.current_thread() is threading.main_thread():
                 tg.start_soon(watch_signals)
             setup = await anyio.to_thread.run_sync(load_setup, config)  # generators connect meanwhile
-            trainer = Trainer(config, setup, client)
+            trainer = Trainer(config, setup, client, timeline)
             await trainer.run()
             log.info("trained %d steps; final policy version %d", trainer.step, trainer.version)
             tg.cancel_scope.cancel()

@@ -1,0 +1,61 @@
+"""The run's timeline: ``RUN_DIR/timeline.jsonl``, one JSON object per event, appended and flushed as
+the run goes, so ``specroll report`` draws what happened (not what a log suggests) and a killed run
+keeps every event before the kill.
+
+Every line has ``t`` (wall-clock seconds since the epoch, ``time.time()``: comparable across
+processes and restarts) and ``event``; the other fields depend on the event:
+
+=====================  ===================================================================================
+event                  fields
+=====================  ===================================================================================
+``generator_load``     ``actor``, ``live`` (sequences decoding), ``capacity`` (``max_num_seqs``) — every heartbeat
+``phase``              ``phase`` (``wait``: for finished groups; ``train``: the optimizer step; ``publish``:
+                       handing the weights over; ``eval_wait``: holding a publish for an evaluation),
+                       ``start``, ``end`` (wall-clock s), ``step``
+``group_finished``     ``group_id``, ``lane`` (``train`` or ``eval``)
+``step_groups``        ``step``, ``group_ids`` (the groups the step trained on, in batch order)
+``policy_published``   ``version``
+``policy_served``      ``actor``, ``version`` (the generator's acknowledgement)
+``drafter_published``  ``version``
+``drafter_served``     ``actor``, ``version`` (a generator swapped the drafter version in)
+``evaluation``         ``step``, ``policy_version``, ``accuracy``, ``prompts``
+=====================  ===================================================================================
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import IO
+
+TIMELINE_FILENAME = "timeline.jsonl"
+
+
+class Timeline:
+    """Appends events to a JSONL file, one flushed line each.
+
+    Args:
+        path: the file (``RUN_DIR/timeline.jsonl``); created with its folder if missing, appended to
+            otherwise (a resumed run continues the same timeline).
+
+    Raises:
+        OSError: the file cannot be opened for appending.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] | None = open(self.path, "a", encoding="utf-8")
+
+    def record(self, event: str, /, **fields: object) -> None:
+        """Append one event now (``t`` = ``time.time()``). Fields must be JSON-serialisable."""
+        if self._file is None:
+            return
+        self._file.write(json.dumps({"t": time.time(), "event": event, **fields}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,104 @@
+"""The trainer's held-out evaluation and its synchronous mode, with real generator processes on a tiny
+random-weight checkpoint (helpers from ``test_trainer.py``); both are checked on what the run wrote:
+``metrics.jsonl`` and ``timeline.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import anyio
+import pytest
+from test_trainer import ENDPOINT_FILENAME, free_port, generators, metrics, run_config, wait_for
+
+from specroll.actors.trainer.timeline import TIMELINE_FILENAME
+from specroll.actors.trainer.trainer import run_trainer
+from specroll.rl.tasks import builtin_task
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def _run(model: Path, tmp_path: Path, count: int = 1, **extra: object) -> Path:
+    """A whole run: the trainer in-process, ``count`` generator processes loaded before it starts."""
+    run, port = tmp_path / "run", free_port()
+    config = run_config(run, model, network__trainer_port=port, **extra)
+    result: dict[str, int] = {}
+
+    async def trainer() -> None:
+        result["code"] = await run_trainer(config)
+
+    def loaded(i: int) -> bool:
+        log = tmp_path / f"gen-{i}.log"
+        return log.exists() and "connecting to" in log.read_text()
+
+    with generators(f"tcp://127.0.0.1:{port}", model, tmp_path, count=count) as procs:
+        await wait_for(lambda: all(loaded(i) for i in range(count)), 120, "the generators to load", procs)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(trainer)
+            await wait_for(lambda: (run / ENDPOINT_FILENAME).exists() or "code" in result, 30, "the endpoint")
+            await wait_for(lambda: "code" in result, 180, "the trainer to finish", procs)
+    assert result["code"] == 0
+    return run
+
+
+def _timeline(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / TIMELINE_FILENAME).read_text().splitlines()]
+
+
+@pytest.mark.anyio
+async def test_held_out_evaluation_runs_on_generators_and_is_never_trained_on(tiny_checkpoint, tmp_path: Path) -> None:
+    steps, every, count = 4, 2, 8
+    run = await _run(tiny_checkpoint("llama"), tmp_path, count=2, steps=steps, eval__every=every, eval__count=count,
+                     task__builtin_count=64, trainer__max_groups_in_flight=4)
+    lines = metrics(run)
+    # before training, after step 2 and after the last step; each in the line of the next publish
+    evaluated = {m["step"]: m for m in lines if "eval_accuracy" in m}
+    assert sorted(evaluated) == [1, 3, 4]
+    assert [evaluated[s]["eval_step"] for s in (1, 3, 4)] == [0, 2, 4]
+    for m in evaluated.values():
+        version = m["eval_policy_version"]
+        assert version == m["eval_step"]  # a fresh run: policy version = steps taken
+        assert m["eval_versions"] == [version, version]  # every token from the evaluated weights
+        assert m["eval_prompts"] == count and 0.0 <= m["eval_accuracy"] <= 1.0
+
+    events = _timeline(run)
+    held_out = {p.prompt_id for p in builtin_task(64, 0, eval_count=count).eval}
+    trained = [pid for e in events if e["event"] == "step_groups" for pid in e["prompt_ids"]]
+    assert len(trained) == steps * 2  # batch_groups = 2
+    assert not held_out & set(trained)  # no evaluation prompt was ever trained on
+    finished_eval = [e for e in events if e["event"] == "group_finished" and e["lane"] == "eval"]
+    assert len(finished_eval) == 3 * count
+    assert [e["step"] for e in events if e["event"] == "evaluation"] == [0, 2, 4]
+    # an evaluation holds the next publish: no version is published while one runs
+    for e in events:
+        if e["event"] == "evaluation" and e["step"] < steps:
+            published = [p["t"] for p in events if p["event"] == "policy_published" and p["version"] == e["step"] + 1]
+            assert published and published[0] >= e["t"]
+
+
+@pytest.mark.anyio
+async def test_sync_mode_trains_only_after_every_rollout_of_the_step_finished(tiny_checkpoint,
+                                                                               tmp_path: Path) -> None:
+    steps = 3
+    run = await _run(tiny_checkpoint("llama"), tmp_path, count=2, steps=steps, trainer__mode="sync",
+                     trainer__max_groups_in_flight=8, generator__sampling__max_tokens=32)
+    events = _timeline(run)
+    finished = {e["group_id"]: e["t"] for e in events if e["event"] == "group_finished" and e["lane"] == "train"}
+    trains = [e for e in events if e["event"] == "phase" and e["phase"] == "train"]
+    batches = [e for e in events if e["event"] == "step_groups"]
+    assert [e["step"] for e in trains] == [e["step"] for e in batches] == [1, 2, 3]
+    # exactly the step's groups were generated, all finished before it trained, none during training
+    assert sorted(finished) == sorted(g for b in batches for g in b["group_ids"])
+    for train, batch in zip(trains, batches, strict=True):
+        assert max(finished[g] for g in batch["group_ids"]) <= train["start"]
+        assert not [g for g, t in finished.items() if train["start"] <= t <= train["end"]]
+    lines = metrics(run)
+    assert all(m["staleness"] == {"0": m["trained_tokens"]} for m in lines)  # on-policy: every token lag 0
+    # every generator served the new weights before the next step's rollouts began
+    assert all(v == steps for v in lines[-1]["generator_versions"].values())
+    assert all(m["logprob_mismatch_tokens"] == m["trained_tokens"] for m in lines)
+    assert all(m["logprob_diff_max"] <= 1e-4 for m in lines), [m["logprob_diff_max"] for m in lines]
