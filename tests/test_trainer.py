@@ -44,8 +44,6 @@ from specroll.protocol.channel import Channel
 from specroll.protocol.messages import PROTOCOL_VERSION, Abort, Hello, RolloutChunk, ToGenerator, Welcome
 from specroll.protocol.sampling import SamplingParams
 from specroll.protocol.sockets import close_socket, make_socket
-from specroll.rl.coordinator import Group, Sample
-from specroll.rl.grpo_step import build_batch
 
 KV_GB = 0.02
 
@@ -301,18 +299,6 @@ async def test_client_aborts_groups_of_an_earlier_incarnation_once() -> None:
 
 # ---- units ------------------------------------------------------------------------------------
 
-
-def test_batch_aligns_response_tokens_logprobs_and_versions() -> None:
-    sampling = SamplingParams(max_tokens=4)
-    group = Group("g0", [7, 8, 9], [Sample([1, 2], [-0.5, -1.5], [3, 4], "stop"),
-                                    Sample([5], [-2.0], [4], "length")], sampling)
-    batch = build_batch([group], torch.tensor([[1.0, 0.0]]), normalize_std=False, fill_version=4)
-    assert batch.input_ids.tolist() == [[7, 8, 9, 1, 2], [7, 8, 9, 5, 0]]
-    assert batch.attention_mask.tolist() == [[True] * 5, [True] * 4 + [False]]
-    assert batch.loss_mask.tolist() == [[False] * 3 + [True] * 2, [False] * 3 + [True, False]]
-    assert batch.behavior_logprobs.tolist() == [[0, 0, 0, -0.5, -1.5], [0, 0, 0, -2.0, 0]]
-    assert batch.versions.tolist() == [[4, 4, 4, 3, 4], [4, 4, 4, 4, 4]]
-    assert batch.advantages.tolist() == [0.5, -0.5]
 
 
 @pytest.mark.parametrize(("arch", "tied"), [("llama", True), ("qwen2", False), ("qwen3", True)])

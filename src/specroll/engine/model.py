@@ -323,17 +323,36 @@ class CausalLM(nn.Module):
                 f"attention_mask must be bool with input_ids' shape {tuple(input_ids.shape)}, "
                 f"got {attention_mask.dtype} {tuple(attention_mask.shape)}"
             )
-        b, t = input_ids.shape
+        t = input_ids.shape[1]
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]: 0..len-1 on real tokens
+        # query i sees key j when j <= i and j is a real token
+        idx = torch.arange(t, device=input_ids.device)
+        causal = idx[None, :] <= idx[:, None]  # [T, T]
+        hidden = self.hidden_dense(input_ids, positions, causal & attention_mask[:, None, :])
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def hidden_dense(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        """Differentiable dense forward for training with an explicit attention pattern: the final
+        normed hidden states (what the LM head reads, :meth:`lm_head_weight`).
+
+        The pattern is free, so one row may hold several sequences that share a prefix (a GRPO
+        group packed as prompt + its n responses, each response attending to the prompt and to
+        itself: ``rl/grpo_step.py``); ``positions`` gives each token its RoPE position.
+
+        Args:
+            input_ids: int64 ``[B, T]``.
+            positions: int64 ``[B, T]`` RoPE positions.
+            attn_mask: bool ``[B, T, T]``, True where query i may attend to key j. The diagonal is
+                opened here, so a padding query never has an empty row (NaN through softmax).
+
+        Returns:
+            ``[B, T, hidden_size]`` in the model's dtype.
+        """
+        b, t = input_ids.shape
         x = self.model.embed_tokens(input_ids)  # [B, T, hidden]
         cos, sin = self.rotary.cos_sin(positions.flatten(), x.dtype)  # [B*T, 1, D]
         cos, sin = cos.view(b, t, 1, -1), sin.view(b, t, 1, -1)  # [B, T, 1, D]
-        # query i sees key j when j <= i and j is a real token; the diagonal is always open so a
-        # padded query never has an empty row (which would give NaN through softmax and backward)
-        idx = torch.arange(t, device=input_ids.device)
-        causal = idx[None, :] <= idx[:, None]  # [T, T]
-        attn_mask = (causal & attention_mask[:, None, :]) | torch.eye(t, dtype=torch.bool, device=idx.device)
-        attn_mask = attn_mask[:, None]  # [B, 1, T, T]
+        mask = (attn_mask | torch.eye(t, dtype=torch.bool, device=attn_mask.device))[:, None]  # [B, 1, T, T]
         for layer in self.model.layers:
-            x = layer.forward_dense(x, cos, sin, attn_mask)
-        return F.linear(self.model.norm(x), self.lm_head_weight).float()
+            x = layer.forward_dense(x, cos, sin, mask)
+        return self.model.norm(x)

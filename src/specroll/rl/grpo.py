@@ -103,10 +103,16 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
             f"logits must be [B, T, V] for input_ids [B, T]; got logits {tuple(logits.shape)}, "
             f"input_ids {tuple(input_ids.shape)}"
         )
-    pred = logits[:, :-1].float()  # [B, T-1, V]: position t-1 predicts token t
-    targets = input_ids[:, 1:].long().unsqueeze(-1)  # [B, T-1, 1]
-    logp = pred.gather(-1, targets).squeeze(-1) - pred.logsumexp(dim=-1)  # [B, T-1]
+    logp = target_logprobs(logits[:, :-1], input_ids[:, 1:])  # [B, T-1]: position t-1 predicts token t
     return torch.cat([logp.new_zeros(logp.shape[0], 1), logp], dim=1)  # [B, T]
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits)[..., target]``: float32 ``[...]`` for logits ``[..., V]`` and int
+    ``targets`` ``[...]``, as ``gather − logsumexp`` in float32 (no second ``[..., V]`` tensor).
+    Differentiable in ``logits``."""
+    pred = logits.float()
+    return pred.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1) - pred.logsumexp(dim=-1)
 
 
 def staleness_mask(versions: torch.Tensor, current_version: int, max_staleness: int) -> torch.Tensor:

@@ -1,0 +1,85 @@
+"""The packed GRPO batch: each group's prompt once, then its responses, each attending to the prompt
+and itself. Checked by hand on a small layout and against the plain ``prompt + response`` forward
+(``CausalLM.score``) on tiny random-weight models: the same logprobs and the same gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specroll.engine.checkpoint import load_checkpoint
+from specroll.engine.model import CausalLM
+from specroll.protocol.sampling import SamplingParams
+from specroll.rl.coordinator import Group, Sample
+from specroll.rl.grpo import token_logprobs
+from specroll.rl.grpo_step import build_batch, response_logprobs
+
+
+def test_packed_layout_by_hand() -> None:
+    group = Group("g0", [7, 8, 9], [Sample([1, 2], [-0.5, -1.5], [3, 4], "stop"),
+                                    Sample([5], [-2.0], [4], "length"), Sample([], [], [], "abort")],
+                  SamplingParams(max_tokens=4))
+    batch = build_batch([group], torch.tensor([[1.0, 0.0, 0.0]]), normalize_std=False, fill_version=4)
+    assert batch.input_ids.tolist() == [[7, 8, 9, 1, 2, 5]]
+    assert batch.positions.tolist() == [[0, 1, 2, 3, 4, 3]]  # every response continues the prompt
+    assert batch.segments.tolist() == [[0, 0, 0, 1, 1, 2]]
+    assert batch.row_lengths.tolist() == [6]
+    assert batch.predecessor.tolist() == [[2, 3], [2, 0], [0, 0]]  # the last prompt token predicts token 0
+    assert batch.targets.tolist() == [[1, 2], [5, 0], [0, 0]]
+    assert batch.loss_mask.tolist() == [[True, True], [True, False], [False, False]]
+    assert batch.behavior_logprobs.tolist() == [[-0.5, -1.5], [-2.0, 0.0], [0.0, 0.0]]
+    assert batch.versions.tolist() == [[3, 4], [4, 4], [4, 4]]
+    torch.testing.assert_close(batch.advantages, torch.tensor([2 / 3, -1 / 3, -1 / 3]))
+    mask = batch.attention_mask(torch.tensor([0]), 6)[0].int().tolist()
+    assert mask == [[1, 0, 0, 0, 0, 0],
+                    [1, 1, 0, 0, 0, 0],
+                    [1, 1, 1, 0, 0, 0],
+                    [1, 1, 1, 1, 0, 0],
+                    [1, 1, 1, 1, 1, 0],
+                    [1, 1, 1, 0, 0, 1]]  # response 2 sees the prompt and itself, not response 1
+
+
+def _groups(vocab: int, seed: int) -> list[Group]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(3, vocab, (n,), generator=gen).tolist()
+
+    groups = []
+    for g, (prompt_len, lengths) in enumerate([(5, [4, 1, 7]), (9, [3, 3, 0]), (2, [6, 2, 5])]):
+        samples = [Sample(ids(r), [-1.0] * r, [0] * r, "stop") for r in lengths]
+        groups.append(Group(f"g{g}", ids(prompt_len), samples, SamplingParams()))
+    return groups
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_packed_logprobs_and_gradients_equal_the_plain_forward(tiny_checkpoint, arch: str) -> None:
+    ckpt = load_checkpoint(tiny_checkpoint(arch))
+    model = CausalLM(ckpt.config)
+    model.load_weights(ckpt.weights)
+    groups = _groups(ckpt.config.vocab_size, seed=0)
+    batch = build_batch(groups, torch.zeros(3, 3), normalize_std=True, fill_version=0)
+    weights = torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(1))  # [B, L]
+
+    packed = response_logprobs(model, batch, torch.arange(3))  # [B, L]
+    (packed * weights).sum().backward()
+    packed_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    plain = torch.zeros_like(packed)
+    loss = torch.zeros(())
+    for g, group in enumerate(groups):
+        for i, s in enumerate(group.samples):
+            if not s.token_ids:
+                continue
+            ids = torch.tensor([group.prompt_token_ids + s.token_ids])
+            lp = token_logprobs(model.score(ids, torch.ones_like(ids, dtype=torch.bool)), ids)[0, -len(s.token_ids):]
+            b = g * 3 + i
+            plain[b, : len(s.token_ids)] = lp.detach()
+            loss = loss + (lp * weights[b, : len(s.token_ids)]).sum()
+    loss.backward()
+
+    torch.testing.assert_close(packed.detach(), plain, rtol=0, atol=1e-5)
+    assert (packed[~batch.loss_mask] == 0).all()
+    for p, g_packed in zip(model.parameters(), packed_grads, strict=True):
+        torch.testing.assert_close(g_packed, p.grad, rtol=1e-3, atol=1e-4)
