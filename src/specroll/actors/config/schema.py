@@ -161,7 +161,8 @@ class TrainerConfig(_Section):
     """Groups dispatched to generators and not yet trained on, at most; at least ``batch_groups``.
     Default 8."""
     train_threads: int | None = None
-    """Torch intra-op CPU threads of the trainer; ``None`` (default) keeps torch's default."""
+    """Torch intra-op CPU threads of the trainer; ``None`` (default): under ``specroll launch`` on a CPU,
+    half the cores (the launcher's CPU budget, ``actors/launch/cpu_budget.py``), else torch's default."""
 
     def __post_init__(self) -> None:
         _check_literals(self)
@@ -195,7 +196,8 @@ class GeneratorConfig(_Section):
     """Generators ``specroll launch`` starts. Default 1."""
     engine: EngineConfig = EngineConfig()
     """The engine of each generator (``[generator.engine]``). Its ``model`` follows ``model.name``: leave
-    it unset (or equal to ``model.name``)."""
+    it unset (or equal to ``model.name``). Its ``num_threads`` unset: under ``specroll launch`` on a
+    CPU, the generators share the half of the cores the trainer does not get (the launcher's CPU budget)."""
     sampling: SamplingParams = SamplingParams()
     """How rollouts are sampled (``[generator.sampling]``): temperature, top_p, top_k, max_tokens.
     ``seed`` must stay unset: each request's seed derives from the run seed."""

@@ -44,6 +44,7 @@ from typing import IO, TYPE_CHECKING
 from specroll.actors.config import ConfigError, load_config
 from specroll.actors.exit_codes import EXIT_OK, EXIT_REFUSED
 from specroll.actors.files import write_text_atomic
+from specroll.actors.launch.cpu_budget import available_cores, budget_line, with_cpu_budget
 from specroll.actors.launch.errors import LaunchError
 from specroll.actors.launch.preflight import LOCK_FILENAME, preflight, take_lock
 from specroll.actors.launch.role_process import RoleProcess, describe_exit, killpg, observe_exit, start_role, tail
@@ -331,9 +332,12 @@ def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = 
     except LaunchError as e:
         print(f"specroll launch: error: {e}", file=sys.stderr)
         return EXIT_REFUSED
+    cores = available_cores()
+    config = with_cpu_budget(config, cores)
     try:
         launcher = Launcher(config, trainer_module=trainer_module, startup_timeout_s=startup_timeout_s,
                             grace_s=grace_s)
+        launcher.say(budget_line(config, cores))
         return launcher.run()
     finally:
         lock.unlink(missing_ok=True)
