@@ -26,6 +26,7 @@ def metrics_line(step: int) -> dict[str, object]:
         "reward_mean": 0.1 * step,
         "accuracy": 0.05 * step,
         "eval_accuracy": 0.5 if step % 3 == 0 else None,  # only some steps evaluate
+        "eval_step": step - 1 if step % 3 == 0 else None,  # the weights of the step before
         "samples": 8,
         "step_s": 4.0,
         "wait_s": 1.0,
@@ -110,6 +111,7 @@ def test_what_is_drawn(tmp_path: Path) -> None:
     data = load_run(run_dir)
     assert [r.step for r in data.steps] == [1, 2, 3, 5, 6, 7, 8]
     assert [r.eval_accuracy for r in data.steps] == [None, None, 0.5, None, 0.5, None, None]
+    assert [r.eval_step for r in data.steps] == [None, None, 2, None, 5, None, None]
     # 8 samples per 10 s between consecutive steps; after the gap, step_s + wait_s = 5 s
     assert samples_per_s(data) == [(1, 8 / 5), (2, 0.8), (3, 0.8), (5, 8 / 5), (6, 0.8), (7, 0.8), (8, 0.8)]
     # weighted by verify steps: version 2 has 2 (even steps) or 3 (odd) over 10·step verify steps each

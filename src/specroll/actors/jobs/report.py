@@ -80,9 +80,12 @@ def draw_reward(data: RunData) -> Figure:
     x, y = _series(data.steps, lambda r: r.accuracy)
     if x:
         _with_rolling(bottom, x, y, "accuracy", "tab:green")
-    ex, ey = _series(data.steps, lambda r: r.eval_accuracy)
+    evals = sorted((r.step if r.eval_step is None else r.eval_step, r.eval_accuracy) for r in data.steps
+                   if r.eval_accuracy is not None)  # at the step whose weights were evaluated
+    ex, ey = [e[0] for e in evals], [e[1] for e in evals]
     if ex:
-        bottom.plot(ex, ey, color="tab:red", marker="o", linewidth=1.5, label="eval_accuracy")
+        bottom.plot(ex, ey, color="tab:red", marker="o", linewidth=1.5,
+                    label="eval_accuracy (held out; x = weights after step)")
     if x or ex:
         bottom.legend(fontsize=8)
         bottom.set_ylim(-0.02, 1.02)

@@ -56,6 +56,9 @@ class StepRecord:
     reward_mean: float | None = None
     accuracy: float | None = None
     eval_accuracy: float | None = None
+    eval_step: int | None = None
+    """The step whose weights ``eval_accuracy`` measured (0: before training); the line that carries
+    an evaluation is the next one written after it finished."""
     samples: int | None = None
     """Samples trained on (the ``samples`` field)."""
     samples_dropped: int = 0
@@ -160,6 +163,7 @@ def _step_record(path: Path, number: int, record: dict[str, object], warnings: l
         return None
     r = StepRecord(step=step, time=f.number("time"), reward_mean=f.number("reward_mean"),
                    accuracy=f.number("accuracy"), eval_accuracy=f.number("eval_accuracy"),
+                   eval_step=f.integer("eval_step"),
                    samples=f.integer("samples"), samples_dropped=f.integer("samples_dropped_stale") or 0,
                    step_s=f.number("step_s"), wait_s=f.number("wait_s"), gen_tokens_per_s=f.number("gen_tokens_per_s"),
                    staleness=_staleness(f), max_lag=f.integer("max_lag"), acceptance=_acceptance(f))
