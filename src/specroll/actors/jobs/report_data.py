@@ -20,8 +20,8 @@ from specroll.actors.trainer.timeline import TIMELINE_FILENAME
 METRICS_FILENAME = "metrics.jsonl"
 CONFIG_FILENAME = "config.toml"
 
-Phase = Literal["wait", "train", "publish", "eval_wait"]
-PHASES: tuple[Phase, ...] = ("train", "wait", "publish", "eval_wait")
+Phase = Literal["wait", "train", "publish", "eval_wait", "checkpoint"]
+PHASES: tuple[Phase, ...] = ("train", "wait", "publish", "eval_wait", "checkpoint")
 ArrivalKind = Literal["policy_published", "policy_served", "drafter_published", "drafter_served"]
 ARRIVALS: tuple[ArrivalKind, ...] = ("policy_published", "policy_served", "drafter_published", "drafter_served")
 

@@ -3,7 +3,7 @@
 x is seconds since the first event. One row per generator: its live batch (a step plot, one point
 per heartbeat) under its capacity (dashed), with a mark where it acknowledged a policy version
 (``policy_served``) or swapped a drafter version in (``drafter_served``). One row for the trainer:
-its phases as coloured bars (train / wait / publish / eval_wait). Versions published
+its phases as coloured bars (train / wait / publish / eval_wait / checkpoint). Versions published
 (``policy_published``, ``drafter_published``) are dotted lines through every row.
 """
 
@@ -16,7 +16,8 @@ from matplotlib.patches import Patch
 
 from specroll.actors.jobs.report_data import PHASES, Arrival, ArrivalKind, RunData
 
-PHASE_COLORS = {"train": "tab:green", "wait": "0.75", "publish": "tab:blue", "eval_wait": "tab:orange"}
+PHASE_COLORS = {"train": "tab:green", "wait": "0.75", "publish": "tab:blue", "eval_wait": "tab:orange",
+                "checkpoint": "tab:brown"}
 MARKS: dict[ArrivalKind, tuple[str, str]] = {  # kind → (colour, line style)
     "policy_published": ("tab:red", ":"),
     "policy_served": ("tab:red", "-"),

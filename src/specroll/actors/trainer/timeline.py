@@ -10,7 +10,8 @@ event                  fields
 =====================  ===================================================================================
 ``generator_load``     ``actor``, ``live`` (sequences decoding), ``capacity`` (``max_num_seqs``) — every heartbeat
 ``phase``              ``phase`` (``wait``: for finished groups; ``train``: the optimizer step; ``publish``:
-                       handing the weights over; ``eval_wait``: holding a publish for an evaluation),
+                       handing the weights over; ``eval_wait``: holding a publish for an evaluation;
+                       ``checkpoint``: writing one),
                        ``start``, ``end`` (wall-clock s), ``step``
 ``group_finished``     ``group_id``, ``lane`` (``train`` or ``eval``)
 ``step_groups``        ``step``, ``group_ids`` (the groups the step trained on, in batch order)

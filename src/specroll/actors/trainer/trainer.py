@@ -338,7 +338,8 @@ class Trainer:
     async def _checkpoint(self) -> None:
         state = TrainerState(step=self.step, policy_version=self.version, prompt_cursor=self.prompts.cursor,
                              seed=self.config.seed, model=self.config.model.name)
-        path = await anyio.to_thread.run_sync(save_checkpoint, self.run_dir, self.model, self.optimizer, state)
+        with self._phase("checkpoint"):
+            path = await anyio.to_thread.run_sync(save_checkpoint, self.run_dir, self.model, self.optimizer, state)
         self._last_checkpoint = self.step
         log.info("checkpoint of step %d (policy version %d) written to %s", self.step, self.version, path)
 
