@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 
-def write_config(tmp_path: Path, model: Path, steps: int = 3, count: int = 2) -> Path:
-    """A small run on ``model``: ``count`` generators, one group of 2 per step, 8 tokens per sample."""
+def write_config(tmp_path: Path, model: Path, steps: int = 3, count: int = 2, eval_every: int = 0) -> Path:
+    """A small run on ``model``: ``count`` generators, one group of 2 per step, 8 tokens per sample;
+    ``eval_every`` > 0: a held-out evaluation on 4 prompts before training, every so many steps and at the end."""
     path = tmp_path / "run.toml"
     path.write_text(f"""
 run_dir = "{tmp_path / 'run'}"
@@ -47,6 +48,10 @@ num_threads = 1
 
 [generator.sampling]
 max_tokens = 8
+
+[eval]
+every = {eval_every}
+count = 4
 """)
     return path
 
@@ -127,16 +132,19 @@ def generators_connected(run_dir: Path, count: int) -> bool:
 
 @pytest.mark.slow
 def test_launch_runs_three_steps_and_leaves_nothing(tmp_path: Path, tiny_checkpoint) -> None:
-    config = write_config(tmp_path, tiny_checkpoint(), steps=3, count=2)
+    config = write_config(tmp_path, tiny_checkpoint(), steps=3, count=2, eval_every=2)
     before = children_of(os.getpid())
     code, out, err = finish(launch(tmp_path, config))
     run_dir = tmp_path / "run"
     assert code == 0, err
     assert set(started_pids(run_dir)) == {"trainer", "generator-0", "generator-1"}
     assert_nothing_left(run_dir, before)
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]
-    assert [line.split(":")[0] for line in out.splitlines()] == ["step 1", "step 2", "step 3"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]  # step 0: the evaluation before training
+    assert [r["step"] for r in records if "eval_accuracy" in r] == [0, 2, 3]
+    assert all(r["eval_step"] == r["step"] for r in records if "eval_accuracy" in r)
+    assert [line.split(":")[0] for line in out.splitlines()] == ["step 0", "step 1", "step 2", "step 3"]
+    assert "eval_accuracy=" in out.splitlines()[0]
     assert (run_dir / "config.toml").exists() and (run_dir / "trainer.endpoint").exists()
     logs = [(run_dir / "logs" / f"generator-{i}.log").read_text() for i in range(2)]
     # Each is stopped by the launcher's SIGTERM (not by the SIGKILL fallback) — also one still loading

@@ -180,7 +180,7 @@ def test_not_a_run_directory_is_one_error_line_and_exit_2(tmp_path: Path) -> Non
 def test_a_real_launch_is_reported_whole_and_cut_short(tmp_path: Path, tiny_checkpoint) -> None:
     from test_launch import finish, launch, write_config
 
-    config = write_config(tmp_path, tiny_checkpoint(), steps=3, count=2)
+    config = write_config(tmp_path, tiny_checkpoint(), steps=3, count=2, eval_every=2)
     code, _, err = finish(launch(tmp_path, config))
     run_dir = tmp_path / "run"
     assert code == 0, err
@@ -196,4 +196,4 @@ def test_a_real_launch_is_reported_whole_and_cut_short(tmp_path: Path, tiny_chec
     proc = cli(str(run_dir))
     assert proc.returncode == 0, proc.stderr
     assert_pngs(proc.stdout.splitlines(), run_dir / "report")
-    assert f"{metrics}: line 3: cut short" in proc.stderr, proc.stderr
+    assert f"{metrics}: line 4: cut short" in proc.stderr, proc.stderr  # line 1: step 0's evaluation

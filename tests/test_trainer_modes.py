@@ -14,7 +14,11 @@ from test_trainer import ENDPOINT_FILENAME, free_port, generators, metrics, run_
 
 from specroll.actors.trainer.timeline import TIMELINE_FILENAME
 from specroll.actors.trainer.trainer import run_trainer
-from specroll.rl.tasks import builtin_task
+from specroll.engine.config import EngineConfig
+from specroll.engine.engine import Engine
+from specroll.protocol.sampling import SamplingParams
+from specroll.rl.evaluation import evaluate_engine
+from specroll.rl.tasks import builtin_task, format_question, gsm8k_reward
 
 
 @pytest.fixture
@@ -51,28 +55,41 @@ def _timeline(run: Path) -> list[dict]:
 
 @pytest.mark.anyio
 async def test_held_out_evaluation_runs_on_generators_and_is_never_trained_on(tiny_checkpoint, tmp_path: Path) -> None:
-    steps, every, count = 4, 2, 8
-    run = await _run(tiny_checkpoint("llama"), tmp_path, count=2, steps=steps, eval__every=every, eval__count=count,
+    steps, every, count = 5, 2, 8  # the last step right after an evaluated one: two evaluations back to back
+    model = tiny_checkpoint("llama")
+    run = await _run(model, tmp_path, count=2, steps=steps, eval__every=every, eval__count=count,
                      task__builtin_count=64, trainer__max_groups_in_flight=4)
     lines = metrics(run)
-    # before training, after step 2 and after the last step; each in the line of the next publish
+    # before training (a line of its own), after step 2 and after the last step, each in the line
+    # of the step whose weights it measured
+    assert [m["step"] for m in lines] == [0, 1, 2, 3, 4, 5]
     evaluated = {m["step"]: m for m in lines if "eval_accuracy" in m}
-    assert sorted(evaluated) == [1, 3, 4]
-    assert [evaluated[s]["eval_step"] for s in (1, 3, 4)] == [0, 2, 4]
+    assert sorted(evaluated) == [0, 2, 4, 5]
+    assert all(m["eval_step"] == step for step, m in evaluated.items())
     for m in evaluated.values():
         version = m["eval_policy_version"]
         assert version == m["eval_step"]  # a fresh run: policy version = steps taken
         assert m["eval_versions"] == [version, version]  # every token from the evaluated weights
         assert m["eval_prompts"] == count and 0.0 <= m["eval_accuracy"] <= 1.0
 
+    # the generators' evaluation of the untrained weights is the one a local engine computes
+    # (same sampling, same per-prompt seeds): the benchmark evaluates other trainers' weights this way
+    engine = Engine(EngineConfig(model=str(model), dtype="float32", kv_cache_memory_gb=0.02))
+    split = builtin_task(64, 0, eval_count=count)
+    prompts = [(p, engine.tokenizer.encode_chat(format_question(p.question, split.instruction))) for p in split.eval]
+    local = evaluate_engine(engine, prompts, SamplingParams(max_tokens=16), gsm8k_reward)
+    assert local.response_tokens_mean == lines[0]["eval_response_tokens_mean"]
+    assert local.accuracy == lines[0]["eval_accuracy"]
+
     events = _timeline(run)
     held_out = {p.prompt_id for p in builtin_task(64, 0, eval_count=count).eval}
     trained = [pid for e in events if e["event"] == "step_groups" for pid in e["prompt_ids"]]
+    assert lines[0]["policy_version"] == 0 and "reward_mean" not in lines[0]
     assert len(trained) == steps * 2  # batch_groups = 2
     assert not held_out & set(trained)  # no evaluation prompt was ever trained on
     finished_eval = [e for e in events if e["event"] == "group_finished" and e["lane"] == "eval"]
-    assert len(finished_eval) == 3 * count
-    assert [e["step"] for e in events if e["event"] == "evaluation"] == [0, 2, 4]
+    assert len(finished_eval) == 4 * count
+    assert [e["step"] for e in events if e["event"] == "evaluation"] == [0, 2, 4, 5]
     # an evaluation holds the next publish: no version is published while one runs
     for e in events:
         if e["event"] == "evaluation" and e["step"] < steps:

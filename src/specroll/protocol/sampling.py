@@ -45,3 +45,15 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def greedy(self) -> bool:
         """True when the request decodes by argmax."""
         return self.temperature == 0
+
+
+def sample_seed(group_seed: int, index: int, offset: int = 0) -> int:
+    """The engine seed of sample ``index`` of a group submitted with ``SamplingParams.seed =
+    group_seed``, for the request that continues it after ``offset`` response tokens (0: fresh).
+
+    The n samples of a seeded group must not share one random stream, and a sample re-prefilled
+    or resumed elsewhere draws a fresh one from where it stands; every generator derives seeds this
+    way, and so does anything that must reproduce a generator's draws (the held-out evaluation run
+    on a local engine, ``specroll.rl.evaluation.evaluate_engine``).
+    """
+    return hash((group_seed, index, offset)) & (2**63 - 1)

@@ -10,6 +10,10 @@ benchmark's evaluation of another trainer's weights loaded into an :class:`~spec
   whatever else is in the batch, so two evaluations differ only where the weights differ (common
   random numbers: the difference of two accuracies is far less noisy than each);
 * :func:`score`: the reward of each response; accuracy = the fraction with reward 1.
+
+The same weights give the same evaluation only up to the batch: in bf16 a token's logits depend on
+what else is in the batch (and on the thread count), so two evaluations of one version may differ
+by a few prompts; in float32 they agree.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import msgspec
 
 from specroll.engine.driver import run_to_completion
 from specroll.engine.engine import Engine
-from specroll.protocol.sampling import SamplingParams
+from specroll.protocol.sampling import SamplingParams, sample_seed
 from specroll.rl.tasks import Prompt, RewardFn
 
 EVAL_SEED_BASE = 0x5EED_E7A1 << 20
@@ -81,7 +85,10 @@ def evaluate_engine(engine: Engine, prompts: Sequence[tuple[Prompt, list[int]]],
     if not prompts:
         raise ValueError("no evaluation prompts")
     for i, (p, ids) in enumerate(prompts):
-        engine.add_request(ids, eval_sampling(train, i, greedy), request_id=f"eval-{i}-{p.prompt_id}")
+        sampling = eval_sampling(train, i, greedy)
+        # the seed a generator gives the one sample of this evaluation group
+        sampling = msgspec.structs.replace(sampling, seed=sample_seed(eval_seed(i), 0))
+        engine.add_request(ids, sampling, request_id=f"eval-{i}-{p.prompt_id}")
     done = run_to_completion(engine)
     completions = [done[f"eval-{i}-{p.prompt_id}"] for i, (p, _) in enumerate(prompts)]
     return score([p for p, _ in prompts], [engine.tokenizer.decode(c.token_ids) for c in completions],

@@ -17,6 +17,7 @@ from specroll.actors.generator.rollout_stream import SampleStream
 from specroll.engine.engine import Engine
 from specroll.engine.sequence import StepOutput
 from specroll.protocol.messages import ErrorCode, FinishReason, RolloutChunk, SubmitGroup
+from specroll.protocol.sampling import sample_seed
 
 
 class SampleRefused(Exception):
@@ -146,7 +147,7 @@ class LiveSamples:
         sampling = stream.sampling
         seed = sampling.seed
         if seed is not None:  # siblings (and re-prefills) of a seeded group must not share one stream
-            seed = hash((seed, stream.index, stream.engine_base)) & (2**63 - 1)
+            seed = sample_seed(seed, stream.index, stream.engine_base)
         sampling = msgspec.structs.replace(sampling, max_tokens=stream.remaining, seed=seed)
         self.engine.add_request(prompt, sampling, stream.request_id, group_id=stream.group_id)
 

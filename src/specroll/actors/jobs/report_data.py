@@ -250,6 +250,8 @@ def trained_samples(data: RunData, r: StepRecord) -> int | None:
     else ``trainer.batch_groups``) × ``trainer.group_size`` less the samples dropped as stale."""
     if r.samples is not None:
         return r.samples
+    if r.reward_mean is None:
+        return None  # not a training step (step 0: the evaluation before training)
     groups = data.step_groups.get(r.step, data.batch_groups)
     if groups is None or data.group_size is None:
         return None

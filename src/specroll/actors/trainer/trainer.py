@@ -32,7 +32,8 @@ until all of them finished, train, publish, wait until every generator serves th
 
 Held-out evaluation (``[eval]``, ``evaluation.py``): the weights before the first step, after every
 ``eval.every`` steps and after the last are evaluated by the generators while training goes on; the
-next publish waits for it (an ``eval_wait`` phase), and its figures go into the next metrics line.
+next publish waits for it (an ``eval_wait`` phase), and its figures go into the metrics line of the
+step whose weights it measured (held until then; the weights before training get a ``step`` 0 line).
 Every phase, the groups of each step and each evaluation are also appended to
 ``RUN_DIR/timeline.jsonl`` (``timeline.py``).
 
@@ -72,7 +73,7 @@ from specroll.actors.trainer.checkpoint import (
     save_checkpoint,
 )
 from specroll.actors.trainer.client import RolloutClient
-from specroll.actors.trainer.evaluation import Evaluation, Evaluator
+from specroll.actors.trainer.evaluation import Evaluator
 from specroll.actors.trainer.metrics import StepMetrics, truncate_metrics
 from specroll.actors.trainer.setup import TrainerError, TrainerSetup, load_setup
 from specroll.actors.trainer.timeline import TIMELINE_FILENAME, Timeline
@@ -128,8 +129,9 @@ class Trainer:
         self.evaluator = Evaluator(client, setup.eval_prompts, config.generator.sampling, config.eval.greedy,
                                    self.reward_fn, self.tokenizer, config.network.heartbeat_timeout_s,
                                    self._check_generators, timeline) if setup.eval_prompts else None
-        self._evaluation: Evaluation | None = None
-        """A finished evaluation not yet written to a metrics line."""
+        self._held: dict[str, object] | None = None
+        """The metrics line of the step whose weights are being evaluated: written, with the
+        evaluation's figures, once it finishes (before the next step's line)."""
         self._tg: TaskGroup | None = None
 
     async def run(self) -> None:
@@ -150,7 +152,8 @@ class Trainer:
             self._tg = tg
             if not sync:
                 tg.start_soon(self._feed)
-            self._maybe_evaluate()  # the weights before the first step
+            if self._maybe_evaluate():  # the weights before the first step: a line of their own
+                self._held = {"step": self.step, "policy_version": self.version, "time": time.time()}
             # disable=None: no bar when stderr is a log file (the launcher prints a line per step instead)
             with tqdm(total=self.config.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                       file=sys.stderr, disable=None) as bar:
@@ -229,23 +232,31 @@ class Trainer:
 
     # ---- evaluation -----------------------------------------------------------------------------
 
-    def _maybe_evaluate(self) -> None:
+    def _maybe_evaluate(self) -> bool:
         """Start evaluating the current weights before the first step, every ``eval.every`` steps and
-        after the last."""
+        after the last; whether one started."""
         every = self.config.eval.every
-        if self.evaluator is not None and (self.step % every == 0 or self.step == self.config.steps):
-            assert self._tg is not None, "evaluations run inside run()"
-            self.evaluator.start(self._tg, self.step, self.version)
+        if self.evaluator is None or not (self.step % every == 0 or self.step == self.config.steps):
+            return False
+        assert self._tg is not None, "evaluations run inside run()"
+        self.evaluator.start(self._tg, self.step, self.version)
+        return True
 
     async def _finish_evaluation(self) -> None:
         """Hold the next publish until a running evaluation finished (its tokens all carry the
-        version it evaluates); keep its figures for the next metrics line."""
-        if self.evaluator is None:
+        version it evaluates); then write the held metrics line with its figures."""
+        if self.evaluator is None or self._held is None:
             return
         with self._phase("eval_wait"):
             evaluation = await self.evaluator.wait()
+        held, self._held = self._held, None
         if evaluation is not None:
-            self._evaluation = evaluation
+            held.update(evaluation.metrics())
+        self._write_metrics(held)
+
+    def _write_metrics(self, metrics: dict[str, object]) -> None:
+        with open(self.run_dir / METRICS_FILENAME, "a", encoding="utf-8") as f:
+            f.write(json.dumps(metrics) + "\n")
 
     async def _publish_after_resume(self) -> None:
         """Publish the restored weights above every version a generator may serve (timeline step 2)."""
@@ -311,16 +322,14 @@ class Trainer:
         if sync or self.step == self.config.steps:
             with self._phase("publish"):
                 await self._wait_acks()
-        self._maybe_evaluate()
-        if self.step == self.config.steps:
-            await self._finish_evaluation()
         metrics = self.step_metrics.record(self.step, self.version, groups, rewards, result, trained_version,
                                            time.monotonic() - start, start - wait_start)
-        if self._evaluation is not None:
-            metrics.update(self._evaluation.metrics())
-            self._evaluation = None
-        with open(self.run_dir / METRICS_FILENAME, "a", encoding="utf-8") as f:
-            f.write(json.dumps(metrics) + "\n")
+        if self._maybe_evaluate():
+            self._held = metrics
+        else:
+            self._write_metrics(metrics)
+        if self.step == self.config.steps:
+            await self._finish_evaluation()
         bar.set_postfix_str(_progress(metrics, result), refresh=False)
         bar.update(1)
         every = self.config.trainer.checkpoint_every

@@ -1,0 +1,80 @@
+"""``benchmarks/bench_e2e.py --quick``: the end-to-end benchmark's smoke run on a tiny random-weight
+checkpoint, as CI runs it — real launches of both specroll arms and, where TRL is installed, the TRL
+arm — checked on the JSON it writes and on the processes it leaves (none)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_launch import members_of_groups, started_pids
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_e2e.py"
+TIMEOUT_S = 900  # three arms of two steps on a loaded 2-core machine take about a minute
+
+
+def alive(pids: set[int]) -> set[int]:
+    """The non-zombie processes among ``pids``."""
+    out = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+                out.add(pid)
+    return out
+
+
+def check_arm(run: dict, steps: int) -> None:
+    """A measured run: a reward per step, an evaluation before training and after every step, a time."""
+    assert run["status"] == "ok", run["reason"]
+    assert len(run["rewards"]) == steps and all(0.0 <= r <= 1.0 for r in run["rewards"])
+    assert [e["step"] for e in run["eval_accuracy"]] == list(range(steps + 1))
+    assert all(0.0 <= e["accuracy"] <= 1.0 for e in run["eval_accuracy"])
+    assert run["samples"] == steps * 2 * 2 and run["samples_per_s"] > 0 and run["wall_s"] > 0
+    assert len(run["step_end_s"]) == steps and run["step_end_s"] == sorted(run["step_end_s"])
+
+
+@pytest.mark.slow
+def test_quick_run_measures_every_arm_and_leaves_no_process(tmp_path: Path, tiny_checkpoint) -> None:
+    out, work = tmp_path / "out.json", tmp_path / "work"
+    cmd = [sys.executable, str(BENCH), "--quick", "--model", str(tiny_checkpoint()), "--json", str(out),
+           "--workdir", str(work)]
+    # its own session: on a timeout the whole tree goes (the launchers' roles die with their launcher)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"bench_e2e.py --quick did not finish within {TIMEOUT_S} s:\n{log[-3000:]}")
+    assert proc.returncode == 0, log[-3000:]
+
+    doc = json.loads(out.read_text())
+    assert doc["complete"] and doc["settings"]["steps"] == 2 and doc["settings"]["seeds"] == [0]
+    runs = {r["arm"]: r for r in doc["runs"]}
+    assert set(runs) == {"trl", "sync", "specroll"}
+    check_arm(runs["sync"], 2)
+    check_arm(runs["specroll"], 2)
+    ratios = doc["summary"]["ratios"]
+    assert ratios["specroll/sync"] > 0
+    if runs["trl"]["status"] == "skipped":
+        assert "trl" in runs["trl"]["reason"] and doc["versions"]["trl"] is None
+        assert not any("trl" in name for name in ratios)
+    else:
+        check_arm(runs["trl"], 2)
+        assert 0 < runs["trl"]["wall_s_without_eval"] < runs["trl"]["wall_s"]
+        assert ratios["specroll/trl"] > 0 and ratios["sync/trl"] > 0
+    assert "the whole benchmark took" in log
+
+    # nothing left: the benchmark, its launchers and every role they started (and their process groups)
+    time.sleep(0.2)
+    assert not members_of_groups({proc.pid}), "processes left in the benchmark's process group"
+    for arm in ("sync", "specroll"):
+        pids = set(started_pids(work / f"{arm}-seed0" / "run").values())
+        assert not alive(pids) and not members_of_groups(pids), f"{arm}: processes left running"
