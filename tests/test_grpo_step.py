@@ -83,3 +83,20 @@ def test_packed_logprobs_and_gradients_equal_the_plain_forward(tiny_checkpoint, 
     assert (packed[~batch.loss_mask] == 0).all()
     for p, g_packed in zip(model.parameters(), packed_grads, strict=True):
         torch.testing.assert_close(g_packed, p.grad, rtol=1e-3, atol=1e-4)
+
+
+def test_the_thread_budget_hook_runs_before_each_micro_batch(tiny_checkpoint) -> None:
+    from specroll.rl.grpo_step import train_step
+
+    class Settings:
+        max_staleness, staleness_policy, loss, tis_cap, clip_eps, max_grad_norm = 1, "mask", "tis", 2.0, 0.2, 1.0
+        grad_accum_steps = 2
+
+    ckpt = load_checkpoint(tiny_checkpoint("llama"))
+    model = CausalLM(ckpt.config)
+    model.load_weights(ckpt.weights)
+    batch = build_batch(_groups(ckpt.config.vocab_size, seed=0), torch.rand(3, 3), normalize_std=True,
+                        fill_version=0)
+    calls: list[int] = []
+    train_step(model, torch.optim.AdamW(model.parameters()), batch, 0, Settings(), lambda: calls.append(1))
+    assert len(calls) == 2  # 3 groups in 2 micro-batches

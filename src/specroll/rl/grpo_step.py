@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -244,7 +244,7 @@ class StepSettings(Protocol):
 
 def train_step(
     model: CausalLM, optimizer: torch.optim.Optimizer, batch: RolloutBatch, current_version: int,
-    config: StepSettings,
+    config: StepSettings, before_micro_batch: Callable[[], None] | None = None,
 ) -> StepResult:
     """One optimizer step of GRPO on ``batch``, trained as policy version ``current_version``.
 
@@ -253,7 +253,8 @@ def train_step(
     whole step (N = trained tokens of all micro-batches), so accumulating over ``grad_accum_steps``
     micro-batches (of whole groups: at most G of them) gives the gradient of one large batch. A
     step with no trained token still steps the optimizer (its loss is a zero; AdamW's moments decay
-    as usual).
+    as usual). ``before_micro_batch`` is called before each micro-batch (the trainer sets its thread
+    budget there).
 
     Raises:
         ValueError: a trained token newer than ``current_version`` (from ``apply_staleness``).
@@ -272,6 +273,8 @@ def train_step(
     num_groups = batch.input_ids.shape[0]
     n = batch.group_size
     for rows in torch.arange(num_groups).tensor_split(min(config.grad_accum_steps, num_groups)):
+        if before_micro_batch is not None:
+            before_micro_batch()
         samples = (rows[:, None] * n + torch.arange(n)).flatten()  # [s]
         logprobs = response_logprobs(model, batch, rows)  # [s, L]
         fresh = lag0[samples]  # [s, L]

@@ -164,9 +164,17 @@ class TrainerConfig(_Section):
     """Torch intra-op CPU threads of the trainer; ``None`` (default): under ``specroll launch`` on a CPU,
     half the cores (the launcher's CPU budget, ``actors/launch/cpu_budget.py``), else torch's default."""
 
+    borrow_threads: int | None = None
+    """Torch threads the trainer adds for a micro-batch (``grad_accum_steps`` split a step) while no
+    rollout is queued or generating — the generators' cores are idle then; 0 never borrows. ``None``
+    (default): under ``specroll launch`` on a CPU, the generators' share of the cores (the launcher's
+    CPU budget), else 0."""
+
     def __post_init__(self) -> None:
         _check_literals(self)
         _require(self.batch_groups >= 1, "batch_groups", self.batch_groups, "a positive integer")
+        _require(self.borrow_threads is None or self.borrow_threads >= 0, "borrow_threads", self.borrow_threads,
+                 "an integer >= 0 or unset")
         _require(self.group_size >= 2, "group_size", self.group_size,
                  "an integer >= 2 (a group of one sample has zero advantage)")
         _require(self.learning_rate > 0 and math.isfinite(self.learning_rate), "learning_rate",

@@ -8,7 +8,9 @@ beyond the cores (four processes on two cores before) slow every role down — t
 threads wait for each other at every operator. Hence, on C cores:
 
 * the trainer gets ``ceil(C / 2)`` threads: it is the bottleneck;
-* the generators share the other ``floor(C / 2)`` (at least one each);
+* the generators share the other ``floor(C / 2)`` (at least one each), which the trainer borrows
+  (``trainer.borrow_threads``) for a micro-batch whenever no rollout is queued or generating: the
+  timeline shows the generator idle for about half of each step once the next batch is done;
 * the drafter trainer keeps its own ``drafter.num_threads`` (default 1): it trains only on idle
   capacity (``drafter.train_below``, ``pause_during_train_step``), so it borrows cores others left.
 
@@ -46,9 +48,12 @@ def with_cpu_budget(config: RunConfig, cores: int) -> RunConfig:
         return config
     trainer_threads = config.trainer.train_threads or -(-cores // 2)
     generator_threads = engine.num_threads or max(1, (cores // 2) // config.generator.count)
+    borrow = config.trainer.borrow_threads
+    if borrow is None:
+        borrow = min(generator_threads * config.generator.count, max(cores - trainer_threads, 0))
     return msgspec.structs.replace(
         config,
-        trainer=msgspec.structs.replace(config.trainer, train_threads=trainer_threads),
+        trainer=msgspec.structs.replace(config.trainer, train_threads=trainer_threads, borrow_threads=borrow),
         generator=msgspec.structs.replace(config.generator, engine=msgspec.structs.replace(
             engine, num_threads=generator_threads)),
     )
@@ -60,5 +65,7 @@ def budget_line(config: RunConfig, cores: int) -> str:
     generator = config.generator.engine.num_threads or "torch's default"
     drafter = f", the drafter trainer {config.drafter.num_threads} on idle capacity" \
         if config.runs_drafter_trainer() else ""
-    return (f"CPU budget on {cores} core(s): trainer {trainer} thread(s), {config.generator.count} generator(s) "
-            f"x {generator}{drafter}")
+    borrow = config.trainer.borrow_threads
+    borrowed = f" (+{borrow} while the generators are idle)" if borrow else ""
+    return (f"CPU budget on {cores} core(s): trainer {trainer} thread(s){borrowed}, {config.generator.count} "
+            f"generator(s) x {generator}{drafter}")

@@ -231,6 +231,12 @@ class RolloutClient(ClientReceive):
         acknowledgement), by actor id; one record per generator, kept by the coordinator."""
         return self.coordinator.served_versions()
 
+    def generators_idle(self) -> bool:
+        """No group (training or evaluation) is queued or generating: every generator's live batch is
+        empty, so its cores are free. Safe to call from a worker thread (a racy but harmless read)."""
+        c = self.coordinator
+        return not any(c.num_queued(lane) or c.num_in_flight(lane) for lane in ("train", "eval"))
+
     @property
     def num_pending(self) -> int:
         """Training groups queued or in flight."""

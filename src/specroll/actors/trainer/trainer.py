@@ -342,7 +342,17 @@ class Trainer:
         rewards = torch.tensor([[self.reward_fn(self.tokenizer.decode(s.token_ids), answer) for s in g.samples]
                                 for g, answer in zip(groups, answers, strict=True)], dtype=torch.float32)  # [G, n]
         batch = build_batch(groups, rewards, normalize_std=self.config.trainer.normalize_std, fill_version=version)
-        return rewards, train_step(self.model, self.optimizer, batch, version, self.config.trainer)
+        tc = self.config.trainer
+        base = tc.train_threads or torch.get_num_threads()
+        borrow = tc.borrow_threads or 0
+
+        def budget() -> None:  # the generators' idle cores, for the next micro-batch
+            torch.set_num_threads(base + borrow if borrow and self.client.generators_idle() else base)
+
+        try:
+            return rewards, train_step(self.model, self.optimizer, batch, version, tc, budget)
+        finally:
+            torch.set_num_threads(base)
 
     async def _checkpoint(self) -> None:
         state = TrainerState(step=self.step, policy_version=self.version, prompt_cursor=self.prompts.cursor,
