@@ -260,8 +260,14 @@ def test_missing_inputs_and_a_taken_port_exit_2_before_anything_starts(tmp_path:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
+        unanswered = tmp_path / "unanswered.jsonl"
+        unanswered.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n{"question": "Why?"}\n')
         cases = [
             (["--set", f'task.prompts="{tmp_path / "nope.jsonl"}"'], "task.prompts"),
+            (["--set", f'eval.prompts="{tmp_path / "nope.jsonl"}"'], "eval.prompts: "),
+            (["--set", f'eval.prompts="{unanswered}"'], "eval.prompts: evaluation prompts without an answer"),
+            (["--set", "eval.count=300"], "eval.count: 1-digit problems"),  # 255 one-digit problems
+            (["--set", 'task.operators="-"', "--set", "eval.count=55"], "with '-' number 55"),
             (["--set", f'model.name="{tmp_path / "no-model"}"'], "model.name"),
             (["--set", f"network.trainer_port={port}"], f"network.trainer_port={port}"),
         ]

@@ -95,6 +95,13 @@ def format_metrics(record: dict[str, object]) -> str:
     return f"step {record.get('step', '?')}: {' '.join(parts)}"
 
 
+def _specroll_command() -> str:
+    """How this ``specroll`` was invoked (``.venv/bin/specroll`` after ``make run``, which is not on
+    PATH), so the printed command can be pasted as is; plain ``specroll`` when run as a module."""
+    invoked = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    return str(invoked) if invoked is not None and invoked.name == "specroll" else "specroll"
+
+
 def local_endpoint(endpoint: str) -> str:
     """The endpoint a local generator connects to: a wildcard bind address becomes 127.0.0.1.
 
@@ -185,8 +192,8 @@ class Launcher:
             finally:
                 for s, handler in previous.items():
                     signal.signal(s, handler)
-                if self.processes:  # something ran, so there is (or may be) something to draw
-                    self.say(f"report: specroll report {shlex.quote(str(self.run_dir))}")
+                if (self.run_dir / METRICS_FILENAME).exists():  # a step (or the evaluation before one) to draw
+                    self.say(f"report: {shlex.quote(_specroll_command())} report {shlex.quote(str(self.run_dir))}")
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         if self._signal is not None:

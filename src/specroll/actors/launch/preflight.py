@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING
 
 from specroll.actors.launch.errors import LaunchError
 from specroll.actors.trainer.checkpoint import STATE_FILE, find_checkpoint
+from specroll.actors.trainer.task_load import load_task
 from specroll.drafter.eagle_head import DrafterError, EagleHead
 from specroll.engine.checkpoint import CheckpointError, load_model_config
 from specroll.engine.registry import resolve_model
-from specroll.rl.tasks import PromptFileError, load_prompts
+from specroll.rl.tasks import PromptFileError
 
 if TYPE_CHECKING:
     from specroll.actors.config.schema import RunConfig
@@ -41,11 +42,10 @@ def preflight(config: RunConfig) -> str | None:
     except CheckpointError as e:
         raise LaunchError(f"model.name: {e}") from None
     _check_drafter(config)
-    if config.task.prompts is not None:
-        try:
-            load_prompts(config.task.prompts, limit=config.task.max_prompts)
-        except (PromptFileError, ValueError) as e:
-            raise LaunchError(f"task.prompts: {e}") from None
+    try:
+        load_task(config)
+    except (PromptFileError, ValueError) as e:
+        raise LaunchError(f"{_task_key(config, e)}: {e}") from None
     if config.network.trainer_port:
         with socket.socket(socket.AF_INET6 if ":" in config.network.host else socket.AF_INET) as probe:
             try:
@@ -62,6 +62,15 @@ def preflight(config: RunConfig) -> str | None:
         print(f"specroll launch: resuming from {checkpoint} (step {step} of {config.steps}; the metrics of later "
               f"steps are replaced)", file=sys.stderr)
     return None
+
+
+def _task_key(config: RunConfig, error: Exception) -> str:
+    """The config key a prompt-file or split error is about (prompt-file errors name their path)."""
+    text = str(error)
+    for key, path in (("eval.prompts", config.eval.prompts), ("task.prompts", config.task.prompts)):
+        if path is not None and text.startswith(path):
+            return key
+    return "eval.prompts" if "without an answer" in text else "eval.count"
 
 
 def _check_drafter(config: RunConfig) -> None:

@@ -13,10 +13,11 @@ from specroll.actors.config import RunConfig
 from specroll.actors.exit_codes import EXIT_FAILED
 from specroll.actors.trainer.checkpoint import TrainerState, find_checkpoint, load_trainer_checkpoint
 from specroll.actors.trainer.prompt_cycle import PromptCycle
+from specroll.actors.trainer.task_load import load_task
 from specroll.engine.checkpoint import load_checkpoint
 from specroll.engine.model import CausalLM
 from specroll.engine.tokenizer import Tokenizer
-from specroll.rl.tasks import Prompt, TaskSplit, builtin_task, format_question, hold_out, load_prompts
+from specroll.rl.tasks import Prompt, format_question
 
 
 class TrainerError(RuntimeError):
@@ -66,24 +67,3 @@ def load_setup(config: RunConfig) -> TrainerSetup:
                                "resume with the same seed or use another run_dir")
     cycle = PromptCycle(token_ids, split.train, config.seed, state.prompt_cursor)
     return TrainerSetup(model, ckpt.tokenizer, optimizer, cycle, eval_prompts, state, path)
-
-
-def load_task(config: RunConfig) -> TaskSplit:
-    """The run's training prompts and held-out evaluation prompts (``[task]`` and ``[eval]``): the
-    built-in task's own split; a prompt file's last ``eval.count`` prompts held out (none while
-    ``eval.every`` is 0); or, with ``eval.prompts``, that file's first ``eval.count``.
-
-    Raises:
-        PromptFileError: a prompt file cannot be read or is malformed.
-        ValueError: the split leaves nothing to train on.
-    """
-    task, ev = config.task, config.eval
-    if task.prompts is None:
-        split = builtin_task(task.builtin_count, config.seed, digits=task.digits, operators=task.operators,
-                             eval_count=ev.count)
-    else:
-        prompts = load_prompts(task.prompts, task.max_prompts)
-        split = TaskSplit(prompts, []) if ev.prompts is not None or not ev.every else hold_out(prompts, ev.count)
-    if ev.prompts is not None:
-        split = TaskSplit(split.train, load_prompts(ev.prompts, ev.count), split.instruction)
-    return split

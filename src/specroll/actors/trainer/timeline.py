@@ -8,7 +8,8 @@ processes and restarts) and ``event``; the other fields depend on the event:
 =====================  ===================================================================================
 event                  fields
 =====================  ===================================================================================
-``generator_load``     ``actor``, ``live`` (sequences decoding), ``capacity`` (``max_num_seqs``) — every heartbeat
+``generator_load``     ``actor``, ``live`` (samples it holds: decoding, or queued in its engine for a slot),
+                       ``capacity`` (``live`` + the samples it can still take) — every heartbeat
 ``phase``              ``phase`` (``wait``: for finished groups; ``train``: the optimizer step; ``publish``:
                        handing the weights over; ``eval_wait``: holding a publish for an evaluation;
                        ``checkpoint``: writing one),
