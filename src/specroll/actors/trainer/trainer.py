@@ -167,12 +167,9 @@ class Trainer:
 
     async def _feed(self) -> None:
         """Keep ``trainer.max_groups_in_flight`` groups queued, generating or finished-untrained."""
-        tc, sampling = self.config.trainer, self.config.generator.sampling
         while True:
-            while self.client.num_pending + self.client.num_finished < tc.max_groups_in_flight:
-                token_ids, prompt, seed = self.prompts.next()
-                await self.client.submit(token_ids, tc.group_size, msgspec.structs.replace(sampling, seed=seed),
-                                         payload=prompt)
+            while self.client.num_pending + self.client.num_finished < self.config.trainer.max_groups_in_flight:
+                await self._submit_next()
             await self._room.wait()  # no await between the check above and this wait: no wake-up is missed
 
     def _check_generators(self) -> None:
@@ -189,13 +186,16 @@ class Trainer:
                 f"({NO_GENERATOR_FACTOR} x network.heartbeat_timeout_s); are generators running and pointed here?",
                 EXIT_PEER_LOST)
 
+    async def _submit_next(self) -> None:
+        """Submit a group of the next prompt (its sampling seed from the prompt order)."""
+        token_ids, prompt, seed = self.prompts.next()
+        sampling = msgspec.structs.replace(self.config.generator.sampling, seed=seed)
+        await self.client.submit(token_ids, self.config.trainer.group_size, sampling, payload=prompt)
+
     async def _submit_batch(self) -> None:
         """Sync mode: submit one step's groups."""
-        tc, sampling = self.config.trainer, self.config.generator.sampling
-        for _ in range(tc.batch_groups):
-            token_ids, prompt, seed = self.prompts.next()
-            await self.client.submit(token_ids, tc.group_size, msgspec.structs.replace(sampling, seed=seed),
-                                     payload=prompt)
+        for _ in range(self.config.trainer.batch_groups):
+            await self._submit_next()
 
     async def _wait_for_batch(self) -> list[Group]:
         batch = self.config.trainer.batch_groups
