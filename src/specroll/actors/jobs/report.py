@@ -93,6 +93,7 @@ def draw_reward(data: RunData) -> Figure:
         note(bottom, "no accuracy in the metrics")
     bottom.set_ylabel("accuracy (fraction)")
     bottom.set_xlabel("step")
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(f"{data.run_dir.name}: reward")
     return fig
 
@@ -116,6 +117,7 @@ def draw_throughput(data: RunData) -> Figure:
         note(bottom, "no gen_tokens_per_s in the metrics")
     bottom.set_ylabel("generated tokens/s (all generators)")
     bottom.set_xlabel("step")
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(f"{data.run_dir.name}: throughput")
     return fig
 
@@ -138,6 +140,7 @@ def draw_staleness(data: RunData) -> Figure:
         bottom = [b + c for b, c in zip(bottom, counts, strict=True)]
     ax.set_ylabel("trained tokens, by policy-version lag")
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     x, y = _series(data.steps, lambda r: None if r.max_lag is None else float(r.max_lag))
     if x:
         twin = ax.twinx()
