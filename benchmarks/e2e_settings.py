@@ -125,14 +125,13 @@ def check_comparable(c: RunConfig) -> None:
 
     TRL is run with ``beta=0`` (no KL), one update per batch (importance ratio 1), the DAPO token mean
     over the whole batch, group std-normalised (or centred-only) advantages and AdamW at a constant
-    LR; specroll's ``tis``/``ppo`` losses reduce to the same policy gradient on lag-0 tokens.
+    LR; specroll's ``tis``/``ppo`` losses reduce to the same policy gradient on lag-0 tokens (its
+    ``grad_accum_steps`` micro-batches share one token mean over the step, so they give the gradient
+    of the whole batch, as TRL's single one does).
 
     Raises:
-        ValueError: gradient accumulation, or a setting TRL's arm cannot mirror (names it).
+        ValueError: a setting TRL's arm cannot mirror (names it).
     """
-    if c.trainer.grad_accum_steps != 1:
-        raise ValueError(f"trainer.grad_accum_steps={c.trainer.grad_accum_steps}; the benchmark compares one "
-                         "micro-batch per step (expected 1)")
     if c.task.prompts is not None:
         raise ValueError(f"task.prompts={c.task.prompts!r}; the TRL arm uses the built-in task (expected unset)")
     if c.eval.prompts is not None or c.eval.greedy:
