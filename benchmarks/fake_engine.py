@@ -3,7 +3,8 @@
 :class:`FakeEngine` has exactly the :class:`~specroll.engine.engine.Engine` surface that
 :class:`~specroll.actors.generator.actor.GeneratorActor` touches (``add_request``, ``step``, ``abort``,
 ``update_weights``, ``weight_version``, ``has_unfinished``, ``live_request_ids``,
-``prompt_token_ids``, ``output_so_far``, ``num_live_requests``, ``max_model_len``) and no model:
+``prompt_token_ids``, ``output_so_far``, ``num_live_requests``, ``max_model_len``, ``model_config``) and
+no model (its :data:`FAKE_MODEL` only bounds what a trainer may send, as a real model's config does):
 
 - **cost**: each :meth:`FakeEngine.step` sleeps ``step_s`` whatever the batch (up to ``max_num_seqs``
   requests), like a memory-bound decode step that reads every weight once, and emits one token per
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, cast
 
+from specroll.engine.model_config import ModelConfig
 from specroll.engine.sequence import Completion, StepOutput
 from specroll.protocol.messages import FinishReason
 
@@ -58,6 +60,11 @@ RESPONSE_TOKEN = 1
 """The token id every fake response consists of (the pipeline never looks at token values)."""
 LOGPROB = -1.0
 """Behavior logprob of every fake token."""
+FAKE_MODEL = ModelConfig("llama", vocab_size=1 << 30, hidden_size=256, intermediate_size=1, num_layers=1, num_heads=1,
+                         num_kv_heads=1, head_dim=256, rms_norm_eps=1e-5, rope_theta=1e4,
+                         max_position_embeddings=1 << 30, tie_word_embeddings=True)
+"""What the generator actor bounds a trainer's messages by: any token id and length the benchmark
+sends, and one policy tensor, ``model.norm.weight`` ``[256]`` (``bench_pipeline.py`` publishes it)."""
 
 
 def encode_prompt(prompt_id: int, lengths: Sequence[int]) -> list[int]:
@@ -131,7 +138,8 @@ class FakeEngine:
             raise ValueError(f"step_s={step_s}, max_num_seqs={max_num_seqs}: expected >= 0 and >= 1")
         self.step_s = step_s
         self.max_num_seqs = max_num_seqs
-        self.max_model_len = 1 << 30
+        self.max_model_len = FAKE_MODEL.max_position_embeddings
+        self.model_config = FAKE_MODEL
         self.weight_version = 0
         self.timeline = Timeline(max_num_seqs=max_num_seqs)
         self._requests: dict[str, _Request] = {}  # arrival order: dicts keep insertion order

@@ -99,6 +99,17 @@ class EagleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                    target.num_kv_heads, target.head_dim, target.rms_norm_eps, target.rope_theta,
                    tuple(feature_layers), draft_vocab_size, target.num_layers)
 
+    def check_target(self, target: ModelConfig, source: str = "the drafter") -> None:
+        """Raise :class:`DrafterError` unless a head of this config fits ``target``'s vocabulary,
+        width and depth (checked before a head is built, so a config from a peer never sizes one)."""
+        made = (self.target_vocab_size, self.hidden_size, self.target_num_layers)
+        if made != (target.vocab_size, target.hidden_size, target.num_layers):
+            raise DrafterError(
+                f"{source} was made for a target with vocabulary {self.target_vocab_size}, hidden size "
+                f"{self.hidden_size} and {self.target_num_layers} layers; this model has vocabulary "
+                f"{target.vocab_size}, hidden size {target.hidden_size} and {target.num_layers} layers"
+            )
+
     def as_model_config(self) -> ModelConfig:
         """The one-layer decoder the head runs, as a :class:`ModelConfig`."""
         return ModelConfig("llama", self.draft_vocab_size, self.hidden_size, self.intermediate_size, 1,
@@ -264,14 +275,7 @@ class EagleHead(nn.Module):
 
     def check_target(self, target: ModelConfig, source: str = "the drafter") -> None:
         """Raise :class:`DrafterError` unless this head was made for ``target``'s vocabulary, width and depth."""
-        c = self.config
-        made = (c.target_vocab_size, c.hidden_size, c.target_num_layers)
-        if made != (target.vocab_size, target.hidden_size, target.num_layers):
-            raise DrafterError(
-                f"{source} was made for a target with vocabulary {c.target_vocab_size}, hidden size "
-                f"{c.hidden_size} and {c.target_num_layers} layers; this model has vocabulary {target.vocab_size}, "
-                f"hidden size {target.hidden_size} and {target.num_layers} layers"
-            )
+        self.config.check_target(target, source)
 
     def save(self, path: str | Path) -> None:
         """Write ``config.json`` and ``model.safetensors`` into directory ``path`` (made if missing).
@@ -360,8 +364,11 @@ class EagleHead(nn.Module):
 
     @staticmethod
     def _shapes(config: EagleConfig) -> dict[str, torch.Tensor]:
-        """The state dict a head with ``config`` has (built once on the CPU: a few million numbers)."""
-        return dict(EagleHead(config, torch.arange(config.draft_vocab_size)).state_dict())
+        """The state dict a head with ``config`` has: shapes only (meta tensors, no memory, whatever
+        sizes the config names), but ``draft_to_target`` ``[draft_vocab_size]`` on the CPU."""
+        d2t = torch.arange(config.draft_vocab_size)
+        with torch.device("meta"):
+            return dict(EagleHead(config, d2t).state_dict())
 
 
 def head_checksum(tensors: Mapping[str, torch.Tensor]) -> str:

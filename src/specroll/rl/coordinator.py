@@ -9,8 +9,8 @@ carrying every token already streamed, so a rollout continues from prompt + its 
 (never re-tokenized text) and nothing is lost or duplicated:
 
 - a chunk must start exactly where the trainer's copy of its sample ends (``offset``); a chunk that
-  overlaps what is held must agree with it and only its new tail is kept; a gap, a disagreement or
-  tokens after the finish are refused (:class:`ChunkError`);
+  overlaps what is held must agree with it and only its new tail is kept; a gap, a disagreement,
+  tokens after the finish or beyond the group's ``max_tokens`` are refused (:class:`ChunkError`);
 - chunks from a generator that no longer serves the group (it was declared dead, or the group was
   aborted) are ignored and counted, never merged.
 """
@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from specroll.protocol.limits import MAX_ID_CHARS
 from specroll.protocol.messages import RolloutChunk, SampleResume, SubmitGroup
 from specroll.protocol.sampling import SamplingParams
 
@@ -34,7 +35,19 @@ LANES: tuple[Lane, ...] = ("eval", "train")  # dispatch order
 
 class ChunkError(ValueError):
     """A rollout chunk that cannot be merged: unknown group or sample, a gap, a disagreement with
-    tokens already held, or tokens after the sample finished."""
+    tokens already held, tokens after the sample finished or beyond its ``max_tokens``, or a group
+    id longer than :data:`~specroll.protocol.limits.MAX_ID_CHARS`."""
+
+
+def check_chunk_group_id(chunk: RolloutChunk) -> None:
+    """Bound the chunk's group id before it is looked up or parsed anywhere.
+
+    Raises:
+        ChunkError: an id longer than :data:`~specroll.protocol.limits.MAX_ID_CHARS`.
+    """
+    if len(chunk.group_id) > MAX_ID_CHARS:
+        raise ChunkError(f"RolloutChunk.len(group_id) = {len(chunk.group_id)} is over the limit {MAX_ID_CHARS} "
+                         "(protocol limit)")
 
 
 @dataclass
@@ -237,6 +250,7 @@ class RolloutCoordinator:
         Raises:
             ChunkError: the chunk cannot be merged (see the module docstring); nothing is changed.
         """
+        check_chunk_group_id(chunk)
         group = self.groups.get(chunk.group_id)
         if group is None or group.generator != actor_id:
             if group is None and not self._issued(chunk.group_id):
@@ -255,6 +269,10 @@ class RolloutCoordinator:
             return None
         if chunk.offset > held:
             raise ChunkError(f"{where}: chunk at offset {chunk.offset}, but only {held} tokens are held (a gap)")
+        end, limit = chunk.offset + len(chunk.token_ids), group.sampling.max_tokens
+        if end > limit:  # before the overlap is compared: that work is then bounded by max_tokens too
+            raise ChunkError(f"{where}: RolloutChunk.offset + len(token_ids) = {end} is over the limit {limit} "
+                             "(the group's sampling.max_tokens)")
         overlap = held - chunk.offset
         if chunk.token_ids[:overlap] != sample.token_ids[chunk.offset:]:
             raise ChunkError(f"{where}: chunk at offset {chunk.offset} disagrees with the tokens already held")
@@ -271,7 +289,9 @@ class RolloutCoordinator:
 
     def _issued(self, group_id: str) -> bool:
         """Whether this coordinator ever created ``group_id``."""
-        return group_id[:1] == "g" and group_id[1:].isdigit() and int(group_id[1:]) < self._next_id
+        number = group_id[1:]  # ids are "g<int>": ASCII digits (int() refuses "²"), never more than int64's 19
+        return (group_id[:1] == "g" and number.isascii() and number.isdigit() and len(number) <= 19
+                and int(number) < self._next_id)
 
     def _retire(self, group: Group) -> None:
         del self.groups[group.group_id]

@@ -26,6 +26,14 @@ from typing import Any
 import torch
 
 from specroll.actors.trainer.timeline import Timeline
+from specroll.protocol.limits import (
+    MAX_DRAFTER_CONFIG_CHARS,
+    MAX_DRAFTER_TENSORS,
+    MAX_ID_CHARS,
+    MAX_VERSION,
+    LimitExceeded,
+    check_at_most,
+)
 from specroll.protocol.messages import (
     AckDrafter,
     Capacity,
@@ -105,7 +113,17 @@ class DrafterRelay:
     # ---- inbound ----------------------------------------------------------------------------
 
     def on_publish(self, actor: str, msg: PublishDrafter, tensors: dict[str, torch.Tensor]) -> None:
-        """A drafter trainer published a version: keep it and announce it to ``generators``."""
+        """A drafter trainer published a version: keep it and announce it to ``generators``. One over
+        the protocol's bounds on a drafter version is refused with an ``Error`` (every generator would
+        fetch it)."""
+        try:
+            check_at_most("PublishDrafter.version", msg.version, MAX_VERSION, "protocol limit")
+            check_at_most("PublishDrafter.len(tensors)", len(msg.tensors), MAX_DRAFTER_TENSORS, "protocol limit")
+            check_at_most("PublishDrafter.len(config)", len(msg.config), MAX_DRAFTER_CONFIG_CHARS, "protocol limit")
+            check_at_most("PublishDrafter.len(checksum)", len(msg.checksum), MAX_ID_CHARS, "protocol limit")
+        except LimitExceeded as e:
+            self._send(actor, Error(code="bad_request", message=str(e)), None)
+            return
         have = self.published.version if self.published is not None else 0
         if msg.version <= have:  # a restarted or second drafter trainer: it numbers the next one above
             self._send(actor, Error(code="bad_request", message=f"drafter version {msg.version} is not above "
@@ -197,13 +215,14 @@ class DrafterRelay:
     def report(self, floor: float = 0.0) -> dict[str, object]:
         """Monitoring for a metrics line: the counters since the last report per (drafter, policy)
         version, their overall acceptance length, the published drafter version and the policy it
-        was trained against, what each generator serves and whether the checksums agree. Logs a
-        warning when the newest policy version's acceptance length is below ``floor`` (> 0)."""
+        was trained against, what each generator serves and whether the checksums agree. When the
+        newest policy version's acceptance length is below ``floor`` (> 0) it logs a warning and
+        returns its text as ``acceptance_floor_warning`` (``specroll launch`` prints it), else None."""
         window = self.take_window()
         steps = sum(c.num_draft_steps for c in window.values())
         pairs = [{"drafter_version": d, "policy_version": p, "acceptance_length": c.acceptance_length,
                   "draft_steps": c.num_draft_steps} for (d, p), c in sorted(window.items())]
-        below = False
+        warning = None
         if window and floor > 0:
             newest = max(p for _, p in window)
             c = AcceptanceCounts()
@@ -213,16 +232,18 @@ class DrafterRelay:
                     c.num_draft_steps += w.num_draft_steps
             length = c.acceptance_length
             if length is not None and length < floor:
-                below = True
-                log.warning("acceptance length %.2f under policy version %d is below the floor %.2f (drafter "
-                            "version %s, trained against policy %s): is the drafter trainer keeping up?", length,
-                            newest, floor, self.published.version if self.published else None,
-                            self.published.policy_version if self.published else None)
+                published = self.published
+                warning = (f"acceptance length {length:.2f} under policy version {newest} is below the floor "
+                           f"{floor:.2f} (drafter version {published.version if published else None}, trained "
+                           f"against policy {published.policy_version if published else None}): is the drafter "
+                           f"trainer keeping up?")
+                log.warning("%s", warning)
         p = self.published
         return {
             "acceptance_length_window": 1 + sum(c.num_accepted for c in window.values()) / steps if steps else None,
             "acceptance_by_version": pairs,
-            "acceptance_below_floor": below,
+            "acceptance_below_floor": warning is not None,
+            "acceptance_floor_warning": warning,
             "drafter_version": p.version if p else None,
             "drafter_policy_version": p.policy_version if p else None,
             "generator_drafters": {a: v for a, (v, _) in self.generator_drafters.items()},

@@ -34,8 +34,8 @@ class ForeignGroups:
         """True for a group this client never issued (e.g. one of a crashed earlier incarnation)."""
         if group_id in self.coordinator.groups:
             return False
-        number = group_id[1:]
-        return not (group_id[:1] == "g" and number.isdigit()
+        number = group_id[1:]  # ASCII digits (int() refuses "²"), at most 19 (int() of 4300 or more raises)
+        return not (group_id[:1] == "g" and number.isascii() and number.isdigit() and len(number) <= 19
                     and self.first <= int(number) < self.coordinator._next_id)
 
     def first_chunk(self, actor: str, group_id: str) -> bool:

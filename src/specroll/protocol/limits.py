@@ -1,0 +1,60 @@
+"""Upper bounds on what a peer may ask for: every count and size a message carries is checked
+against one before any work is done for it, and a message over a bound is answered with an
+``Error`` (code ``bad_request``) naming the field, its value and the limit.
+
+Most bounds come from the receiver's own configuration and are checked where it is known (a
+generator's ``max_num_seqs``, its model's context, vocabulary and parameter shapes:
+``actors/generator/submit_limits.py``, ``actors/peer/weights_fetch.py``). The few here hold for
+every receiver; each is far above what a legitimate peer sends, so none ever refuses real work.
+The codec already bounds a message as a whole (``codec.MAX_HEADER_BYTES``); these bound what a
+handler would build from it (a per-sample loop, a per-character copy).
+"""
+
+from __future__ import annotations
+
+MAX_ID_CHARS = 256
+"""Characters of a group id, a tensor name or a checksum. The trainer names groups ``g<number>``
+and a checksum is 64 hex digits; an id is copied into every sample's request id and log line, so
+a megabyte id would cost a megabyte per sample."""
+
+MAX_GROUP_SIZE = 1 << 16
+"""Samples of one group (``SubmitGroup.n``, ``FinishedRollouts.rollouts``), whatever the receiver:
+GRPO groups are 2–64 samples; a generator further bounds the samples it starts by its own
+``max_num_seqs``."""
+
+MAX_VERSION = 1 << 62
+"""A drafter version a peer may announce or publish: the drafter trainer numbers its next version
+above the largest it saw, which must still fit the wire's 64-bit integers."""
+
+MAX_SEQS = 1 << 32
+"""Sequences a generator may report decoding or free (``Heartbeat.batch_size``, ``free_seqs``,
+``free_groups``): far above any engine's batch, and low enough that the trainer's sums over its
+generators stay within the wire's 64-bit integers (``Capacity``)."""
+
+MAX_STOP_TOKEN_IDS = 1024
+"""``SamplingParams.stop_token_ids`` of one group: every emitted token is looked up in it."""
+
+MAX_DRAFTER_TENSORS = 256
+"""Tensors of one drafter version: an EAGLE head has about a dozen (``drafter/eagle_head.py``)."""
+
+MAX_DRAFTER_CONFIG_CHARS = 1 << 16
+"""Characters of a drafter version's JSON config (an ``EagleConfig`` is a few hundred)."""
+
+
+class LimitExceeded(ValueError):
+    """A count or size in a message is over its bound; the message names the field, the value and
+    the limit (with why), ready to go back as an ``Error``."""
+
+
+def check_at_most(field: str, value: int, limit: int, why: str) -> None:
+    """Raise :class:`LimitExceeded` unless ``value <= limit``.
+
+    Args:
+        field: the message field, as a reader of the message would name it (``"n"``,
+            ``"len(prompt_token_ids)"``).
+        value: the count or size the peer sent.
+        limit: the largest value accepted.
+        why: where the limit comes from (``"generator.engine.max_num_seqs"``).
+    """
+    if value > limit:
+        raise LimitExceeded(f"{field} = {value} is over the limit {limit} ({why})")
