@@ -4,6 +4,8 @@ and itself. Checked by hand on a small layout and against the plain ``prompt + r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -11,8 +13,8 @@ from specroll.engine.checkpoint import load_checkpoint
 from specroll.engine.model import CausalLM
 from specroll.protocol.sampling import SamplingParams
 from specroll.rl.coordinator import Group, Sample
-from specroll.rl.grpo import token_logprobs
-from specroll.rl.grpo_step import build_batch, response_logprobs
+from specroll.rl.grpo import LossKind, StalenessPolicy, token_logprobs
+from specroll.rl.grpo_step import build_batch, response_logprobs, train_step
 
 
 def test_packed_layout_by_hand() -> None:
@@ -85,13 +87,20 @@ def test_packed_logprobs_and_gradients_equal_the_plain_forward(tiny_checkpoint, 
         torch.testing.assert_close(g_packed, p.grad, rtol=1e-3, atol=1e-4)
 
 
+@dataclass(frozen=True)
+class Settings:
+    """What ``train_step`` reads of the trainer's config (``StepSettings``)."""
+
+    max_staleness: int = 1
+    staleness_policy: StalenessPolicy = "mask"
+    loss: LossKind = "tis"
+    tis_cap: float = 2.0
+    clip_eps: float = 0.2
+    max_grad_norm: float = 1.0
+    grad_accum_steps: int = 2
+
+
 def test_the_thread_budget_hook_runs_before_each_micro_batch(tiny_checkpoint) -> None:
-    from specroll.rl.grpo_step import train_step
-
-    class Settings:
-        max_staleness, staleness_policy, loss, tis_cap, clip_eps, max_grad_norm = 1, "mask", "tis", 2.0, 0.2, 1.0
-        grad_accum_steps = 2
-
     ckpt = load_checkpoint(tiny_checkpoint("llama"))
     model = CausalLM(ckpt.config)
     model.load_weights(ckpt.weights)
@@ -100,3 +109,28 @@ def test_the_thread_budget_hook_runs_before_each_micro_batch(tiny_checkpoint) ->
     calls: list[int] = []
     train_step(model, torch.optim.AdamW(model.parameters()), batch, 0, Settings(), lambda: calls.append(1))
     assert len(calls) == 2  # 3 groups in 2 micro-batches
+
+
+@pytest.mark.parametrize("policy", ["mask", "drop"])
+def test_a_batch_with_every_token_stale_takes_no_optimizer_step(tiny_checkpoint, policy: StalenessPolicy) -> None:
+    ckpt = load_checkpoint(tiny_checkpoint("llama"))
+    model = CausalLM(ckpt.config)
+    model.load_weights(ckpt.weights)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    settings = Settings(staleness_policy=policy)
+    batch = build_batch(_groups(ckpt.config.vocab_size, seed=0), torch.rand(3, 3), normalize_std=True,
+                        fill_version=0)  # every token sampled by version 0
+    trained = train_step(model, optimizer, batch, 1, settings)  # lag 1 = η: an update, AdamW has momentum now
+    assert not trained.skipped and trained.trained_tokens == int(batch.loss_mask.sum())
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    steps = [float(s["step"]) for s in optimizer.state.values()]
+
+    stale = train_step(model, optimizer, batch, 2, settings)  # lag 2 > η = 1: nothing left to train
+    # an AdamW step on zero gradients would still move every weight (decay, momentum)
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    assert [float(s["step"]) for s in optimizer.state.values()] == steps
+    assert stale.skipped and stale.trained_tokens == 0 and stale.loss == 0.0 and stale.staleness == {}
+    if policy == "mask":
+        assert (stale.tokens_masked_stale, stale.samples_dropped_stale) == (int(batch.loss_mask.sum()), 0)
+    else:
+        assert stale.samples_dropped_stale == 8  # every sample with a token (one of the 9 is empty)

@@ -197,3 +197,14 @@ def test_a_real_launch_is_reported_whole_and_cut_short(tmp_path: Path, tiny_chec
     assert proc.returncode == 0, proc.stderr
     assert_pngs(proc.stdout.splitlines(), run_dir / "report")
     assert f"{metrics}: line 4: cut short" in proc.stderr, proc.stderr  # line 1: step 0's evaluation
+
+
+def test_a_skipped_batch_is_not_drawn_as_its_step(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    write_run(run_dir)
+    records = [metrics_line(1), {**metrics_line(2), "skipped": True, "reward_mean": 123.0}, metrics_line(2),
+               {**metrics_line(3), "skipped": True, "reward_mean": 456.0}]  # killed right after a skipped batch
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    data = load_run(run_dir)
+    assert [s.step for s in data.steps] == [1, 2]  # the skipped lines are not steps
+    assert all(s.reward_mean not in (123.0, 456.0) for s in data.steps)

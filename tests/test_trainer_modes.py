@@ -1,23 +1,36 @@
 """The trainer's held-out evaluation and its synchronous mode, with real generator processes on a tiny
 random-weight checkpoint (helpers from ``test_trainer.py``); both are checked on what the run wrote:
-``metrics.jsonl`` and ``timeline.jsonl``.
+``metrics.jsonl`` and ``timeline.jsonl``. Then its feeder's staleness window and a batch with every
+token stale, with a stand-in for the generator that decides which version sampled each token.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
 import pytest
+import torch
 from test_trainer import ENDPOINT_FILENAME, free_port, generators, metrics, run_config, wait_for
+from tqdm import tqdm
 
+from specroll.actors.launch.launch import format_metrics
+from specroll.actors.launch.preflight import preflight
+from specroll.actors.trainer.client import RolloutClient
+from specroll.actors.trainer.setup import TrainerError, load_setup
 from specroll.actors.trainer.timeline import TIMELINE_FILENAME
-from specroll.actors.trainer.trainer import run_trainer
+from specroll.actors.trainer.trainer import Trainer, run_trainer
 from specroll.engine.config import EngineConfig
 from specroll.engine.engine import Engine
+from specroll.protocol.messages import RolloutChunk
 from specroll.protocol.sampling import SamplingParams
+from specroll.rl.coordinator import Group
 from specroll.rl.evaluation import evaluate_engine
+from specroll.rl.grpo_step import StepResult
 from specroll.rl.tasks import builtin_task, format_question, gsm8k_reward
 
 
@@ -43,7 +56,7 @@ async def _run(model: Path, tmp_path: Path, count: int = 1, **extra: object) -> 
         await wait_for(lambda: all(loaded(i) for i in range(count)), 120, "the generators to load", procs)
         async with anyio.create_task_group() as tg:
             tg.start_soon(trainer)
-            await wait_for(lambda: (run / ENDPOINT_FILENAME).exists() or "code" in result, 30, "the endpoint")
+            await wait_for(lambda: (run / ENDPOINT_FILENAME).exists() or "code" in result, 60, "the endpoint")
             await wait_for(lambda: "code" in result, 180, "the trainer to finish", procs)
     assert result["code"] == 0
     return run
@@ -84,8 +97,10 @@ async def test_held_out_evaluation_runs_on_generators_and_is_never_trained_on(ti
     events = _timeline(run)
     held_out = {p.prompt_id for p in builtin_task(64, 0, eval_count=count).eval}
     trained = [pid for e in events if e["event"] == "step_groups" for pid in e["prompt_ids"]]
+    # a batch with every token too stale is no step and another is drawn: how many, depends on timing
+    redrawn = sum(1 for m in metrics(run, skipped=True) if m.get("skipped"))
     assert lines[0]["policy_version"] == 0 and "reward_mean" not in lines[0]
-    assert len(trained) == steps * 2  # batch_groups = 2
+    assert len(trained) == (steps + redrawn) * 2  # batch_groups = 2
     assert not held_out & set(trained)  # no evaluation prompt was ever trained on
     finished_eval = [e for e in events if e["event"] == "group_finished" and e["lane"] == "eval"]
     assert len(finished_eval) == 4 * count
@@ -119,3 +134,96 @@ async def test_sync_mode_trains_only_after_every_rollout_of_the_step_finished(ti
     assert all(v == steps for v in lines[-1]["generator_versions"].values())
     assert all(m["logprob_mismatch_tokens"] == m["trained_tokens"] for m in lines)
     assert all(m["logprob_diff_max"] <= 1e-4 for m in lines), [m["logprob_diff_max"] for m in lines]
+
+
+# ---- the feeder's staleness window and batches with nothing to train ------------------------
+
+
+@contextlib.asynccontextmanager
+async def _trainer(model: Path, tmp_path: Path, **extra: object) -> AsyncIterator[Trainer]:
+    """A trainer (B = 2, η = 1) whose client no generator connects to: :func:`_finish` stands in."""
+    config = run_config(tmp_path / "run", model, steps=10, trainer__checkpoint_every=0, **extra)
+    (tmp_path / "run").mkdir()
+    async with RolloutClient() as client:
+        yield Trainer(config, load_setup(config), client)
+
+
+def _finish(trainer: Trainer, count: int, version: int) -> None:
+    """Finish the ``count`` oldest queued groups, every token sampled by policy ``version``: a generator
+    added to the coordinator, handed them, and removed again without an ``await`` in between, so the
+    client never sends it anything (its other groups go back to the queue)."""
+    c = trainer.client.coordinator
+    c.add_generator("stand-in")
+    c.on_heartbeat("stand-in", free_groups=count, policy_version=version)
+    for _, msg in c.dispatch():
+        for i in range(msg.n):
+            c.on_chunk("stand-in", RolloutChunk(group_id=msg.group_id, sample_index=i, offset=0, token_ids=[5, 6],
+                                                logprobs=[-1.0, -1.0], versions=[version] * 2, finished=True,
+                                                finish_reason="stop"))
+    c.remove_generator("stand-in")
+
+
+@pytest.mark.anyio
+async def test_the_feeder_keeps_eta_plus_one_batches_ahead_and_a_stale_batch_is_no_step(
+        tiny_checkpoint, tmp_path: Path, caplog, capsys) -> None:
+    bar = tqdm(disable=True)
+    async with _trainer(tiny_checkpoint("llama"), tmp_path, trainer__max_groups_in_flight=6) as trainer:
+        assert preflight(trainer.config) is None
+        assert "warning: trainer.max_groups_in_flight=6 is above" in capsys.readouterr().err
+        client = trainer.client
+
+        async def step(version: int) -> None:
+            """Finish the two oldest groups as sampled by ``version``, run a step, let the feeder refill."""
+            _finish(trainer, 2, version)
+            await trainer._one_step(bar, sync=False)
+            await anyio.wait_all_tasks_blocked()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(trainer._feed)
+            await anyio.wait_all_tasks_blocked()
+            assert "max_groups_in_flight=6 is above" in caplog.text  # the start warning, in trainer.log
+            assert client.num_pending == 4  # (η + 1)·B, not max_groups_in_flight
+            # the batch being trained still counts: no group is submitted until its step finished
+            train, looked = trainer._train, threading.Event()
+
+            def train_once_looked(groups: list[Group], version: int) -> tuple[torch.Tensor, StepResult]:
+                looked.wait()
+                return train(groups, version)
+
+            trainer._train = train_once_looked  # type: ignore[method-assign]
+            _finish(trainer, 2, 0)
+            async with anyio.create_task_group() as first:
+                first.start_soon(trainer._one_step, bar, False)
+                try:
+                    await anyio.wait_all_tasks_blocked()  # the step waits for its worker thread
+                    during = (trainer.step, client.num_pending, client.num_finished)
+                finally:
+                    looked.set()
+            trainer._train = train  # type: ignore[method-assign]
+            assert during == (0, 2, 0)
+            await anyio.wait_all_tasks_blocked()
+            assert (trainer.step, trainer.version, client.num_pending) == (1, 1, 4)
+            await step(0)  # trained as version 1: lag 1 = η
+            assert (trainer.step, trainer.version) == (2, 2)
+
+            weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+            await step(0)  # trained as version 2: lag 2 > η, every token masked
+            assert (trainer.step, trainer.version, client.num_pending) == (2, 2, 4)  # no step, no version
+            assert all(torch.equal(weights[k], v) for k, v in trainer.model.state_dict().items())
+            assert "step 3: no token of its batch is trainable (8 masked as stale" in caplog.text
+            await step(2)
+            assert (trainer.step, trainer.version) == (3, 3)
+            assert any(not torch.equal(weights[k], v) for k, v in trainer.model.state_dict().items())
+
+            await step(0)  # η + 1 = 2 stale batches in a row are possible; a third means something is wrong
+            await step(1)
+            with pytest.raises(TrainerError, match="3 batches in a row had no token to train"):
+                await step(1)
+            tg.cancel_scope.cancel()
+
+    lines = metrics(tmp_path / "run", skipped=True)
+    assert [(m["step"], m["skipped"], m["trained_tokens"]) for m in lines] == [
+        (1, False, 8), (2, False, 8), (3, True, 0), (3, False, 8), (4, True, 0), (4, True, 0)]
+    assert [m["policy_version"] for m in lines] == [1, 2, 2, 3, 3, 3]
+    assert lines[2]["tokens_masked_stale"] == 8 and lines[2]["loss"] == 0.0
+    assert format_metrics(lines[2]).startswith("step 3 skipped (no token to train, not counted): ")

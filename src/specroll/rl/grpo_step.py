@@ -11,8 +11,9 @@ Synchronous torch code with no I/O, called by the trainer actor in a worker thre
   (``CausalLM.hidden_dense``) over micro-batches of whole groups, computes logits only where a
   response token is predicted, accumulates the gradient of the off-policy-corrected token-level
   loss (one token mean over the whole step), clips the global gradient norm and takes one AdamW
-  step. On the way it measures the training–inference mismatch (:class:`Mismatch`): the trainer's
-  own logprob of every lag-0 token against the behavior logprob the generator recorded for it.
+  step (none when the bound left no token in the loss: the batch is skipped). On the way it
+  measures the training–inference mismatch (:class:`Mismatch`): the trainer's own logprob of every
+  lag-0 token against the behavior logprob the generator recorded for it.
 
 Packing the group is exact, not an approximation: a response token's logits depend only on the
 prompt and the response before it, as in ``prompt + response`` alone (checked against
@@ -221,6 +222,12 @@ class StepResult:
         """Largest version lag of a trained token (0 when none was trained)."""
         return max(self.staleness, default=0)
 
+    @property
+    def skipped(self) -> bool:
+        """No token was in the loss (all masked or dropped as stale, or no response token): no
+        optimizer step was taken and the loss diagnostics are 0."""
+        return self.trained_tokens == 0
+
 
 class StepSettings(Protocol):
     """What one step reads of the trainer's settings (the run config's ``TrainerConfig`` is one;
@@ -252,9 +259,11 @@ def train_step(
     their sample with them (``drop``) — ``grpo.apply_staleness``. The token-level mean spans the
     whole step (N = trained tokens of all micro-batches), so accumulating over ``grad_accum_steps``
     micro-batches (of whole groups: at most G of them) gives the gradient of one large batch. A
-    step with no trained token still steps the optimizer (its loss is a zero; AdamW's moments decay
-    as usual). ``before_micro_batch`` is called before each micro-batch (the trainer sets its thread
-    budget there).
+    batch with no token left in the loss is skipped (:attr:`StepResult.skipped`): no forward, no
+    optimizer step, no mismatch measured — an AdamW step on zero gradients would still move the
+    weights (decoupled weight decay, and the momentum of earlier steps) without training on anything.
+    A batch whose tokens all have zero advantage does step: that is GRPO's update for it.
+    ``before_micro_batch`` is called before each micro-batch (the trainer sets its thread budget there).
 
     Raises:
         ValueError: a trained token newer than ``current_version`` (from ``apply_staleness``).
@@ -263,6 +272,9 @@ def train_step(
     mask, masked, dropped = apply_staleness(batch.loss_mask, batch.versions, current_version,
                                             config.max_staleness, config.staleness_policy)
     total = int(mask.sum())
+    if total == 0:
+        return StepResult(loss=0.0, is_weight_mean=0.0, truncated_fraction=0.0, clip_fraction=0.0, approx_kl=0.0,
+                          grad_norm=0.0, trained_tokens=0, tokens_masked_stale=masked, samples_dropped_stale=dropped)
     lags = Counter((current_version - batch.versions[mask]).tolist())
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer.zero_grad(set_to_none=True)
@@ -281,7 +293,7 @@ def train_step(
         mismatch.add(logprobs.detach()[fresh], batch.behavior_logprobs[samples][fresh])
         loss, m = policy_loss(logprobs, batch.behavior_logprobs[samples], batch.advantages[samples], mask[samples],
                               kind=config.loss, tis_cap=config.tis_cap, clip_eps=config.clip_eps,
-                              num_tokens=max(total, 1))
+                              num_tokens=total)
         loss.backward()
         loss_sum += float(loss.detach())
         for key in sums:  # token-weighted, so the step's figure is the mean over all its tokens
@@ -293,7 +305,6 @@ def train_step(
                                  "no update taken (lower trainer.learning_rate?)")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    k = max(total, 1)
     return StepResult(loss=loss_sum, grad_norm=grad_norm, trained_tokens=total, tokens_masked_stale=masked,
                       samples_dropped_stale=dropped, staleness=dict(sorted(lags.items())), mismatch=mismatch,
-                      **{key: value / k for key, value in sums.items()})
+                      **{key: value / total for key, value in sums.items()})

@@ -233,6 +233,8 @@ def load_run(run_dir: str | Path) -> RunData:
         raise ReportError(f"{metrics} is missing: nothing to report (has the run finished a step?)")
     by_step: dict[int, StepRecord] = {}
     for number, record in read_jsonl(metrics, data.warnings):
+        if isinstance(record, dict) and record.get("skipped") is True:
+            continue  # a batch with nothing to train: no step (the step's own line follows)
         step = _step_record(metrics, number, record, data.warnings)
         if step is not None:
             by_step[step.step] = step  # a step written twice (a resumed run): the later line

@@ -18,6 +18,7 @@ from specroll.actors.trainer.task_load import load_task
 from specroll.drafter.eagle_head import DrafterError, EagleHead
 from specroll.engine.checkpoint import CheckpointError, load_model_config
 from specroll.engine.registry import resolve_model
+from specroll.rl.admission import run_ahead_warning
 from specroll.rl.tasks import PromptFileError
 
 if TYPE_CHECKING:
@@ -32,7 +33,9 @@ def preflight(config: RunConfig) -> str | None:
     """Check what would otherwise fail only after every process started: the model and prompts are
     there, ``drafter.path`` is a drafter made for the model, a cold-started drafter's vocabulary fits
     the model's, the trainer's port is free. Returns a message when there is nothing to do (the run
-    directory's checkpoint already reached ``steps``), else None; says so when a run resumes.
+    directory's checkpoint already reached ``steps``), else None; says so when a run resumes, and
+    warns (stderr) when ``trainer.max_groups_in_flight`` is above what the staleness bound lets the
+    trainer use (``rl/admission.py``).
 
     Raises:
         LaunchError: naming the key, the value and what was expected.
@@ -42,6 +45,10 @@ def preflight(config: RunConfig) -> str | None:
     except CheckpointError as e:
         raise LaunchError(f"model.name: {e}") from None
     _check_drafter(config)
+    tc = config.trainer
+    if tc.mode == "async" and (warning := run_ahead_warning(tc.max_groups_in_flight, tc.batch_groups,
+                                                            tc.max_staleness)) is not None:
+        print(f"specroll launch: warning: {warning}", file=sys.stderr)
     try:
         load_task(config)
     except (PromptFileError, ValueError) as e:

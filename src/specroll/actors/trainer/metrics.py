@@ -1,8 +1,8 @@
-"""The trainer's metrics: one record per step for ``RUN_DIR/metrics.jsonl`` (wall-clock time, rewards,
-the loss and its diagnostics, staleness, the training–inference logprob mismatch on lag-0 tokens,
-generation rate, acceptance length, the generators' state; the trainer adds the held-out
-evaluation's ``eval_*`` fields to the line after each evaluation), and the
-trimming of that file back to a checkpoint's step when a run resumes.
+"""The trainer's metrics: one record per step (and per skipped batch, marked ``skipped``) for
+``RUN_DIR/metrics.jsonl`` (wall-clock time, rewards, the loss and its diagnostics, staleness, the
+training–inference logprob mismatch on lag-0 tokens, generation rate, acceptance length, the
+generators' state; the trainer adds the held-out evaluation's ``eval_*`` fields to the line after
+each evaluation), and the trimming of that file back to a checkpoint's step when a run resumes.
 """
 
 from __future__ import annotations
@@ -62,7 +62,10 @@ class StepMetrics:
 
     def record(self, step: int, version: int, groups: list[Group], rewards: torch.Tensor, r: StepResult,
                trained_version: int, step_s: float, wait_s: float) -> dict[str, object]:
-        """The record of step ``step``, after which the policy is at ``version``.
+        """The record of step ``step``, after which the policy is at ``version``. A skipped batch
+        (``r.skipped``: no token in the loss, no optimizer step) has a record of its own with
+        ``"skipped": true``, ``trained_tokens`` 0 and ``step`` the step it was drawn for; the next
+        batch is drawn for that step again (``Trainer``), so a skipped line precedes that step's line.
 
         Args:
             groups: the groups trained on; ``rewards`` their rewards ``[G, n]``.
@@ -87,6 +90,7 @@ class StepMetrics:
             "approx_kl": r.approx_kl,
             "grad_norm": r.grad_norm,
             "trained_tokens": r.trained_tokens,
+            "skipped": r.skipped,
             "tokens_masked_stale": r.tokens_masked_stale,
             "samples_dropped_stale": r.samples_dropped_stale,
             "staleness": {str(lag): count for lag, count in r.staleness.items()},
