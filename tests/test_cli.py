@@ -350,3 +350,22 @@ def test_help_says_what_launch_starts_and_what_a_generator_reads(capsys) -> None
     assert "the drafter trainer" in top, top
     assert "drafter trainer" in launch and "only warns" in launch, launch
     assert "[drafter]" in generator, generator
+
+
+@pytest.mark.parametrize("command", [["drafter", "serve"], ["generator"]])
+@pytest.mark.parametrize(("endpoint", "words"), [
+    ("tcp://127.0.0.1:99999", "port '99999', expected an integer in [1, 65535]"),
+    ("tcp://127.0.0.1:0", "port '0', expected an integer in [1, 65535]"),
+    ("tcp://127.0.0.1", "expected tcp://HOST:PORT, e.g. tcp://127.0.0.1:5555"),
+])
+def test_a_bad_connect_endpoint_is_refused_before_anything_waits(tmp_path: Path, capsys, command: list[str],
+                                                                   endpoint: str, words: str) -> None:
+    """ZeroMQ accepts port 99999 or 0 and a peer would wait out its trainer timeout: refused at once."""
+    from specroll.actors.cli import main
+
+    config = tmp_path / "run.toml"
+    config.write_text(f'run_dir = "{tmp_path / "run"}"\n[model]\nname = "{tmp_path / "no-model"}"\n')
+    assert main([*command, "--config", str(config), "--connect", endpoint]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"specroll {' '.join(command)}: error: --connect {endpoint!r}: {words}", err
+    assert not (tmp_path / "run").exists()

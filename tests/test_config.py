@@ -192,6 +192,22 @@ def test_engine_model_follows_model_name_and_a_conflict_is_an_error() -> None:
 # ---- errors -----------------------------------------------------------------------------------
 
 
+def test_an_acceptance_floor_up_to_k_plus_1_is_accepted() -> None:
+    assert RunConfig(drafter=DrafterConfig(acceptance_floor=5.0)).drafter.acceptance_floor == 5.0  # k = 4: all accepted
+
+
+def test_a_drafter_trainer_no_generator_drafts_with_is_a_warning() -> None:
+    """Valid (a drafter trained for a later run's warm start), but usually a forgotten speculative."""
+    for mode in ("off", "suffix"):
+        config = RunConfig(drafter=DrafterConfig(enabled=True), generator=GeneratorConfig(speculative=mode))
+        [warning] = config.warnings()
+        assert f"drafter.enabled = true with generator.speculative = {mode!r}" in warning
+        assert "no generator drafts with them" in warning and "'auto'" in warning
+    for config in (RunConfig(), RunConfig(drafter=DrafterConfig(enabled=True), generator=GeneratorConfig(
+            speculative="auto")), RunConfig(drafter=DrafterConfig(enabled=True), trainer=TrainerConfig(mode="sync"))):
+        assert config.warnings() == []
+
+
 def test_missing_file(tmp_path: Path) -> None:
     path = tmp_path / "nope.toml"
     with pytest.raises(ConfigError, match=rf"^{path}: config file not found$"):
@@ -231,6 +247,10 @@ FILE_ERRORS = [
     ("[drafter]\nwindow_tokens = 1\n", [], ["drafter.window_tokens=1, expected an integer >= ttt_steps + 2 = 5"]),
     ("[drafter]\nwindow_tokens = 6\n", ["drafter.ttt_steps=5"],
      ["drafter.window_tokens=6, expected an integer >= ttt_steps + 2 = 7 (ttt_steps=5"]),
+    ("[drafter]\nacceptance_floor = 5.5\n", [],
+     ["drafter.acceptance_floor=5.5, expected at most generator.engine.num_draft_tokens + 1 = 5"]),
+    ("[drafter]\nacceptance_floor = 3.5\n", ["generator.engine.num_draft_tokens=2"],
+     ["drafter.acceptance_floor=3.5, expected at most generator.engine.num_draft_tokens + 1 = 3"]),
 ]
 
 

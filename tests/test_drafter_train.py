@@ -243,7 +243,8 @@ def test_cli_trains_from_scratch_and_warm_starts(setup, tmp_path, capsys):
     assert not torch.equal(warm.fc.weight, fresh.fc.weight)  # trained further from the warm start
 
 
-@pytest.mark.parametrize("case", ["missing", "bad-line", "out-is-file", "bad-init", "foreign-ids"])
+@pytest.mark.parametrize("case", ["missing", "bad-line", "out-is-file", "bad-init", "foreign-ids", "bool-id",
+                                  "features-vs-init", "vocab-vs-init"])
 def test_cli_errors_are_one_line_exit_2(setup, tmp_path, capsys, case):
     rollouts = tmp_path / "rollouts.jsonl"
     write_rollouts(rollouts, setup["train"][:2])
@@ -259,12 +260,25 @@ def test_cli_errors_are_one_line_exit_2(setup, tmp_path, capsys, case):
         extra = ["--init", str(tmp_path / "no-drafter")]
     elif case == "foreign-ids":
         rollouts.write_text(json.dumps({"prompt_token_ids": [1], "token_ids": [100000]}) + "\n")
+    elif case == "bool-id":  # bool is an int in Python: JSON true must not train as token 1
+        rollouts.write_text(rollouts.read_text() + '{"prompt_token_ids": [1, 2], "token_ids": [5, true, 7]}\n')
+    elif case in ("features-vs-init", "vocab-vs-init"):  # a warm start keeps the head's taps and vocabulary
+        EagleHead.init(EagleConfig.for_target(setup["config"], (2,), 64), torch.arange(64)).save(tmp_path / "last")
+        extra = ["--init", str(tmp_path / "last"),
+                 *(["--features", "eagle3"] if case == "features-vs-init" else ["--draft-vocab-size", "128"])]
     code = main(["drafter", "train", "--rollouts", str(rollouts), "--model", str(setup["path"]), "--out", str(out),
                  "--steps", "1", *extra])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("specroll drafter train: error:") and "\n" not in err, err
+    assert not out.is_dir()
     if case == "bad-line":
         assert "rollouts.jsonl:3" in err
+    if case == "bool-id":
+        assert "rollouts.jsonl:3: 'token_ids' [1] is true, expected a non-negative integer token id" in err, err
+    if case == "features-vs-init":
+        assert f"--features eagle3 conflicts with --init {tmp_path / 'last'}, whose head taps last" in err, err
+    if case == "vocab-vs-init":
+        assert "--draft-vocab-size 128 conflicts with" in err and "drafts from 64 tokens" in err, err
 
 
 BAD_FLAGS = {

@@ -128,10 +128,12 @@ def _add_drafter(sub: argparse._SubParsersAction) -> None:
                    help="tokens per training window, at least --ttt-steps + 2 (default: %(default)s)")
     t.add_argument("--ttt-steps", type=positive_int, default=3,
                    help="unrolled draft steps of the training-time test (default: %(default)s)")
-    t.add_argument("--features", choices=["last", "eagle3"], default="eagle3",
-                   help="taps of a fresh head, as in init-drafter (default: %(default)s)")
+    t.add_argument("--features", choices=["last", "eagle3"], default=None,
+                   help="taps of a fresh head, as in init-drafter (default: eagle3; with --init: the head's "
+                        "own, and another value is an error)")
     t.add_argument("--draft-vocab-size", type=positive_int, default=None,
-                   help="draft vocabulary of a fresh head (default: 8192, or the whole vocabulary when smaller)")
+                   help="draft vocabulary of a fresh head (default: 8192, or the whole vocabulary when smaller; "
+                        "with --init: the head's own, and another value is an error)")
     t.add_argument("--seed", type=int, default=0, help="initialisation and sampling seed")
     t.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     t.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")

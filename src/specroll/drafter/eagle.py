@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specroll.drafter.eagle_head import DrafterError, EagleHead
+from specroll.drafter.eagle_head import DrafterError, EagleConfig, EagleHead
 from specroll.engine.attention import allocate_kv_cache, kv_bytes_per_page
 from specroll.engine.batch import build_metadata
 from specroll.engine.block_manager import BlockManager, PageKey, page_keys
@@ -37,6 +37,13 @@ from specroll.engine.model import CausalLM
 from specroll.engine.sampler import draw_inverse_cdf, processed_logprobs
 from specroll.engine.spec.proposer import DraftInput, FeatureUpdate, Proposal
 from specroll.engine.torch_attention import TorchAttention
+
+
+def head_cache_tokens(config: EagleConfig, kv_cache_memory_gb: float, page_size: int, dtype: torch.dtype) -> int:
+    """Positions of head K/V that ``kv_cache_memory_gb`` GiB hold, in whole pages of ``page_size``
+    (the head is one decoder layer: ``2 · num_kv_heads · head_dim`` elements of ``dtype`` per position)."""
+    page_bytes = kv_bytes_per_page(config.as_model_config(), page_size, dtype)
+    return int(kv_cache_memory_gb * 2**30) // page_bytes * page_size
 
 
 @dataclass(eq=False)
@@ -103,8 +110,8 @@ class EagleProposer:
         if self._target is None:
             self.head.to(device=weight.device, dtype=weight.dtype).eval()
             config = self.head.config.as_model_config()
-            num_pages = max(1, int(self.kv_cache_memory_gb * 2**30) // kv_bytes_per_page(
-                config, self.page_size, weight.dtype))
+            num_pages = max(1, head_cache_tokens(self.head.config, self.kv_cache_memory_gb, self.page_size,
+                                                 weight.dtype) // self.page_size)
             self.kv_cache = allocate_kv_cache(config, num_pages, self.page_size, weight.dtype, weight.device)[0]
             self.block_manager = BlockManager(num_pages, self.page_size, enable_prefix_caching=False)
             self.backend = TorchAttention(config.num_heads, config.num_kv_heads, config.head_dim, weight.device)

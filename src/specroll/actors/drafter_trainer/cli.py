@@ -24,14 +24,18 @@ from specroll.engine.checkpoint import CheckpointError
 
 def serve(config: RunConfig, connect: str, actor_id: str | None = None, log_level: str = "INFO",
           prog: str = PROG) -> int:
-    """Run the drafter trainer: log to stderr, train and publish until stopped, return the exit code
-    (2: ``connect`` is no endpoint, or the model or the warm-start drafter does not load)."""
+    """Run the drafter trainer: log to stderr (first the config's :meth:`RunConfig.warnings`), train and
+    publish until stopped, return the exit code (2: ``connect`` is no endpoint — a malformed one or a
+    port outside [1, 65535] —, the model or the warm-start drafter does not load, or a cold start's
+    ``drafter.draft_vocab_size`` exceeds the model's vocabulary)."""
     logging.basicConfig(level=log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         check_endpoint(connect)
     except ValueError as e:
         print(f"{prog}: error: --connect {e}", file=sys.stderr)
         return EXIT_REFUSED
+    for warning in config.warnings():
+        logging.getLogger("specroll.drafter").warning("%s", warning)
     actor_id = actor_id or f"drafter-{uuid.uuid4().hex}"
     try:
         return run_stoppable(lambda: anyio.run(run_drafter, config, connect, actor_id, backend="asyncio"),

@@ -13,18 +13,44 @@ else served by a new proposer.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import msgspec
 import torch
 
 from specroll.actors.generator.rollout_stream import DraftCounter
-from specroll.drafter.eagle import EagleProposer
+from specroll.drafter.eagle import EagleProposer, head_cache_tokens
 from specroll.drafter.eagle_head import DrafterError, EagleConfig, EagleHead, head_checksum
+from specroll.engine.attention import kv_bytes_per_page
 from specroll.engine.engine import Engine
 from specroll.protocol.messages import AckDrafter, DrafterWeights
 
 log = logging.getLogger("specroll.generator")
+
+
+def check_drafter_cache(kv_cache_gb: float, engine: Engine, head: EagleConfig) -> None:
+    """``drafter.kv_cache_gb`` holds ``head``'s K/V for one request of ``engine``: its positions up to
+    the context length ``engine.max_model_len`` (a prompt plus ``max_tokens``, capped by the context: a
+    generator cannot know the longest prompt before it arrives, so the context bounds it, as it bounds
+    the engine's own KV cache) plus the ``num_draft_tokens - 1`` draft positions the head steps through
+    past the last verified one. Without it the head's K/V fills up and requests go undrafted, silently.
+
+    Raises:
+        DrafterError: naming ``drafter.kv_cache_gb``, its value and the least that holds one request.
+    """
+    page_size, k = engine.config.page_size, engine.config.num_draft_tokens
+    holds = head_cache_tokens(head, kv_cache_gb, page_size, engine.dtype)
+    need = engine.max_model_len + k - 1
+    if holds >= need:
+        return
+    page_bytes = kv_bytes_per_page(head.as_model_config(), page_size, engine.dtype)
+    least_gb = math.ceil(-(-need // page_size) * page_bytes / 2**30 * 1e6) / 1e6  # whole pages, rounded up
+    raise DrafterError(
+        f"drafter.kv_cache_gb={kv_cache_gb:g} holds the drafter's K/V for {holds} positions, fewer than one "
+        f"request needs: {engine.max_model_len} tokens (the context, generator.engine.max_model_len) + {k - 1} "
+        f"draft positions = {need}; expected drafter.kv_cache_gb >= {least_gb:g}, or a lower "
+        f"generator.engine.max_model_len")
 
 
 @dataclass
@@ -52,8 +78,8 @@ def check_drafter(msg: DrafterWeights, tensors: dict[str, torch.Tensor], engine:
         config = msgspec.json.decode(msg.config, type=EagleConfig)
     except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
         raise DrafterError(f"{source}: malformed config ({exc})") from None
-    head = EagleHead.from_tensors(config, tensors, source)
-    head.check_target(engine.model_config, source)
+    config.check_target(engine.model_config, source)  # before the config sizes anything
+    head = EagleHead.from_tensors(config, tensors, source)  # the received shapes must be the config's
     return ReadyDrafter(msg.version, got, head)
 
 
@@ -81,12 +107,14 @@ class DrafterSlot:
         """Serve ``ready`` from the next step on; returns the (possibly new) draft counter.
 
         Raises:
-            DrafterError: the engine refused it (nothing changed then).
+            DrafterError: the engine refused it, or a new shape whose K/V ``kv_cache_memory_gb`` cannot
+                hold for one request (:func:`check_drafter_cache`); nothing changed then.
         """
         inner = self.counter.inner if self.counter is not None else None
         if isinstance(inner, EagleProposer) and inner.head.config == ready.head.config:
             inner.load_head(ready.head)
         else:
+            check_drafter_cache(self.kv_cache_memory_gb, self.engine, ready.head.config)
             proposer = EagleProposer(ready.head, sample_drafts=True, kv_cache_memory_gb=self.kv_cache_memory_gb,
                                      page_size=self.engine.config.page_size, seed=self.seed)
             counter = DraftCounter(proposer)

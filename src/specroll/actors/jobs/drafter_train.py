@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from specroll.actors.jobs.generate import GenerateError
-from specroll.drafter.eagle_head import DrafterError, EagleHead
+from specroll.drafter.eagle_head import DrafterError, EagleHead, eagle3_feature_layers
 from specroll.drafter.learner import DrafterLearner, LearnerConfig
 from specroll.engine.checkpoint import CheckpointError, load_checkpoint
 from specroll.engine.device import check_device
@@ -27,7 +27,9 @@ def read_rollouts(path: str) -> list[tuple[list[int], int]]:
     """``(prompt + response token ids, prompt length)`` of each line of a rollouts JSONL file.
 
     Raises:
-        GenerateError: a missing or unreadable file, a malformed line (named by number), or no rollouts.
+        GenerateError: a missing or unreadable file, a malformed line (named by number), a token id
+            that is not a non-negative integer (JSON ``true``/``false`` included; named by line, key,
+            index and value), or no rollouts.
     """
     p = Path(path)
     if not p.is_file():
@@ -44,11 +46,13 @@ def read_rollouts(path: str) -> list[tuple[list[int], int]]:
         try:
             row = json.loads(line)
             prompt, response = row["prompt_token_ids"], row["token_ids"]
-            if not all(isinstance(t, int) and t >= 0 for t in [*prompt, *response]):
-                raise ValueError("token ids must be non-negative integers")
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise GenerateError(f"--rollouts {path}:{n}: expected a JSON object with integer lists "
                                 f"'prompt_token_ids' and 'token_ids' ({type(exc).__name__}: {exc})") from None
+        for key, ids in (("prompt_token_ids", prompt), ("token_ids", response)):
+            problem = _token_ids_problem(ids)
+            if problem is not None:
+                raise GenerateError(f"--rollouts {path}:{n}: '{key}' {problem}")
         if response:
             rollouts.append((list(prompt) + list(response), len(prompt)))
     if not rollouts:
@@ -56,13 +60,30 @@ def read_rollouts(path: str) -> list[tuple[list[int], int]]:
     return rollouts
 
 
+def _token_ids_problem(ids: object) -> str | None:
+    """What makes ``ids`` no list of token ids, or None. JSON ``true``/``false`` are refused: ``bool``
+    is a subclass of ``int`` in Python, and a plain ``isinstance`` check would read them as 1 and 0."""
+    if not isinstance(ids, list):
+        return f"is {json.dumps(ids)[:40]}, expected a list of non-negative integers"
+    for i, t in enumerate(ids):
+        if type(t) is not int or t < 0:
+            return f"[{i}] is {json.dumps(t)[:40]}, expected a non-negative integer token id"
+    return None
+
+
+def _taps_name(layers: tuple[int, ...], num_layers: int) -> str:
+    """``--features`` naming ``layers`` for a target of ``num_layers`` layers, else the list."""
+    named = {"last": (num_layers,), "eagle3": eagle3_feature_layers(num_layers)}
+    return next((name for name, taps in named.items() if tuple(layers) == taps), str(list(layers)))
+
+
 def run_drafter_train(args: argparse.Namespace) -> None:
     """Train a drafter for ``args.model`` on ``args.rollouts`` and save it to ``args.out``.
 
     Raises:
         GenerateError: a device this machine lacks, a window too short for ``--ttt-steps``, bad
-            paths, files, model, or a drafter (``--init``) made for another target; nothing is
-            written then.
+            paths, files, model, a drafter (``--init``) made for another target, or ``--features`` /
+            ``--draft-vocab-size`` other than the ``--init`` head's; nothing is written then.
     """
     try:
         device = check_device(args.device)
@@ -92,19 +113,31 @@ def run_drafter_train(args: argparse.Namespace) -> None:
     model.load_weights(checkpoint.weights)
     model.to(device).eval().requires_grad_(False)
     head = None
+    features = args.features if args.features is not None else "eagle3"
     if args.init is not None:
         try:
             head = EagleHead.load(args.init)
             head.check_target(config, f"--init {args.init}")
         except DrafterError as exc:
             raise GenerateError(str(exc)) from None
+        # A warm start keeps the head's shape: a flag shaping a fresh head must not be dropped silently.
+        taps = _taps_name(head.config.feature_layers, config.num_layers)
+        if args.features is not None and args.features != taps:
+            raise GenerateError(f"--features {args.features} conflicts with --init {args.init}, whose head taps "
+                                f"{taps} (layers {list(head.config.feature_layers)}); expected --features {taps} "
+                                f"or no --features with --init")
+        size = head.config.draft_vocab_size
+        if args.draft_vocab_size is not None and args.draft_vocab_size != size:
+            raise GenerateError(f"--draft-vocab-size {args.draft_vocab_size} conflicts with --init {args.init}, whose "
+                                f"head drafts from {size} tokens; expected --draft-vocab-size {size} or none with "
+                                f"--init")
     elif args.draft_vocab_size is not None and args.draft_vocab_size > config.vocab_size:
         raise GenerateError(f"--draft-vocab-size {args.draft_vocab_size} exceeds the vocabulary of {args.model} "
                             f"({config.vocab_size} tokens)")
     try:
         learner_config = LearnerConfig(
             lr=args.lr, batch=args.batch, window=args.window, ttt_steps=args.ttt_steps, seed=args.seed,
-            buffer_rollouts=len(rows), min_rollouts=1, max_context=max(1024, args.window), features=args.features,
+            buffer_rollouts=len(rows), min_rollouts=1, max_context=max(1024, args.window), features=features,
             draft_vocab_size=args.draft_vocab_size if args.draft_vocab_size is not None else 8192,
         )
     except ValueError as exc:

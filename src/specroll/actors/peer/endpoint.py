@@ -6,7 +6,9 @@ import argparse
 
 
 def check_endpoint(text: str) -> str:
-    """``text`` when it is a ZeroMQ endpoint to connect to (``tcp://HOST:PORT`` or ``ipc://PATH``).
+    """``text`` when it is a ZeroMQ endpoint to connect to: ``tcp://HOST:PORT`` with a port in
+    [1, 65535] (an IPv6 host in brackets, ``tcp://[::1]:PORT``), or ``ipc://PATH``. Checked up front
+    because ZeroMQ accepts a port such as 99999 or 0 and the peer would wait out its timeout.
 
     Raises:
         ValueError: naming the bad value and what was expected.
@@ -14,6 +16,12 @@ def check_endpoint(text: str) -> str:
     transport, sep, address = text.partition("://")
     if not sep or transport not in ("tcp", "ipc") or not address:
         raise ValueError(f"{text!r}: expected tcp://HOST:PORT (or ipc://PATH)")
+    if transport == "tcp":
+        host, colon, port = address.rpartition(":")
+        if not colon or not host or host in ("[", "[]"):
+            raise ValueError(f"{text!r}: expected tcp://HOST:PORT, e.g. tcp://127.0.0.1:5555")
+        if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+            raise ValueError(f"{text!r}: port {port!r}, expected an integer in [1, 65535]")
     return text
 
 
