@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -33,30 +34,35 @@ def anyio_backend() -> str:
 
 async def test_a_killed_generators_groups_finish_elsewhere_from_their_streamed_tokens(tiny_checkpoint, tmp_path):
     model = tiny_checkpoint("llama")
-    streamed: dict[tuple[str, int], list[int]] = {}  # (group, sample) -> tokens seen so far
+    streamed: dict[tuple[str, int], list[int]] = {}  # (group, sample) -> tokens merged when gen-a was killed
     by_actor: dict[str, set[str]] = {}
+    victims: list[str] = []
+    gens: dict[str, subprocess.Popen[bytes]] = {}
 
     def on_chunk(actor: str, chunk: RolloutChunk) -> None:
         by_actor.setdefault(actor, set()).add(chunk.group_id)
-
-    sampling = SamplingParams(temperature=1.0, max_tokens=60, ignore_eos=True)
-    async with RolloutClient(max_groups_in_flight=8, heartbeat_timeout_s=1.5, on_chunk=on_chunk) as client:
-        with ExitStack() as procs:
-            gens = {name: procs.enter_context(generator_process(client.endpoint, model, tmp_path / f"{name}.log",
-                                                                "--stream-every", "1", actor_id=name))
-                    for name in ("gen-a", "gen-b")}
-            await client.wait_for_generators(2, timeout=60)
-            groups = [await client.submit([5 + i, 6, 7, 8], 2, sampling) for i in range(6)]
-            assert client.coordinator.groups_of("gen-a") and client.coordinator.groups_of("gen-b")
-            with anyio.fail_after(60):  # wait until gen-a is mid-rollout
-                while not any(len(client.coordinator.groups[g].samples[0].token_ids) >= 5
-                              for g in client.coordinator.groups_of("gen-a")):
-                    await anyio.sleep(0.01)
-            victims = list(client.coordinator.groups_of("gen-a"))
+        if actor == "gen-a" and not victims and chunk.offset + len(chunk.token_ids) >= 5:
+            # Killed in the receive loop as soon as one of its samples has 5 tokens here. gen-a steps
+            # only with an empty outbox (max_outbox = 1), so it runs at most a credit window (64 chunks,
+            # ~10 steps of its 6 samples) ahead of what this loop read: mid-rollout, however late we are.
+            victims.extend(client.coordinator.groups_of("gen-a"))
             for g in victims:
                 for i, s in enumerate(client.coordinator.groups[g].samples):
                     streamed[g, i] = list(s.token_ids)
             os.killpg(gens["gen-a"].pid, signal.SIGKILL)
+
+    (tmp_path / "gen-a.toml").write_text("[generator]\nmax_outbox = 1\n")
+    sampling = SamplingParams(temperature=1.0, max_tokens=60, ignore_eos=True)
+    # Its connection closing, not its silence, tells the client gen-a is gone: the long heartbeat
+    # timeout is only there so that a starved gen-b is never declared dead.
+    async with RolloutClient(max_groups_in_flight=8, heartbeat_timeout_s=60, on_chunk=on_chunk) as client:
+        with ExitStack() as procs:
+            for name, extra in (("gen-a", ["--config", str(tmp_path / "gen-a.toml")]), ("gen-b", [])):
+                gens[name] = procs.enter_context(generator_process(client.endpoint, model, tmp_path / f"{name}.log",
+                                                                   "--stream-every", "1", *extra, actor_id=name))
+            await client.wait_for_generators(2, timeout=60)
+            groups = [await client.submit([5 + i, 6, 7, 8], 2, sampling) for i in range(6)]
+            assert client.coordinator.groups_of("gen-a") and client.coordinator.groups_of("gen-b")
             finished = [await client.next_finished(timeout=90) for _ in groups]
     assert victims and client.dead_generators == ["gen-a"] and client.coordinator.resumed_groups == len(victims)
     assert sorted(g.group_id for g in finished) == sorted(groups)  # none lost, none twice
@@ -72,7 +78,7 @@ def test_sync_client_round_trip_with_a_weight_update(tiny_checkpoint, tmp_path: 
     model = tiny_checkpoint("llama")
     weights = load_checkpoint(model).weights
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    with SyncRolloutClient(heartbeat_timeout_s=5) as client, \
+    with SyncRolloutClient(heartbeat_timeout_s=60) as client, \
             generator_process(client.endpoint, model, tmp_path / "gen.log"):
         client.wait_for_generators(1, timeout=60)
         client.submit([5, 6, 7], 2, greedy, payload="x")
@@ -121,7 +127,7 @@ async def test_ten_thousand_bad_frames_never_stop_the_client(tiny_checkpoint, tm
     model = tiny_checkpoint("llama")
     n = 10_000
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    async with RolloutClient(heartbeat_timeout_s=5) as client:
+    async with RolloutClient(heartbeat_timeout_s=60) as client:
         ctx = zmq.asyncio.Context()
         stranger = make_socket(ctx, zmq.DEALER, connect=client.endpoint, identity=b"stranger", hwm=100)
         try:
@@ -129,7 +135,7 @@ async def test_ten_thousand_bad_frames_never_stop_the_client(tiny_checkpoint, tm
                 await client.wait_for_generators(1, timeout=60)
                 for frames in client_fuzz_frames(random.Random(0), n):
                     await stranger.send_multipart(frames)
-                with anyio.fail_after(60):
+                with anyio.fail_after(120):  # a hang guard: about 10 s on a loaded 2-core machine
                     while client.protocol_errors < n:
                         await anyio.sleep(0.05)
                 await client.submit([5, 6, 7], 2, greedy)
@@ -140,3 +146,61 @@ async def test_ten_thousand_bad_frames_never_stop_the_client(tiny_checkpoint, tm
     assert client.protocol_errors == n
     assert [len(s.token_ids) for s in group.samples] == [6, 6]
     assert "stranger" not in client.coordinator.generators
+
+
+async def test_an_unreachable_peer_is_logged_once_per_change_of_state(caplog) -> None:
+    """A drafter trainer that died gets ``Capacity`` twice a second until it is declared gone: one
+    line when it becomes unreachable (and one when it is back), not one per dropped message."""
+    import logging
+
+    from specroll.actors.trainer.peer_outboxes import Outboxes
+    from specroll.protocol.channel import Channel
+    from specroll.protocol.messages import PROTOCOL_VERSION, Capacity, Hello, ToDrafter, ToTrainer
+    from specroll.protocol.sockets import last_endpoint
+
+    def lines(level: int) -> int:
+        return sum("drafter-0" in r.getMessage() and "unreachable" in r.getMessage() for r in caplog.records
+                   if r.levelno == level)
+
+    async def until(predicate) -> None:
+        with anyio.fail_after(30):
+            while not predicate():
+                await anyio.sleep(0.02)
+
+    caplog.set_level(logging.DEBUG, "specroll.client")
+    ctx = zmq.asyncio.Context()
+    router = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:0")
+    channel: Channel = Channel(router, ToTrainer, window=1_000_000)  # never waits for credit here
+    dealer = None
+    try:
+        async with anyio.create_task_group() as tg:
+            boxes = Outboxes(channel, tg)
+            for _ in range(5):  # never connected: each send is refused by the socket
+                boxes.put("drafter-0", Capacity(live_seqs=1, max_seqs=4))
+            await until(lambda: lines(logging.INFO) + lines(logging.DEBUG) == 5)
+            assert lines(logging.INFO) == 1, caplog.text
+            dealer = make_socket(ctx, zmq.DEALER, connect=last_endpoint(router), identity=b"drafter-0")
+            peer: Channel = Channel(dealer, ToDrafter)
+            await peer.send(Hello(protocol_version=PROTOCOL_VERSION, role="drafter", actor_id="drafter-0"))
+            with anyio.fail_after(30):
+                await channel.recv()  # routable from now on
+                boxes.put("drafter-0", Capacity(live_seqs=2, max_seqs=4))
+                assert (await peer.recv()).msg == Capacity(live_seqs=2, max_seqs=4)
+            await until(lambda: "peer drafter-0 is reachable again" in caplog.text)
+            close_socket(dealer)
+            dealer = None
+            with anyio.fail_after(30):
+                while lines(logging.INFO) < 2:  # the close takes effect on the router asynchronously
+                    boxes.put("drafter-0", Capacity(live_seqs=3, max_seqs=4))
+                    await anyio.sleep(0.05)
+            dropped = lines(logging.DEBUG)
+            for _ in range(5):
+                boxes.put("drafter-0", Capacity(live_seqs=4, max_seqs=4))
+            await until(lambda: lines(logging.DEBUG) >= dropped + 5)
+            assert lines(logging.INFO) == 2, caplog.text
+            tg.cancel_scope.cancel()
+    finally:
+        if dealer is not None:
+            close_socket(dealer)
+        close_socket(router)
+        ctx.term()

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from specroll.protocol.messages import RolloutChunk
+from specroll.protocol.messages import RolloutChunk, SampleResume, SubmitGroup
 from specroll.protocol.sampling import SamplingParams
 from specroll.rl.coordinator import ChunkError, RolloutCoordinator
 
@@ -141,3 +141,42 @@ def test_a_dead_generators_groups_resume_elsewhere_without_loss_or_duplication()
         for i, s in enumerate(g.samples):
             assert s.token_ids == truth[g.group_id, i]
             assert len(s.logprobs) == len(s.versions) == len(s.token_ids)
+
+
+def test_a_resume_carries_every_held_token_of_each_unfinished_sample() -> None:
+    """The ``SubmitGroup`` that resumes a dead generator's group: each unfinished sample with every token,
+    logprob and version held (the last one too, across chunks and across an earlier resume), no finished
+    sample, and the group's prompt, n and sampling unchanged."""
+    sampling = SamplingParams(temperature=0.7, max_tokens=9, seed=3)
+    c = RolloutCoordinator(4)
+    for a in ("a", "b", "c"):
+        c.add_generator(a)
+    c.on_heartbeat("a", 1, 0)
+    g = c.add_group([5, 6, 7], 4, sampling)
+    [(_, fresh)] = c.dispatch()
+    assert fresh.resume == ()
+    c.on_chunk("a", RolloutChunk(group_id=g, sample_index=0, offset=0, token_ids=[10, 11], logprobs=[-0.1, -0.2],
+                                 versions=[1, 1]))
+    c.on_chunk("a", RolloutChunk(group_id=g, sample_index=0, offset=2, token_ids=[12], logprobs=[-0.3], versions=[2]))
+    c.on_chunk("a", chunk(g, 1, 0, [20, 21], finish="stop"))
+    c.on_chunk("a", RolloutChunk(group_id=g, sample_index=2, offset=0, token_ids=[30], logprobs=[-0.4], versions=[2]))
+    assert c.remove_generator("a") == [g]  # sample 3 streamed nothing yet
+    c.on_heartbeat("b", 1, 0)
+    [(actor, resume)] = c.dispatch()
+    assert actor == "b"
+    assert resume == SubmitGroup(group_id=g, prompt_token_ids=[5, 6, 7], n=4, sampling=sampling, resume=(
+        SampleResume(index=0, token_ids=[10, 11, 12], logprobs=[-0.1, -0.2, -0.3], versions=[1, 1, 2]),
+        SampleResume(index=2, token_ids=[30], logprobs=[-0.4], versions=[2]),
+        SampleResume(index=3, token_ids=[], logprobs=[], versions=[]),
+    ))
+    c.on_chunk("b", RolloutChunk(group_id=g, sample_index=0, offset=3, token_ids=[13], logprobs=[-0.5], versions=[3]))
+    c.on_chunk("b", chunk(g, 2, 1, [], finish="length"))
+    c.on_chunk("b", RolloutChunk(group_id=g, sample_index=3, offset=0, token_ids=[40], logprobs=[-0.6], versions=[3]))
+    assert c.remove_generator("b") == [g]
+    c.on_heartbeat("c", 1, 0)
+    [(actor, again)] = c.dispatch()
+    assert actor == "c"
+    assert again == SubmitGroup(group_id=g, prompt_token_ids=[5, 6, 7], n=4, sampling=sampling, resume=(
+        SampleResume(index=0, token_ids=[10, 11, 12, 13], logprobs=[-0.1, -0.2, -0.3, -0.5], versions=[1, 1, 2, 3]),
+        SampleResume(index=3, token_ids=[40], logprobs=[-0.6], versions=[3]),
+    ))

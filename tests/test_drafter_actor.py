@@ -36,11 +36,17 @@ from specroll.protocol.sampling import SamplingParams
 pytestmark = pytest.mark.anyio
 
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+HANG_S = 60.0
+"""The clients' heartbeat timeout: a hang guard, so a starved generator is never declared dead."""
 
 
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+LONG_CONTEXT = 4096
+"""Positions of the model whose long rollout must outlast two drafter swaps."""
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +81,7 @@ async def wait_until(predicate, timeout: float, what: str) -> None:
 
 async def test_drafter_versions_reach_the_generator_and_survive_the_drafter_trainer(model, tmp_path):
     chunks: list[tuple[RolloutChunk, int]] = []
-    client = RolloutClient(heartbeat_timeout_s=20.0)
+    client = RolloutClient(heartbeat_timeout_s=HANG_S)
 
     def on_chunk(actor: str, chunk: RolloutChunk) -> None:
         served = client.drafters.generator_drafters.get(actor, (0, ""))[0]
@@ -119,19 +125,25 @@ async def test_drafter_versions_reach_the_generator_and_survive_the_drafter_trai
             # killing the drafter trainer stops neither generation nor the served drafter
             os.killpg(drafter.pid, signal.SIGKILL)
             drafter.wait(timeout=30)
+            for p in prompts[16:24]:
+                await client.submit(p, 2, SAMPLING)
+            # gone once its connection closed and the client read all it had sent (a last PublishDrafter too)
+            await wait_until(lambda: "drafter-0" not in client.drafters.drafters, 60,
+                             "the client to declare the drafter trainer gone")
             # what it published before dying still reaches the generator; from then on nothing changes
             await wait_until(lambda: served_version(client) == client.drafters.published.version, 60,
                              "the generator to serve the last published version")
             before = client.drafters.generator_drafters["gen-0"]
-            for p in prompts[16:24]:
-                await client.submit(p, 2, SAMPLING)
             for _ in range(8):
                 group = await client.next_finished(timeout=60)
                 assert all(len(s.token_ids) == SAMPLING.max_tokens for s in group.samples)
             assert client.drafters.generator_drafters["gen-0"] == before
-            # a restarted drafter trainer starts cold but numbers its versions above the published one
+            # a restarted drafter trainer starts cold but numbers its versions above the published one;
+            # cold (a run dir without a saved drafter): it can publish only after rollouts, which the
+            # client sends behind the announcement of the published version, so it always knows it first
             published = client.drafters.published.version
-            with drafter_process(client.endpoint, config, tmp_path / "drafter2.log"):
+            cold = run_config(model, tmp_path / "run2")
+            with drafter_process(client.endpoint, cold, tmp_path / "drafter2.log"):
                 await wait_until(lambda: "training against policy version 1" in (tmp_path / "drafter2.log").read_text(),
                                  60, "the restarted drafter trainer to join")
                 for p in prompts[24:32]:
@@ -165,7 +177,7 @@ async def test_a_drafter_for_another_target_is_refused_and_generation_goes_on(mo
     other = EagleConfig(target_vocab_size=999, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=2,
                         head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, feature_layers=(2,), draft_vocab_size=64,
                         target_num_layers=2)
-    async with RolloutClient(heartbeat_timeout_s=20.0) as client:
+    async with RolloutClient(heartbeat_timeout_s=HANG_S) as client:
         with generator_process(client.endpoint, model, tmp_path / "gen.log", "--speculative", "eagle"):
             await client.wait_for_generators(1, timeout=60)
             publish_head(client, EagleHead.init(other, torch.arange(64)), 1)
@@ -177,23 +189,29 @@ async def test_a_drafter_for_another_target_is_refused_and_generation_goes_on(mo
             assert "gen-0" not in client.drafters.generator_drafters
 
 
-async def test_a_drafter_swap_splits_live_samples_chunks_by_drafter_version(model, tmp_path):
+async def test_a_drafter_swap_splits_live_samples_chunks_by_drafter_version(tmp_path):
     """Each chunk's draft counts come from the one drafter version it names: the generator sends every
-    live sample's pending tokens before a swap. Chunks are only sent at a swap or at the end here
-    (``--stream-every`` huge). Drafter 2 has another shape, so it replaces the proposer and cannot
-    draft for samples that began under drafter 1 (it never saw their features): their chunks after the
-    swap draft nothing, those before it did."""
+    live sample's pending tokens before a swap. Chunks are only sent at a swap here (``--stream-every``
+    huge). Drafter 2 has another shape, so it replaces the proposer and cannot draft for samples that
+    began under drafter 1 (it never saw their features): their chunks after the swap draft nothing,
+    those before it did. The live group's budget (thousands of tokens) keeps it running through both
+    swaps however slowly the test process follows; drafter 3 flushes its drafter-2 tokens, then it is
+    aborted."""
+    model = tmp_path / "long"
+    model.mkdir()
+    write_tiny_checkpoint(model, max_position_embeddings=LONG_CONTEXT)
     cfg = load_checkpoint(str(model)).config
     layers = eagle3_feature_layers(cfg.num_layers)
     first = EagleHead.init(EagleConfig.for_target(cfg, layers, 64), torch.arange(64))
     second = EagleHead.init(EagleConfig.for_target(cfg, layers, 96), torch.arange(96))
+    third = EagleHead.init(EagleConfig.for_target(cfg, layers, 96), torch.arange(96), seed=1)
     chunks: dict[tuple[str, int], list[RolloutChunk]] = {}
-    client = RolloutClient(heartbeat_timeout_s=20.0)
+    client = RolloutClient(heartbeat_timeout_s=HANG_S)
     client.on_chunk = lambda actor, c: chunks.setdefault((c.group_id, c.sample_index), []).append(c)
-    long = SamplingParams(temperature=1.0, max_tokens=480, ignore_eos=True)
+    long = SamplingParams(temperature=1.0, max_tokens=LONG_CONTEXT - 8, ignore_eos=True)
     async with client:
         with generator_process(client.endpoint, model, tmp_path / "gen.log", "--speculative", "eagle",
-                               "--stream-every", "1000000", "--max-model-len", "512"):
+                               "--stream-every", "1000000"):
             await client.wait_for_generators(1, timeout=60)
             publish_head(client, first, 1)
             await wait_until(lambda: served_version(client) == 1, 60, "the generator to serve drafter version 1")
@@ -203,8 +221,11 @@ async def test_a_drafter_swap_splits_live_samples_chunks_by_drafter_version(mode
             publish_head(client, second, 2)
             await wait_until(lambda: served_version(client) == 2, 60, "the generator to serve drafter version 2")
             after = await client.submit([7, 17, 33], 1, SAMPLING)
-            finished = {(await client.next_finished(timeout=120)).group_id for _ in range(2)}
-            assert finished == {live, after}
+            assert (await client.next_finished(timeout=120)).group_id == after
+            publish_head(client, third, 3)  # the swap flushes the live samples' drafter-2 tokens before its ack
+            await wait_until(lambda: served_version(client) == 3, 60, "the generator to serve drafter version 3")
+            assert live in client.coordinator.groups, "the long group finished: it did not span the swaps"
+            await client.abort(live)
     for i in range(2):
         spec = [c.spec for c in chunks[(live, i)]]
         versions = [(s.drafter_version, s.num_draft_steps) for s in spec if s is not None]
@@ -330,11 +351,13 @@ def test_acceptance_is_reported_per_version_and_a_drop_below_the_floor_warns(cap
     assert report["acceptance_length_window"] == 1 + 35 / 20
     assert report["acceptance_below_floor"] is True  # the newest policy version (8) is at 1.5 < 1.8
     assert "below the floor 1.80" in caplog.text
+    warning = report["acceptance_floor_warning"]  # in the metrics line too: the launcher prints it
+    assert "acceptance length 1.50 under policy version 8 is below the floor 1.80" in warning, warning
     relay.on_chunk(chunk(4, 8, 25, 10))
     report = relay.report(floor=1.8)  # only what arrived since the last report
     assert report["acceptance_by_version"] == [
         {"drafter_version": 4, "policy_version": 8, "acceptance_length": 3.5, "draft_steps": 10}]
-    assert report["acceptance_below_floor"] is False
+    assert report["acceptance_below_floor"] is False and report["acceptance_floor_warning"] is None
 
 
 async def test_a_drafter_trainer_for_another_model_exits_with_a_clear_error(model, tmp_path):
@@ -345,7 +368,7 @@ async def test_a_drafter_trainer_for_another_model_exits_with_a_clear_error(mode
     config = run_config(other, tmp_path / "run")
     target = CausalLM(load_checkpoint(str(model)).config)
     target.load_weights(load_checkpoint(str(model)).weights)
-    async with RolloutClient(heartbeat_timeout_s=20.0) as client:
+    async with RolloutClient(heartbeat_timeout_s=HANG_S) as client:
         await client.publish_weights(dict(target.hf_weights()), version=1, dtype="float32")
         with drafter_process(client.endpoint, config, tmp_path / "drafter.log") as drafter:
             await wait_until(lambda: drafter.poll() is not None, 60, "the drafter trainer to exit")
@@ -369,6 +392,51 @@ def test_a_resumed_run_warm_starts_from_the_drafter_it_saved(model, tmp_path, ca
                             head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, feature_layers=(1,), draft_vocab_size=64,
                             target_num_layers=2)
     EagleHead.init(other_cfg, torch.arange(64)).save(other)
-    config = RunConfig(run_dir=str(tmp_path / "other_run"), model=ModelSection(name=str(model)))
+    config = RunConfig(run_dir=str(tmp_path / "other_run"), model=ModelSection(name=str(model)),
+                       drafter=DrafterConfig(draft_vocab_size=64))
     assert build_learner(config).head is None
     assert "starting cold" in caplog.text
+
+
+def test_a_cold_start_draft_vocabulary_above_the_models_is_refused_not_capped(model, tmp_path, capsys):
+    """``specroll drafter serve`` refuses what ``specroll launch`` refuses, naming the value and the limit."""
+    from specroll.actors.drafter_trainer.actor import build_learner
+    from specroll.actors.drafter_trainer.cli import serve
+    from specroll.drafter.eagle_head import DrafterError
+
+    config = RunConfig(run_dir=str(tmp_path), model=ModelSection(name=str(model)),
+                       drafter=DrafterConfig(draft_vocab_size=321))  # the tiny model has 320 tokens
+    with pytest.raises(DrafterError, match=r"drafter.draft_vocab_size=321 exceeds the vocabulary of .* \(320 "
+                                           r"tokens\); expected at most 320"):
+        build_learner(config)
+    assert serve(config, "tcp://127.0.0.1:9") == 2  # before connecting: nothing waits for a trainer
+    err = capsys.readouterr().err
+    assert "specroll drafter serve: error: drafter.draft_vocab_size=321" in err, err
+    assert build_learner(msgspec.structs.replace(config, drafter=DrafterConfig(draft_vocab_size=320))).head is None
+
+
+def test_drafter_kv_cache_too_small_for_one_request_is_refused_at_start(model):
+    """A generator drafting with ``eagle`` refuses a ``drafter.kv_cache_gb`` that cannot hold one
+    request's head K/V (else every request would go undrafted, silently): at start, and when a
+    drafter version of a new shape arrives."""
+    from specroll.actors.config import GeneratorConfig
+    from specroll.actors.generator.drafter_swap import DrafterSlot, ReadyDrafter
+    from specroll.actors.generator.engine_build import build_engine
+    from specroll.drafter.eagle_head import DrafterError
+
+    def config(kv_cache_gb: float) -> RunConfig:
+        engine = EngineConfig(kv_cache_memory_gb=0.01, dtype="float32", page_size=16, max_model_len=256)
+        return RunConfig(model=ModelSection(name=str(model)), generator=GeneratorConfig(
+            speculative="eagle", engine=engine), drafter=DrafterConfig(enabled=True, kv_cache_gb=kv_cache_gb))
+
+    # one layer, 2 KV heads x 16, float32: 256 bytes a position; 256 + 3 draft positions = 17 pages = 69632 bytes
+    with pytest.raises(DrafterError, match=r"^drafter.kv_cache_gb=1e-05 holds the drafter's K/V for 32 positions, "
+                                           r"fewer than one request needs: 256 tokens .* = 259; expected "
+                                           r"drafter.kv_cache_gb >= 6.5e-05"):
+        build_engine(config(1e-5))
+    engine, counter = build_engine(config(6.5e-5))  # the least it names is enough
+    assert counter is None  # a cold start: the first version arrives from the drafter trainer
+    head = EagleHead.init(EagleConfig.for_target(engine.model_config, (2,), 64), torch.arange(64))
+    ack = DrafterSlot(engine, None, kv_cache_memory_gb=1e-5).swap(ReadyDrafter(1, "c" * 64, head))
+    assert "drafter.kv_cache_gb=1e-05" in ack.refused, ack
+    assert not DrafterSlot(engine, None, kv_cache_memory_gb=6.5e-5).swap(ReadyDrafter(1, "c" * 64, head)).refused

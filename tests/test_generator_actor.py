@@ -55,6 +55,12 @@ pytestmark = pytest.mark.anyio
 
 PEER = b"gen-0"
 KV_GB = 0.02
+HANG_S = 60
+"""Longest wait for one message: only a hang guard, never what a test checks."""
+LONG_CONTEXT = 4096
+"""Positions of the models whose rollouts must still be running when the test acts (an ``Abort``, a
+weight update): their budgets are thousands of tokens, far more than a generator makes while a
+starved test process is late, so the action always lands mid-rollout; the test then aborts them."""
 TOKEN_A, TOKEN_B = 100, 200
 """Under weights A greedy decoding emits only TOKEN_A; under weights B only TOKEN_B."""
 
@@ -94,11 +100,11 @@ class FakeTrainer:
             else:
                 self._send.send_nowait(r.msg)
 
-    async def next(self, timeout: float = 30) -> Any:
+    async def next(self, timeout: float = HANG_S) -> Any:
         with anyio.fail_after(timeout):
             return await self._recv.receive()
 
-    async def expect(self, kind: type, timeout: float = 30) -> Any:
+    async def expect(self, kind: type, timeout: float = HANG_S) -> Any:
         msg = await self.next(timeout)
         assert isinstance(msg, kind), f"expected {kind.__name__}, got {msg!r:.300}"
         return msg
@@ -106,16 +112,18 @@ class FakeTrainer:
     async def send(self, msg: Any, tensors: list[torch.Tensor] | None = None) -> None:
         await self.channel.send(msg, peer=PEER, tensors=tensors or ())
 
-    async def next_heartbeat(self, timeout: float = 10) -> Heartbeat:
-        """The first heartbeat that arrives from now on."""
+    async def next_heartbeat(self, count: int = 1, timeout: float = HANG_S) -> Heartbeat:
+        """The ``count``-th heartbeat that arrives from now on. The generator sleeps ``--heartbeat-s``
+        between two, so ``count`` of them span at least ``count - 1`` intervals of its own running
+        time, however late this process reads them."""
         seen = len(self.heartbeats)
         with anyio.fail_after(timeout):
-            while len(self.heartbeats) == seen:
+            while len(self.heartbeats) < seen + count:
                 await anyio.sleep(0.02)
-        return self.heartbeats[-1]
+        return self.heartbeats[seen + count - 1]
 
     async def handshake(self) -> Hello:
-        hello = await self.expect(Hello, timeout=60)
+        hello = await self.expect(Hello)
         assert (hello.role, hello.protocol_version, hello.actor_id) == ("generator", PROTOCOL_VERSION, "gen-0")
         await self.send(Welcome(protocol_version=PROTOCOL_VERSION, actor_id="trainer"))
         return hello
@@ -142,7 +150,7 @@ def generator_process(endpoint: str, model: Path, log: Path, *extra: str) -> Ite
         yield proc
 
 
-async def wait_exit(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
+async def wait_exit(proc: subprocess.Popen[bytes], timeout: float = HANG_S) -> int:
     return await anyio.to_thread.run_sync(proc.wait, timeout)
 
 
@@ -252,9 +260,9 @@ def reveal_weights(path: Path) -> dict[str, torch.Tensor]:
 async def test_version_attribution_across_a_weight_update(tmp_path: Path, kv_policy: str) -> None:
     model = tmp_path / "reveal"
     model.mkdir()
-    write_tiny_checkpoint(model, "llama", tie_word_embeddings=False)
+    write_tiny_checkpoint(model, "llama", tie_word_embeddings=False, max_position_embeddings=LONG_CONTEXT)
     weights_b = reveal_weights(model)
-    sampling = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    sampling = SamplingParams(temperature=0.0, max_tokens=LONG_CONTEXT - 8, ignore_eos=True)
     params = [TensorSpec(name=n, shape=tuple(t.shape)) for n, t in weights_b.items()]
 
     async with fake_trainer() as trainer:
@@ -275,17 +283,25 @@ async def test_version_attribution_across_a_weight_update(tmp_path: Path, kv_pol
             while not isinstance(seen[-1], AckWeights):
                 assert isinstance(seen[-1], RolloutChunk), seen[-1]
                 seen.append(await trainer.next())
+            acked = len(seen)
+
+            def sampled_after_update(i: int) -> bool:
+                return any(c.sample_index == i and 1 in c.versions for c in seen[acked:])
+
+            while not (sampled_after_update(0) and sampled_after_update(1)):  # then stop the long rollout
+                seen.append(await trainer.expect(RolloutChunk))
+            await trainer.send(Abort(group_id="g"))
             others: list[Any] = []
             got = await collect(trainer, "g", {0, 1}, others=others, prior=seen)
             assert [type(m) for m in others] == [FetchWeights, AckWeights], others
-            assert seen[-1].version == 1
-            sent_before_ack = {id(m) for m in seen[:-1]}
+            assert seen[acked - 1].version == 1
+            sent_before_ack = {id(m) for m in seen[:acked - 1]}
 
         for i in (0, 1):
             chunks = got[i]
             assert [c.offset for c in chunks] == [sum(len(c.token_ids) for c in chunks[:j]) for j in range(len(chunks))]
             tokens, versions = joined(chunks)
-            assert len(tokens) == sampling.max_tokens and chunks[-1].finish_reason == "length"
+            assert 0 < len(tokens) < sampling.max_tokens and chunks[-1].finish_reason == "abort"
             # Each token's version is that of the weights that produced it: A ⇔ version 0, B ⇔ version 1.
             assert [{0: TOKEN_A, 1: TOKEN_B}[v] for v in versions] == tokens
             assert versions == sorted(versions) and set(versions) == {0, 1}, "both versions within one rollout"
@@ -337,8 +353,8 @@ async def test_a_newer_version_supersedes_an_unfinished_fetch(tmp_path: Path, ti
 
 
 async def test_abort_mid_generation_then_sigterm(tiny_checkpoint, tmp_path: Path) -> None:
-    model = tiny_checkpoint("llama")
-    sampling = SamplingParams(temperature=1.0, max_tokens=400, ignore_eos=True, seed=3)
+    model = tiny_checkpoint("llama", max_position_embeddings=LONG_CONTEXT)
+    sampling = SamplingParams(temperature=1.0, max_tokens=LONG_CONTEXT - 8, ignore_eos=True, seed=3)
     async with fake_trainer() as trainer:
         with generator_process(trainer.endpoint, model, tmp_path / "gen.log", "--stream-every", "1") as proc:
             await trainer.handshake()
@@ -418,9 +434,12 @@ async def test_exits_nonzero_when_the_trainer_goes_away(tiny_checkpoint, tmp_pat
     log = tmp_path / "gen.log"
     with contextlib.ExitStack() as stack:
         async with fake_trainer() as trainer:
-            proc = stack.enter_context(generator_process(trainer.endpoint, model, log, "--trainer-timeout-s", "1.5"))
+            proc = stack.enter_context(generator_process(trainer.endpoint, model, log, "--trainer-timeout-s", "1.5",
+                                                         "--reconnect-timeout-s", "1.5"))
             await trainer.handshake()
-            await anyio.sleep(3)  # idle but connected: the trainer is alive, the generator stays
+            # idle but connected for longer than --trainer-timeout-s (plus a watchdog check) of the
+            # generator's own running time: the trainer is alive, the generator stays
+            await trainer.next_heartbeat(count=12)  # >= 11 x 0.2 s = 2.2 s > 1.5 s + 0.375 s
             assert proc.poll() is None
         assert await wait_exit(proc) == 3
     assert "no connection to and no message from the trainer" in log.read_text()
@@ -435,6 +454,8 @@ async def test_exits_zero_after_a_trainer_that_said_dead(tiny_checkpoint, tmp_pa
             proc = stack.enter_context(generator_process(trainer.endpoint, model, log, "--trainer-timeout-s", "1.5"))
             await trainer.handshake()
             await trainer.send(Dead(actor_id="trainer", reason="finished"))
-            await anyio.sleep(0.3)
+            with anyio.fail_after(HANG_S):  # it read the Dead before the connection closes (linger 0)
+                while "the trainer (trainer) is exiting (finished)" not in log.read_text():
+                    await anyio.sleep(0.05)
         assert await wait_exit(proc) == 0
     assert "the trainer ended and did not come back" in log.read_text()

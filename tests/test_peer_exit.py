@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+TIMEOUT_S = 120
+"""A hang guard for a process that normally ends within two seconds (importing torch on a loaded machine)."""
 PROCESS = """
 import logging, os, signal, sys, time
 from specroll.actors.peer.exit import run_stoppable
@@ -17,7 +19,7 @@ before = signal.getsignal({signum})
 
 def loading_the_model():
     os.kill(os.getpid(), {signum})  # the launcher stops the run while the model loads
-    time.sleep(30)                  # interrupted at once by the handler
+    time.sleep(600)                 # interrupted at once by the handler (else the run times out)
     return 7
 
 code = run_stoppable(loading_the_model, logging.getLogger("specroll.generator"), "generator", "g-1")
@@ -29,7 +31,7 @@ sys.exit(code)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_while_starting_ends_the_process_with_code_0(signum: int) -> None:
     proc = subprocess.run([sys.executable, "-c", PROCESS.format(signum=int(signum))], capture_output=True,
-                          text=True, timeout=25)
+                          text=True, timeout=TIMEOUT_S)
     name = signal.Signals(signum).name
     assert proc.returncode == 0, proc.stderr
     assert f"generator g-1 exits with code 0: received {name} while starting" in proc.stderr, proc.stderr
@@ -38,4 +40,4 @@ def test_a_signal_while_starting_ends_the_process_with_code_0(signum: int) -> No
 def test_the_run_s_own_code_passes_through() -> None:
     code = "from specroll.actors.peer.exit import run_stoppable; import logging, sys; " \
            "sys.exit(run_stoppable(lambda: 3, logging.getLogger('x'), 'generator', 'g-1'))"
-    assert subprocess.run([sys.executable, "-c", code], timeout=25).returncode == 3
+    assert subprocess.run([sys.executable, "-c", code], timeout=TIMEOUT_S).returncode == 3

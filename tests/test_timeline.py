@@ -24,7 +24,7 @@ def test_the_client_records_loads_finished_groups_and_policy_versions(tiny_check
     model = tiny_checkpoint("llama")
     timeline = Timeline(tmp_path / "timeline.jsonl")
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    with SyncRolloutClient(heartbeat_timeout_s=10, timeline=timeline) as client, \
+    with SyncRolloutClient(heartbeat_timeout_s=60, timeline=timeline) as client, \
             generator_process(client.endpoint, model, tmp_path / "gen.log", "--max-num-seqs", "6", actor_id="gen-0"):
         client.wait_for_generators(1, timeout=60)
         group_id = client.submit([5, 6, 7], 2, greedy)

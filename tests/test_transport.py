@@ -19,6 +19,10 @@ from specroll.protocol.sockets import close_socket, last_endpoint, make_socket
 
 pytestmark = pytest.mark.anyio
 
+HANG_S = 60
+"""Longest wait for what loopback delivers in milliseconds: a hang guard only. The two short waits
+below check that a send *stays* blocked without credit, which no delay can make untrue."""
+
 
 @pytest.fixture
 def anyio_backend() -> str:
@@ -62,7 +66,7 @@ async def test_sequence_numbers_in_order():
                 seqs.append(await gen.send(chunk(i)))
 
         tg.start_soon(produce)
-        with anyio.fail_after(10):
+        with anyio.fail_after(HANG_S):
             got = [await trainer.recv() for _ in range(200)]
         assert seqs == list(range(200))
         assert [r.seq for r in got] == list(range(200))
@@ -79,7 +83,7 @@ async def test_gap_and_duplicate_are_reported_not_hidden():
         beat = Heartbeat(policy_version=0, batch_size=0, free_groups=0, free_seqs=0)
         await dealer.send_multipart(encode(beat, session=7, seq=8))  # a control message: "8 data messages before me"
         await dealer.send_multipart([b"\xc1garbage"])
-        with anyio.fail_after(10):
+        with anyio.fail_after(HANG_S):
             assert [(await trainer.recv()).seq for _ in range(2)] == [0, 1]
             with pytest.raises(SequenceError, match=r"seq 3, expected 2 \(gap: messages 2..2 never arrived\)") as gap:
                 await trainer.recv()
@@ -99,7 +103,7 @@ async def test_credit_blocks_a_sender_beyond_its_window_and_resumes_on_credit():
     window = 4
     async with loopback(window=window) as (trainer, gen, _), anyio.create_task_group() as tg:
         tg.start_soon(drain, gen, [])
-        with anyio.fail_after(10):
+        with anyio.fail_after(HANG_S):
             for i in range(window):  # the initial window goes out without any credit
                 await gen.send(chunk(i))
         assert not gen.can_send()
@@ -117,7 +121,7 @@ async def test_credit_blocks_a_sender_beyond_its_window_and_resumes_on_credit():
         tg.start_soon(send_next)
         await anyio.sleep(0.2)
         assert not sent.is_set()
-        with anyio.fail_after(10):
+        with anyio.fail_after(HANG_S):
             assert (await trainer.recv()).seq == 0  # consuming grants credit: limit = 1 + window
             await sent.wait()
             got = [(await trainer.recv()).msg for _ in range(window + 1)]
@@ -139,7 +143,7 @@ async def test_slow_trainer_with_small_hwm_gets_every_message():
         tg.start_soon(produce)
         got = []
         in_flight = []  # chunks the producer sent that the trainer has not consumed yet
-        with anyio.fail_after(30):
+        with anyio.fail_after(HANG_S):
             for i in range(n):
                 if i % 10 == 0:
                     await anyio.sleep(0.01)  # a slow consumer
@@ -153,7 +157,7 @@ async def test_slow_trainer_with_small_hwm_gets_every_message():
 
 async def test_weights_travel_as_frames_to_a_peer():
     async with loopback() as (trainer, gen, _):
-        with anyio.fail_after(10):
+        with anyio.fail_after(HANG_S):
             await gen.send(Heartbeat(policy_version=0, batch_size=0, free_groups=1, free_seqs=8))
             hello = await trainer.recv()  # the trainer learns the generator's identity
             w = {"embed": torch.randn(16, 8).to(torch.bfloat16), "norm": torch.ones(8)}
@@ -167,7 +171,7 @@ async def test_weights_travel_as_frames_to_a_peer():
 
 async def test_restarted_peer_is_flagged_not_reported_as_duplicate():
     async with loopback(window=4) as (trainer, gen, dealer):
-        with anyio.fail_after(10):
+        with anyio.fail_after(HANG_S):
             for i in range(3):
                 await gen.send(chunk(i))
             assert [(await trainer.recv()).first for _ in range(3)] == [True, False, False]

@@ -61,6 +61,9 @@ class Received(Generic[M]):
     """Name → writable CPU tensor, for messages with a ``tensors`` field."""
     first: bool
     """First message seen from this peer session: a new peer, or a known one that restarted."""
+    fd: int | None = None
+    """On a ROUTER, the file descriptor of the connection it came through (ZeroMQ's ``SRCFD``), which
+    the socket monitor's ``EVENT_DISCONNECTED`` names when that connection closes; None when unknown."""
 
 
 class SequenceError(ProtocolError):
@@ -185,6 +188,30 @@ class Channel(Generic[M]):
         await self.socket.send_multipart([key, *frames] if self.router else frames, copy=False)
         return seq
 
+    async def send_control_now(self, msg: Any, *, peer: bytes | None = None) -> bool:
+        """Send control message ``msg`` (e.g. a last ``Dead``) only if the socket takes it at once;
+        never waits. Returns False when it did not: the peer's queue is full (it does not read) or,
+        on a ROUTER, the peer is not connected.
+
+        Raises:
+            ValueError: ``msg`` is not a control message; no ``peer`` on a ROUTER channel.
+        """
+        if not isinstance(msg, CONTROL_MESSAGES):
+            raise ValueError(f"{type(msg).__name__} is a data message: it waits for credit (use send)")
+        key = self._key(peer)
+        st = self._state(key)
+        frames = encode(msg, session=st.out_session, seq=st.next_seq)
+        try:
+            await self.socket.send_multipart([key, *frames] if self.router else frames, flags=zmq.DONTWAIT,
+                                             copy=False)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            return False
+        return True
+
     async def recv(self) -> Received[M]:
         """The next message from any peer, in each peer's order; credit grants are consumed here.
 
@@ -209,7 +236,7 @@ class Channel(Generic[M]):
                 if st.session is not None:  # the peer restarted: it holds none of our messages
                     st.raise_limit(st.next_seq + self.window)
                 st.session, st.expected, st.granted = d.session, d.seq, 0
-            received: Received[M] = Received(peer, d.seq, d.msg, d.tensors, first)
+            received: Received[M] = Received(peer, d.seq, d.msg, d.tensors, first, _source_fd(frames[0]))
             expected = st.expected
             control = isinstance(d.msg, CONTROL_MESSAGES)
             # A control message is not numbered (credit never begets credit) but follows every message below its seq.
@@ -247,3 +274,12 @@ class Channel(Generic[M]):
                 raise
             return  # the peer disconnected: nothing to grant to
         st.granted = limit
+
+
+def _source_fd(frame: zmq.Frame) -> int | None:
+    """The file descriptor of the connection ``frame`` arrived on, or None (inproc, or unsupported)."""
+    try:
+        fd = frame.get(zmq.SRCFD)
+    except (zmq.ZMQError, AttributeError):
+        return None
+    return fd if isinstance(fd, int) and fd >= 0 else None

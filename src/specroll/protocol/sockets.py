@@ -60,7 +60,9 @@ def make_socket(
     """Create a socket of ``ctx`` (sync or ``zmq.asyncio``), set its options, bind or connect it.
 
     Options: ``ROUTER_MANDATORY`` on ROUTERs (a message to an unknown peer raises
-    ``EHOSTUNREACH`` instead of vanishing, and a full peer makes the send wait); ``SNDHWM`` and
+    ``EHOSTUNREACH`` instead of vanishing, and a full peer makes the send wait) and
+    ``ROUTER_HANDOVER`` (a restarted peer that connects under its old id takes the route over even
+    while its dead connection has not been dropped yet; ids are names, not credentials); ``SNDHWM`` and
     ``RCVHWM`` = ``hwm`` messages; ``LINGER`` = ``linger_ms`` (0: close drops unsent messages; use a
     short linger, or :func:`close_socket`, only for the final ``Dead`` notice); TCP keepalive and
     ZMTP heartbeats, so a dead peer's connection is dropped; ``IMMEDIATE`` on connecting DEALER/PUSH
@@ -100,6 +102,7 @@ def make_socket(
         sock.setsockopt(zmq.HEARTBEAT_TTL, heartbeat_timeout_ms)
         if kind == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if identity is not None:
             sock.setsockopt(zmq.ROUTING_ID, identity)
         if "://[" in (bind or connect or ""):

@@ -38,13 +38,14 @@ import torch
 from specroll.actors.config import RunConfig
 from specroll.actors.exit_codes import EXIT_REFUSED
 from specroll.actors.peer.lifecycle import PeerConnection, trainer_channel
-from specroll.actors.peer.weights_fetch import FetchAbandoned, WeightsFetch
+from specroll.actors.peer.weights_fetch import FetchAbandoned, WeightsFetch, check_announcement
 from specroll.drafter.eagle_head import DrafterError, EagleHead
 from specroll.drafter.learner import DrafterLearner, DrafterSnapshot
 from specroll.engine.checkpoint import load_checkpoint
 from specroll.engine.model import CausalLM
 from specroll.protocol.channel import Channel, Received
 from specroll.protocol.codec import pack_tensors
+from specroll.protocol.limits import MAX_GROUP_SIZE, MAX_VERSION, LimitExceeded, check_at_most
 from specroll.protocol.messages import (
     AckWeights,
     Capacity,
@@ -97,6 +98,9 @@ class DrafterActor:
         self.drafter = config.drafter
         self.learner = learner
         self.capacity = Capacity(live_seqs=0, max_seqs=0)
+        self._first_capacity = anyio.Event()
+        """Set by the trainer's first ``Capacity``: it follows the drafter version the trainer announces
+        to a joining drafter trainer, so a warm start is numbered above it only after this."""
         """The last load the trainer reported."""
         self.train_s = 0.0
         """Seconds spent in training steps."""
@@ -107,9 +111,12 @@ class DrafterActor:
         """A complete policy version, not yet in the learner."""
         self._fetch: WeightsFetch | None = None
         self._announced: WeightsAvailable | None = None
+        self._weight_shapes = {name: tuple(t.shape) for name, t in learner.target.hf_weights().items()}
+        """The target's parameters: what a policy version must hold."""
         self.peer: PeerConnection[ToDrafter] = PeerConnection(
             channel, role="drafter", name="drafter trainer", actor_id=actor_id, endpoint=connect,
             heartbeat_s=config.generator.heartbeat_s, trainer_timeout_s=config.network.heartbeat_timeout_s,
+            reconnect_timeout_s=config.network.reconnect_s(),
             linger_s=self.drafter.linger_s, log=log)
 
     async def run(self) -> int:
@@ -132,17 +139,28 @@ class DrafterActor:
     def flush(self) -> None:
         """Nothing to flush: the training loop never ends by itself (a stop cancels it)."""
 
+    def on_new_trainer(self) -> None:
+        """A restarted trainer numbers its own policy versions and never answers the old incarnation's
+        fetch: forget the fetch, the announcement and a version not yet in the learner (rollouts stay)."""
+        self._announced, self._fetch, self._policy = None, None, None
+
     async def on_message(self, r: Received[ToDrafter]) -> None:
         """Queue rollouts and the policy for the learner (between steps); track load and versions."""
         msg = r.msg
         match msg:
             case FinishedRollouts():
+                try:
+                    self._check_rollouts(msg)
+                except LimitExceeded as e:
+                    await self.peer.refuse("bad_request", str(e), r.seq)
+                    return
                 for ro in msg.rollouts:
                     if ro.token_ids and ro.prompt_token_ids:
                         self._rollouts.append((ro.prompt_token_ids + ro.token_ids, len(ro.prompt_token_ids),
                                                ro.policy_version))
                 self.peer.wake.notify()
             case Capacity():
+                self._first_capacity.set()
                 self.capacity = msg
                 self.peer.wake.notify()
             case WeightsAvailable():
@@ -150,11 +168,21 @@ class DrafterActor:
                 if problem is not None:
                     self.stop(EXIT_REFUSED, problem)
                     return
+                try:
+                    check_announcement(msg, self._weight_shapes)
+                except LimitExceeded as e:
+                    await self.peer.refuse("bad_request", str(e), r.seq)
+                    return
                 self._announced = msg
                 self._maybe_fetch()
             case WeightsChunk():
                 self._on_weights_chunk(msg, r.tensors)
             case DrafterAvailable():
+                try:
+                    check_at_most("DrafterAvailable.version", msg.version, MAX_VERSION, "protocol limit")
+                except LimitExceeded as e:
+                    await self.peer.refuse("bad_request", str(e), r.seq)
+                    return
                 if msg.version > self.learner.version:
                     log.info("drafter version %d is published; numbering ours above it", msg.version)
                     self.learner.version = msg.version
@@ -163,9 +191,23 @@ class DrafterActor:
             case _:
                 assert_never(msg)
 
+    def _check_rollouts(self, msg: FinishedRollouts) -> None:
+        """Bound a ``FinishedRollouts`` before anything of it is copied: at most a group's worth of
+        rollouts, each no longer than the target's context (its generator's context is at most that).
+
+        Raises:
+            LimitExceeded: naming the field, its value and the limit.
+        """
+        check_at_most("FinishedRollouts.len(rollouts)", len(msg.rollouts), MAX_GROUP_SIZE, "protocol limit")
+        context = self.learner.target.config.max_position_embeddings
+        for i, ro in enumerate(msg.rollouts):
+            check_at_most(f"FinishedRollouts.rollouts[{i}]: len(prompt_token_ids) + len(token_ids)",
+                          len(ro.prompt_token_ids) + len(ro.token_ids), context,
+                          "the target's context, max_position_embeddings")
+
     def _policy_mismatch(self, a: WeightsAvailable) -> str | None:
         """Why the announced policy cannot be this learner's target (another model), or ``None``."""
-        mine = {name: tuple(t.shape) for name, t in self.learner.target.hf_weights().items()}
+        mine = self._weight_shapes
         theirs = {p.name: tuple(p.shape) for p in a.params}
         if mine == theirs:
             return None
@@ -179,7 +221,7 @@ class DrafterActor:
         have = self._policy[0] if self._policy is not None else self.learner.policy_version
         if a is None or a.version <= have or (self._fetch is not None and self._fetch.version >= a.version):
             return
-        self._fetch = WeightsFetch.announced(a)
+        self._fetch = WeightsFetch.announced(a, self._weight_shapes)
         self.peer.put(FetchWeights(version=a.version))
 
     def _on_weights_chunk(self, msg: WeightsChunk, tensors: dict[str, torch.Tensor]) -> None:
@@ -210,8 +252,12 @@ class DrafterActor:
         return not c.pause and idle and pending >= (1 if self.learner.head else self.learner.config.min_rollouts)
 
     async def serve(self) -> None:
-        """Publish a warm start at once, then train whenever the schedule allows (until stopped)."""
+        """Publish a warm start once the trainer told us its drafter version (a restarted drafter
+        trainer numbers its versions above the published one), then train whenever the schedule
+        allows (until stopped)."""
         if self.learner.head is not None:
+            with anyio.move_on_after(self.peer.trainer_timeout_s):
+                await self._first_capacity.wait()
             await self._publish()
         while True:
             await self._apply_pending()
@@ -276,7 +322,9 @@ def build_learner(config: RunConfig) -> DrafterLearner:
 
     Raises:
         CheckpointError: the model cannot be loaded.
-        DrafterError: ``drafter.path`` holds no drafter, or one made for another model.
+        DrafterError: ``drafter.path`` holds no drafter, or one made for another model; or a cold
+            start's ``drafter.draft_vocab_size`` exceeds the model's vocabulary (as ``specroll launch``
+            refuses it).
     """
     d = config.drafter
     torch.set_num_threads(d.num_threads)
@@ -296,6 +344,10 @@ def build_learner(config: RunConfig) -> DrafterLearner:
             head = None
         else:
             log.info("warm start from %s (the last drafter this run saved)", saved)
+    vocab = checkpoint.config.vocab_size
+    if head is None and d.draft_vocab_size > vocab:  # a cold start: never cap it silently
+        raise DrafterError(f"drafter.draft_vocab_size={d.draft_vocab_size} exceeds the vocabulary of "
+                           f"{config.model.name} ({vocab} tokens); expected at most {vocab}")
     eos = sorted(set(checkpoint.tokenizer.eos_token_ids) | set(checkpoint.config.eos_token_ids))
     return DrafterLearner(model, d.learner_config(config.seed), head=head, eos_token_ids=eos)
 

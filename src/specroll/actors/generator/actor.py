@@ -47,11 +47,20 @@ from specroll.actors.generator.drafter_swap import DrafterFetch, DrafterSlot, Re
 from specroll.actors.generator.engine_build import build_engine
 from specroll.actors.generator.live_samples import LiveSamples, SampleRefused
 from specroll.actors.generator.rollout_stream import DraftCounter
+from specroll.actors.generator.submit_limits import SubmitLimits
 from specroll.actors.peer.lifecycle import PeerConnection, trainer_channel
-from specroll.actors.peer.weights_fetch import FetchAbandoned, WeightsFetch
+from specroll.actors.peer.weights_fetch import FetchAbandoned, WeightsFetch, check_announcement
 from specroll.drafter.eagle_head import DrafterError
 from specroll.engine.engine import Engine
+from specroll.engine.model_config import expected_weight_shapes
 from specroll.protocol.channel import Channel, Received
+from specroll.protocol.limits import (
+    MAX_DRAFTER_CONFIG_CHARS,
+    MAX_DRAFTER_TENSORS,
+    MAX_ID_CHARS,
+    LimitExceeded,
+    check_at_most,
+)
 from specroll.protocol.messages import (
     Abort,
     AckDrafter,
@@ -113,7 +122,8 @@ class GeneratorActor:
         self.peer: PeerConnection[ToGenerator] = PeerConnection(
             channel, role="generator", name="generator", actor_id=actor_id, endpoint=connect,
             heartbeat_s=self.gen.heartbeat_s, trainer_timeout_s=config.network.heartbeat_timeout_s,
-            linger_s=self.gen.linger_s, log=log, graceful_signals=True, reregister=True,
+            reconnect_timeout_s=config.network.reconnect_s(),
+            linger_s=self.gen.linger_s, log=log, graceful_signals=True,
             capabilities=("resume", "bf16-weights", *(("speculative",) if self.speculative != "off" else ())))
         self.drafter = DrafterSlot(engine, draft_counter, config.drafter.kv_cache_gb, self.gen.engine.seed)
         """The learned drafter served (``speculative="eagle"``) and its version."""
@@ -122,6 +132,10 @@ class GeneratorActor:
                                    self.speculative != "off")
         self._inbox: deque[SubmitGroup | Abort | _ApplyWeights | ReadyDrafter] = deque()
         """Engine work for the step loop, in arrival order."""
+        self.limits = SubmitLimits.of(engine, self.gen.engine.max_num_seqs)
+        """What a ``SubmitGroup`` may ask of this engine (checked before it is queued)."""
+        self._weight_shapes = expected_weight_shapes(engine.model_config)
+        """The model's parameters: what a policy version may hold."""
         self._announced: WeightsAvailable | None = None
         self._fetch: WeightsFetch | None = None
         self._largest_group = 1
@@ -155,6 +169,15 @@ class GeneratorActor:
             self._last_stats = time.monotonic()
             self.peer.put(self._stats())
 
+    def on_new_trainer(self) -> None:
+        """A restarted trainer numbers its own policy and drafter versions and never answers the old
+        incarnation's fetches: forget those fetches and announcements, and drop the complete versions
+        not yet applied (a new trainer may publish other weights under the same number). Live and
+        queued groups stay: the new trainer aborts each as foreign at its first chunk."""
+        self._announced, self._fetch = None, None
+        self._drafter_fetch = DrafterFetch()
+        self._inbox = deque(op for op in self._inbox if not isinstance(op, _ApplyWeights | ReadyDrafter))
+
     def flush(self) -> None:
         """A graceful stop: chunks of what was emitted, and the last ``Stats``."""
         self.samples.flush()
@@ -173,8 +196,15 @@ class GeneratorActor:
     # ---- receiving --------------------------------------------------------------------------
 
     async def on_message(self, r: Received[ToGenerator]) -> None:
-        """Queue engine work for the step loop; fetch announced weights and drafters."""
+        """Queue engine work for the step loop; fetch announced weights and drafters. Every count
+        and size a message carries is bounded first (``submit_limits.py``, ``check_announcement``):
+        one over its bound is answered with an ``Error`` and nothing is queued or fetched."""
         msg = r.msg
+        try:
+            self._check_limits(msg)
+        except LimitExceeded as e:
+            await self.peer.refuse("bad_request", str(e), r.seq)
+            return
         match msg:
             case SubmitGroup() | Abort():
                 if not self.peer.welcomed:
@@ -207,12 +237,26 @@ class GeneratorActor:
             case _:
                 assert_never(msg)
 
+    def _check_limits(self, msg: ToGenerator) -> None:
+        """Bound what ``msg`` asks for by this generator's engine and model, before any work.
+
+        Raises:
+            LimitExceeded: naming the field, its value and the limit.
+        """
+        match msg:
+            case SubmitGroup() | Abort():
+                self.limits.check(msg)
+            case WeightsAvailable():
+                check_announcement(msg, self._weight_shapes)
+            case _:
+                pass  # a drafter version is bounded where it is fetched; nothing else asks for work by a number
+
     def _maybe_fetch(self) -> None:
         """Fetch the newest announced version when it is newer than what is served or fetched."""
         a = self._announced
         if a is None or self._fetch is not None or a.version <= self.engine.weight_version:
             return
-        self._fetch = WeightsFetch.announced(a)
+        self._fetch = WeightsFetch.announced(a, self._weight_shapes)
         log.info("fetching policy version %d (%d chunks)", a.version, a.num_chunks)
         self.peer.put(FetchWeights(version=a.version))
 
@@ -230,6 +274,14 @@ class GeneratorActor:
                 return
             await self.peer.refuse("bad_request", f"drafter version {msg.version} was not fetched "
                                f"(fetching {self._drafter_fetch.fetching or None})", r.seq)
+            return
+        try:
+            check_at_most("DrafterWeights.len(tensors)", len(msg.tensors), MAX_DRAFTER_TENSORS, "protocol limit")
+            check_at_most("DrafterWeights.len(config)", len(msg.config), MAX_DRAFTER_CONFIG_CHARS, "protocol limit")
+            check_at_most("DrafterWeights.len(checksum)", len(msg.checksum), MAX_ID_CHARS, "protocol limit")
+        except LimitExceeded as e:
+            await self.peer.refuse("bad_request", str(e), r.seq)
+            self._drafter_fetch.refused(self.drafter.version)  # wait for a newer announcement
             return
         try:
             ready = await anyio.to_thread.run_sync(check_drafter, msg, r.tensors, self.engine)

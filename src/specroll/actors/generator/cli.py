@@ -38,6 +38,7 @@ FLAG_KEYS: dict[str, str] = {
     "kv_policy": "generator.kv_policy",
     "seed": "generator.engine.seed",
     "trainer_timeout_s": "network.heartbeat_timeout_s",
+    "reconnect_timeout_s": "network.reconnect_timeout_s",
     "linger_s": "generator.linger_s",
     "kv_cache_gb": "generator.engine.kv_cache_memory_gb",
     "max_model_len": "generator.engine.max_model_len",
@@ -99,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help=default(FLAG_KEYS["seed"]))
     p.add_argument("--trainer-timeout-s", type=float, default=None,
                    help=f"{default(FLAG_KEYS['trainer_timeout_s'])}; without --config: 60")
+    p.add_argument("--reconnect-timeout-s", type=float, default=None,
+                   help=f"seconds to wait for a trainer that vanished without saying it exits "
+                        f"{default(FLAG_KEYS['reconnect_timeout_s'])}; default: max(60, the trainer timeout)")
     p.add_argument("--linger-s", type=float, default=None, help=default(FLAG_KEYS["linger_s"]))
     p.add_argument("--kv-cache-gb", type=float, default=None, help=default(FLAG_KEYS["kv_cache_gb"]))
     p.add_argument("--max-model-len", type=int, default=None, help="context cap (default: the checkpoint's)")

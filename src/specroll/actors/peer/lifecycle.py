@@ -11,7 +11,8 @@ trainer; what differs between them is a :class:`PeerRole`.
   the trainer's credit;
 * **tick** — a :meth:`PeerRole.heartbeat` every ``heartbeat_s`` (then :meth:`PeerRole.on_tick`);
 * **watchdog** and **connection monitor** (:class:`TrainerLiveness`): exit 3 when the trainer is
-  unreachable for ``trainer_timeout_s``, exit 0 when it said ``Dead`` and did not come back;
+  unreachable for ``reconnect_timeout_s``, exit 0 when it said ``Dead`` and did not come back
+  within ``trainer_timeout_s``;
 * **signals** — SIGTERM/SIGINT: with ``graceful_signals`` the first lets the role's main loop end
   (and the outbox flush, at most ``linger_s``), a second stops at once; without, the first stops at once.
 
@@ -19,6 +20,19 @@ Handshake: ``Hello`` → ``Welcome`` (same protocol version: the role's main loo
 :meth:`PeerRole.serve`, starts) | ``Refuse`` (exit 2) | nothing within ``trainer_timeout_s`` (exit 3).
 Whatever ends the actor, the trainer is told why with ``Dead`` (:func:`report_exit`) and the first
 reason given decides the exit code (:mod:`specroll.actors.exit_codes`).
+
+A new trainer on the same endpoint (restarted on its run directory) knows nothing of this peer, so
+the peer registers again. After the trainer's ``Dead`` it answers ``Hello`` at once (which tells the
+exiting trainer that its ``Dead`` was read: it may close now) and again as the first thing the next
+connection carries; after a trainer that died without ``Dead``, the sign is the new trainer's
+``unknown_peer`` answer to what reached it, as from a trainer that forgot this peer (a new trainer
+session alone is not: a trainer sending from stray sessions is refused, not re-registered with).
+Either way the peer is no longer welcomed: it drops its outbox (nothing in it is
+for the new trainer) and starts its stream over (a fresh credit window), sends no heartbeat and
+queues nothing but ``Hello`` until the next ``Welcome``, which it takes as the new trainer's; the role
+drops what it held of the old incarnation (:meth:`PeerRole.on_new_trainer`). Groups still live here
+are the old trainer's: the new one aborts each when its first chunk arrives
+(``actors/trainer/foreign_groups.py``).
 """
 
 from __future__ import annotations
@@ -88,6 +102,11 @@ class PeerRole(Protocol[M]):
         """Called after each heartbeat (periodic reports)."""
         ...
 
+    def on_new_trainer(self) -> None:
+        """The trainer restarted or forgot this peer: drop what belongs to its old incarnation (transfers
+        under way, announced versions: a new trainer numbers its own), before the new ``Hello``."""
+        ...
+
 
 class PeerConnection(Generic[M]):
     """One peer actor's connection to the trainer and its lifecycle (module docstring).
@@ -99,26 +118,29 @@ class PeerConnection(Generic[M]):
         actor_id: this process's id (``Hello``, ``Dead``, log lines).
         endpoint: the trainer's endpoint (log lines).
         heartbeat_s: seconds between heartbeats.
-        trainer_timeout_s: the handshake's limit and the trainer's liveness timeout, in seconds.
+        trainer_timeout_s: the handshake's limit and the time a trainer that said ``Dead`` has to
+            come back, in seconds.
+        reconnect_timeout_s: the time a trainer that vanished without ``Dead`` has to come back
+            (None: ``trainer_timeout_s``).
         linger_s: on a graceful stop, seconds to flush the outbox, then seconds to deliver ``Dead``.
         log: the actor's logger.
         capabilities: ``Hello.capabilities``.
         graceful_signals: the first SIGTERM/SIGINT ends the role's main loop (a second stops now);
             ``False``: the first stops now.
-        reregister: answer the trainer's ``unknown_peer`` error with a new ``Hello`` (the trainer
-            restarted and does not know us), at most once a second.
     """
 
     def __init__(self, channel: Channel[M], *, role: str, name: str, actor_id: str, endpoint: str,
                  heartbeat_s: float, trainer_timeout_s: float, linger_s: float, log: logging.Logger,
-                 capabilities: tuple[str, ...] = (), graceful_signals: bool = False, reregister: bool = False) -> None:
+                 capabilities: tuple[str, ...] = (), graceful_signals: bool = False,
+                 reconnect_timeout_s: float | None = None) -> None:
         self.channel = channel
         self.role, self.name, self.actor_id, self.endpoint = role, name, actor_id, endpoint
         self.heartbeat_s, self.trainer_timeout_s, self.linger_s = heartbeat_s, trainer_timeout_s, linger_s
         self.log = log
         self.capabilities = capabilities
-        self.graceful_signals, self.reregister = graceful_signals, reregister
-        self.trainer = TrainerLiveness(endpoint, trainer_timeout_s, log)
+        self.graceful_signals = graceful_signals
+        self.trainer = TrainerLiveness(endpoint, trainer_timeout_s, log, on_connected=self._on_connected,
+                                       reconnect_s=reconnect_timeout_s)
         self.wake = Wakeup()
         """The role's main loop waits on this; role dispatch and :meth:`stop` notify it."""
         self.outbox_changed = Wakeup()
@@ -126,9 +148,13 @@ class PeerConnection(Generic[M]):
         self.stopping = False
         """A stop was asked for: the role's main loop should end."""
         self._outbox: deque[tuple[object, Sequence[torch.Tensor]]] = deque()
-        self._sending = False
+        self._sending: anyio.CancelScope | None = None
+        """The send of the outbox's first message, while it is under way."""
         self._welcomed = anyio.Event()
         self._last_hello = 0.0
+        self._hello_on_connect = False
+        """The trainer said ``Dead``: a new connection is a new trainer, to greet with ``Hello``."""
+        self._role: PeerRole[M] | None = None
         self._exit: tuple[int, str] | None = None
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -149,7 +175,7 @@ class PeerConnection(Generic[M]):
         send ``Dead``; return the exit code (:mod:`specroll.actors.exit_codes`)."""
         try:
             async with anyio.create_task_group() as tg:
-                self._tg = tg
+                self._tg, self._role = tg, role
                 tg.start_soon(self._receive_loop, role)
                 tg.start_soon(self._send_loop)
                 tg.start_soon(self.trainer.watchdog, self._trainer_lost)
@@ -160,7 +186,7 @@ class PeerConnection(Generic[M]):
                 await role.serve()
                 with anyio.move_on_after(self.linger_s):  # graceful stop: flush what was produced
                     role.flush()
-                    while self._outbox or self._sending:
+                    while self._outbox or self._sending is not None:
                         await self.outbox_changed.wait()
                 tg.cancel_scope.cancel()
         except Exception as e:  # an internal failure: reported as the actor's death
@@ -179,11 +205,36 @@ class PeerConnection(Generic[M]):
         if not graceful and self._tg is not None:
             self._tg.cancel_scope.cancel()
 
+    def _register_again(self, why: str) -> None:
+        """The trainer restarted, is exiting or forgot us (module docstring): no longer welcomed, the
+        role's state of the old incarnation dropped; the outbox dropped (a send under way too: it may
+        wait for credit the old trainer will never grant) and our stream started over with a fresh
+        window (:meth:`Channel.forget`); then ``Hello``."""
+        if self.welcomed:
+            self.log.info("%s: registering again with the trainer at %s", why, self.endpoint)
+            self._welcomed = anyio.Event()
+            if self._role is not None:
+                self._role.on_new_trainer()
+        if self._sending is not None:
+            self._sending.cancel()
+        self._outbox.clear()
+        self.channel.forget()
+        self.outbox_changed.notify()
+        self._send_hello()
+
+    def _on_connected(self) -> None:
+        """A connection to the trainer's endpoint came up (the socket monitor): after the trainer's
+        ``Dead`` it is a new trainer, greeted with ``Hello`` unless one is queued already (it goes
+        out on this connection)."""
+        if self._hello_on_connect and not self.welcomed and not self._outbox:
+            self._send_hello()
+
     async def _handshake(self) -> None:
         self._send_hello()
+        welcomed = self._welcomed  # the first Welcome; a trainer's Dead right after it replaces the event
         with anyio.move_on_after(self.trainer_timeout_s):
-            await self._welcomed.wait()
-        if not self._welcomed.is_set():
+            await welcomed.wait()
+        if not welcomed.is_set():
             self.stop(EXIT_PEER_LOST, f"no Welcome from the trainer at {self.endpoint} within "
                       f"{self.trainer_timeout_s} s")
             await anyio.sleep_forever()
@@ -212,7 +263,11 @@ class PeerConnection(Generic[M]):
     # ---- sending ----------------------------------------------------------------------------
 
     def put(self, msg: object, tensors: Sequence[torch.Tensor] = ()) -> None:
-        """Queue ``msg`` (with the tensors its refs describe) for the trainer; never waits."""
+        """Queue ``msg`` (with the tensors its refs describe) for the trainer; never waits. Until the
+        trainer's ``Welcome`` only ``Hello`` is queued: a trainer that does not know us refuses the rest."""
+        if not self.welcomed and not isinstance(msg, Hello):
+            self.log.debug("not welcomed: %s dropped", type(msg).__name__)
+            return
         self._outbox.append((msg, tensors))
         self.outbox_changed.notify()
 
@@ -220,11 +275,12 @@ class PeerConnection(Generic[M]):
         while True:
             while not self._outbox:
                 await self.outbox_changed.wait()
-            self._sending = True
-            msg, tensors = self._outbox[0]
-            await self.channel.send(msg, tensors=tensors)  # waits for the trainer's credit
-            self._outbox.popleft()
-            self._sending = False
+            item = self._outbox[0]
+            with anyio.CancelScope() as self._sending:  # cancelled when the trainer changes
+                await self.channel.send(item[0], tensors=item[1])  # waits for the trainer's credit
+            self._sending = None
+            if self._outbox and self._outbox[0] is item:  # not dropped meanwhile
+                self._outbox.popleft()
             self.outbox_changed.notify()
 
     async def refuse(self, code: ErrorCode, message: str, seq: int | None = None) -> None:
@@ -237,6 +293,8 @@ class PeerConnection(Generic[M]):
     async def _tick(self, role: PeerRole[M]) -> None:
         while True:
             await anyio.sleep(self.heartbeat_s)
+            if not self.welcomed:
+                continue  # a trainer that does not know us (yet) would refuse it
             with anyio.move_on_after(self.heartbeat_s):  # never pile up behind a dead connection
                 await self.channel.send(role.heartbeat())
             role.on_tick()
@@ -260,6 +318,11 @@ class PeerConnection(Generic[M]):
             if received.first and self.welcomed:
                 self.log.info("a new trainer session (seq %d): the trainer restarted or a stray peer wrote",
                               received.seq)
+            if isinstance(msg, Dead):
+                # Our Hello tells the exiting trainer we read its Dead (it may close now), or reaches a
+                # new trainer already connected; a later connection gets one of its own.
+                self._hello_on_connect = True
+                self._register_again("the trainer is exiting")
             if isinstance(msg, ConnectionMessage):
                 await self._on_connection_message(msg, received.seq)
             else:
@@ -276,18 +339,20 @@ class PeerConnection(Generic[M]):
                 else:
                     self.log.info("welcomed by %s", msg.actor_id)
                     self._welcomed.set()
+                    self._hello_on_connect = False
             case Refuse():
                 if self.welcomed:
                     await self.refuse("bad_request", f"unexpected Refuse after the handshake: {msg.reason}", seq)
                 else:
-                    self.stop(EXIT_REFUSED, f"refused by the trainer: {msg.reason}")
+                    self.stop(EXIT_REFUSED, f"refused by the trainer: {msg.reason[:_MAX_ERROR_TEXT]}")
             case Credit():
                 pass  # consumed by the channel; never handed out
             case Error():
                 about = f" about our message {msg.seq}" if msg.seq is not None else ""
-                self.log.warning("the trainer reports an error (%s)%s: %s", msg.code, about, msg.message)
-                if self.reregister and msg.code == "unknown_peer" and time.monotonic() - self._last_hello > 1.0:
-                    self._send_hello()  # the trainer restarted and does not know us: register again
+                self.log.warning("the trainer reports an error (%s)%s: %s", msg.code, about,
+                                 msg.message[:_MAX_ERROR_TEXT])
+                if msg.code == "unknown_peer" and (self.welcomed or time.monotonic() - self._last_hello > 1.0):
+                    self._register_again("the trainer does not know us")  # not welcomed: our Hello was lost
             case Dead():
                 self.log.info("the trainer (%s) is exiting (%s); waiting for it to come back", msg.actor_id,
                               msg.reason)

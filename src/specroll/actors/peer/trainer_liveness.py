@@ -20,14 +20,23 @@ class TrainerLiveness:
 
     Args:
         endpoint: the trainer's endpoint (for log lines).
-        timeout_s: seconds without connection and message after which it is lost.
+        timeout_s: seconds without connection and message after which a trainer that said ``Dead``
+            (a finished run) is gone for good.
         log: the actor's logger.
+        reconnect_s: seconds without connection and message after which a trainer that vanished
+            without ``Dead`` (it crashed; ``specroll launch`` restarts it from its checkpoint) is
+            lost; at least ``timeout_s`` (None: ``timeout_s``).
+        on_connected: called whenever a connection to the endpoint comes up (after the trainer's
+            ``Dead``, that is a new trainer).
     """
 
-    def __init__(self, endpoint: str, timeout_s: float, log: logging.Logger) -> None:
+    def __init__(self, endpoint: str, timeout_s: float, log: logging.Logger,
+                 on_connected: Callable[[], None] | None = None, reconnect_s: float | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        self.reconnect_s = max(timeout_s, reconnect_s or timeout_s)
         self.log = log
+        self.on_connected = on_connected
         # Assumed up until the socket monitor says otherwise: the monitor attaches after make_socket
         # connected, so it may miss the first handshake; a trainer never reached is caught by the
         # handshake's own timeout.
@@ -53,21 +62,23 @@ class TrainerLiveness:
                 self.last_alive = time.monotonic()
                 self.log.info("%s the trainer at %s", "connected to" if self.connected else "lost the connection to",
                          self.endpoint)
+                if self.connected and self.on_connected is not None:
+                    self.on_connected()
         finally:
             socket.disable_monitor()
             monitor.close(linger=0)
 
     async def watchdog(self, lost: Callable[[bool, str], None]) -> None:
-        """Call ``lost(ended, reason)`` once the trainer is gone for ``timeout_s`` (``ended``: it said
-        ``Dead`` and did not come back, a finished run); checks every second at most."""
-        timeout = self.timeout_s
+        """Call ``lost(ended, reason)`` once the trainer is gone: ``timeout_s`` after its ``Dead``
+        (``ended``: a finished run), ``reconnect_s`` after it vanished without one; checks every
+        second at most."""
         while True:
-            await anyio.sleep(min(1.0, timeout / 4))
+            await anyio.sleep(min(1.0, self.timeout_s / 4))
             now = time.monotonic()
             if self.connected:
                 self.last_alive = now
-            elif now - self.last_alive > timeout:
-                if self.said_dead:
-                    lost(True, f"the trainer ended and did not come back within {timeout} s")
-                else:
-                    lost(False, f"no connection to and no message from the trainer at {self.endpoint} for {timeout} s")
+            elif self.said_dead and now - self.last_alive > self.timeout_s:
+                lost(True, f"the trainer ended and did not come back within {self.timeout_s} s")
+            elif not self.said_dead and now - self.last_alive > self.reconnect_s:
+                lost(False, f"no connection to and no message from the trainer at {self.endpoint} for "
+                            f"{self.reconnect_s} s")

@@ -20,8 +20,9 @@ finished rollouts and the generators' load, and relays their drafter versions to
 Inside, three tasks share one :class:`~specroll.protocol.channel.Channel`: a receive loop (which
 never waits on a send: replies go through an outgoing queue, so credit grants are always read;
 ``client_receive.py``), a sender per peer, and a ticker that dispatches queued groups by free
-capacity and declares generators dead after ``heartbeat_timeout_s`` of silence (their groups resume
-elsewhere from their streamed tokens).
+capacity and declares peers gone (their groups resume elsewhere from their streamed tokens) when
+their connection closes, or after ``heartbeat_timeout_s`` of silence while the client kept up with
+its socket (``peer_liveness.py``; a monitor task watches the socket's connections).
 """
 
 from __future__ import annotations
@@ -36,18 +37,22 @@ import torch
 import zmq
 import zmq.asyncio
 from anyio.abc import TaskGroup
+from zmq.utils.monitor import parse_monitor_message
 
 from specroll.actors.trainer.client_receive import ClientReceive
 from specroll.actors.trainer.drafter_relay import DrafterRelay
 from specroll.actors.trainer.foreign_groups import ForeignGroups
+from specroll.actors.trainer.peer_liveness import PeerLiveness
 from specroll.actors.trainer.peer_outboxes import Outboxes
 from specroll.actors.trainer.timeline import Timeline
 from specroll.actors.trainer.weights_publish import PublishedWeights
 from specroll.actors.wakeup import Wakeup
 from specroll.protocol.channel import DEFAULT_WINDOW, Channel
+from specroll.protocol.codec import ProtocolError
 from specroll.protocol.messages import (
     Abort,
     Dead,
+    Hello,
     RolloutChunk,
     Stats,
     ToTrainer,
@@ -60,6 +65,13 @@ __all__ = ["RolloutClient"]
 
 log = logging.getLogger("specroll.client")
 
+_FLUSH_S = 0.5
+"""On close, seconds at most to send what is queued (a peer that grants no credit holds its queue)."""
+_DEAD_READ_S = 2.0
+"""On close, seconds at most to wait until every peer read ``Dead`` (it answers ``Hello``)."""
+_DEAD_LINGER_MS = 1000
+"""On close, milliseconds ZeroMQ may take to deliver what is still queued to peers still connected."""
+
 
 class RolloutClient(ClientReceive):
     """Coordinates generators: submit groups, receive rollouts, publish policy weights.
@@ -68,7 +80,9 @@ class RolloutClient(ClientReceive):
         bind: the endpoint generators connect to (``tcp://127.0.0.1:0`` takes a free port; read
             :attr:`endpoint` after start).
         max_groups_in_flight: most groups dispatched and unfinished at once.
-        heartbeat_timeout_s: a generator silent this long is declared dead.
+        heartbeat_timeout_s: a generator silent this long (while the client kept up reading) is declared dead.
+        disconnect_grace_s: a peer whose connection closed and that sends nothing new for this long
+            is declared dead (more than a generator's heartbeat interval).
         window: flow-control window (data messages), equal on both ends.
         hwm: ZeroMQ high-water mark of the socket.
         allow_public: permit binding to a non-loopback address.
@@ -87,6 +101,7 @@ class RolloutClient(ClientReceive):
         *,
         max_groups_in_flight: int = 64,
         heartbeat_timeout_s: float = 10.0,
+        disconnect_grace_s: float = 2.0,
         window: int = DEFAULT_WINDOW,
         hwm: int = DEFAULT_HWM,
         allow_public: bool = False,
@@ -117,7 +132,7 @@ class RolloutClient(ClientReceive):
         """Policy version each drafter trainer acknowledged holding."""
         self._load: dict[str, tuple[int, int]] = {}
         """Each generator's live batch and its capacity in sequences (last heartbeat)."""
-        self._last_seen: dict[str, float] = {}
+        self._liveness = PeerLiveness(heartbeat_timeout_s, disconnect_grace_s)
         self._capacity_known: set[str] = set()
         self._finished_event = Wakeup()
         self._version_event = Wakeup()
@@ -128,6 +143,7 @@ class RolloutClient(ClientReceive):
         self._channel: Channel[Any] | None = None
         self._tg: TaskGroup | None = None
         self._outboxes: Outboxes | None = None
+        self._closing = False
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -159,23 +175,54 @@ class RolloutClient(ClientReceive):
         self._outboxes = Outboxes(self._channel, self._tg)
         self._tg.start_soon(self._receive_loop)
         self._tg.start_soon(self._tick_loop)
+        self._tg.start_soon(self._watch_connections)
 
     async def aclose(self) -> None:
-        """Tell connected generators the coordinator is gone, stop the tasks, close the socket."""
+        """Stop dispatching, send what is queued (for at most ``_FLUSH_S``), stop the tasks, tell every
+        connected generator and drafter trainer that the coordinator is gone (:meth:`_say_dead`) and
+        close the socket."""
         if self._tg is None:
             return
-        for actor in [*self.coordinator.generators, *self.drafters.drafters]:
-            self._queue(actor, Dead(actor_id=self.actor_id, reason="client closed"))
-        with anyio.move_on_after(0.5):
-            while self._outboxes is not None and self._outboxes.pending():
-                await anyio.sleep(0.01)
+        self._closing = True
+        if self._outboxes is not None:
+            with anyio.move_on_after(_FLUSH_S):
+                await self._outboxes.flushed()
         self._tg.cancel_scope.cancel()
         await self._tg.__aexit__(None, None, None)
         self._tg = None
+        await self._say_dead([*self.coordinator.generators, *self.drafters.drafters])
         if self._socket is not None:
-            close_socket(self._socket, linger_ms=100)
+            close_socket(self._socket, linger_ms=_DEAD_LINGER_MS)
         if self._ctx is not None:
             self._ctx.term()
+
+    async def _say_dead(self, peers: list[str]) -> None:
+        """Send each peer ``Dead``, the last message it gets from this client (a generator started alone
+        then exits 0), and keep the connection open until it read it: a peer's socket drops what it
+        received but had not read when the connection closes (``IMMEDIATE``), so closing at once loses
+        the notice. A peer that read ``Dead`` answers ``Hello`` (it registers again with whichever
+        trainer comes next); one that does not answer within ``_DEAD_READ_S`` (gone, or not reading)
+        is left. ``Dead`` is a control message: it needs no credit and is handed to the socket at once."""
+        assert self._channel is not None
+        dead = Dead(actor_id=self.actor_id, reason="client closed")
+        unread = set()
+        for actor in peers:
+            if await self._channel.send_control_now(dead, peer=actor.encode()):
+                unread.add(actor.encode())
+            else:
+                log.info("%s is gone or does not read: no Dead for it", actor)
+        log.info("Dead sent to %d peers; waiting until they read it", len(unread))
+        with anyio.move_on_after(_DEAD_READ_S):
+            while unread:
+                try:
+                    received = await self._channel.recv()
+                except ProtocolError:
+                    continue
+                if isinstance(received.msg, Hello):
+                    unread.discard(received.peer or b"")
+        if unread:
+            log.info("no answer to Dead from %s within %.0f s", sorted(p.decode(errors="replace") for p in unread),
+                     _DEAD_READ_S)
 
     # ---- the API ------------------------------------------------------------------------------
 
@@ -328,12 +375,28 @@ class RolloutClient(ClientReceive):
                 last_capacity = now
                 loads = [self._load[a] for a in self.coordinator.generators if a in self._load]
                 self.drafters.tick(sum(live for live, _ in loads), sum(cap for _, cap in loads))
-            for actor, seen in list(self._last_seen.items()):
-                if now - seen > self.heartbeat_timeout_s:
-                    self._generator_gone(actor, f"silent for {now - seen:.1f} s")
+            for actor, why in self._liveness.expired(now):
+                self._generator_gone(actor, why)
             self._dispatch()
             await anyio.sleep(0.05)
 
+    async def _watch_connections(self) -> None:
+        """Tell the liveness which connections closed (the socket monitor's ``EVENT_DISCONNECTED``)."""
+        assert self._socket is not None
+        monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                self._liveness.disconnected(int(event["value"]), time.monotonic())
+        finally:
+            self._socket.disable_monitor()
+            monitor.close(linger=0)
+
     def _dispatch(self) -> None:
+        if self._closing:
+            return  # nothing new for generators about to get Dead
         for actor, msg in self.coordinator.dispatch():
+            if msg.resume and self.timeline is not None:
+                self.timeline.record("group_resumed", group_id=msg.group_id, actor=actor,
+                                     held={r.index: r.token_ids for r in msg.resume})
             self._queue(actor, msg)

@@ -14,15 +14,19 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import zmq
+import zmq.asyncio
 
 from specroll.actors.trainer.drafter_relay import DrafterRelay
 from specroll.actors.trainer.foreign_groups import ForeignGroups
+from specroll.actors.trainer.peer_liveness import PeerLiveness
 from specroll.actors.trainer.peer_outboxes import Outboxes
 from specroll.actors.trainer.timeline import Timeline
 from specroll.actors.trainer.weights_publish import PublishedWeights
 from specroll.actors.wakeup import Wakeup
 from specroll.protocol.channel import Channel, SequenceError
 from specroll.protocol.codec import ProtocolError
+from specroll.protocol.limits import MAX_SEQS, LimitExceeded, check_at_most
 from specroll.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -40,7 +44,7 @@ from specroll.protocol.messages import (
     Stats,
     Welcome,
 )
-from specroll.rl.coordinator import ChunkError, RolloutCoordinator
+from specroll.rl.coordinator import ChunkError, RolloutCoordinator, check_chunk_group_id
 
 log = logging.getLogger("specroll.client")
 
@@ -62,7 +66,8 @@ class ClientReceive:
     _channel: Channel[Any] | None
     _outboxes: Outboxes | None
     _load: dict[str, tuple[int, int]]
-    _last_seen: dict[str, float]
+    _liveness: PeerLiveness
+    _socket: zmq.asyncio.Socket | None
     _capacity_known: set[str]
     _finished_event: Wakeup
     _version_event: Wakeup
@@ -96,7 +101,7 @@ class ClientReceive:
 
     def _forget(self, actor: str) -> None:
         """Drop a gone peer's liveness, outbox and channel state."""
-        self._last_seen.pop(actor, None)
+        self._liveness.remove(actor)
         if self._outboxes is not None:
             self._outboxes.forget(actor)
         if self._channel is not None:
@@ -105,6 +110,8 @@ class ClientReceive:
     async def _receive_loop(self) -> None:
         assert self._channel is not None
         while True:
+            if self._socket is not None and not self._socket.get(zmq.EVENTS) & zmq.POLLIN:
+                self._liveness.drained(time.monotonic())  # every message sent before now was read
             try:
                 received = await self._channel.recv()
             except SequenceError as e:
@@ -121,16 +128,17 @@ class ClientReceive:
                     self._queue(actor, Error(code="malformed", message=str(e)[:500], seq=e.seq))
                 continue
             actor = (received.peer or b"").decode(errors="replace")
+            self._liveness.heard(actor, received.fd, time.monotonic())
             try:
-                self._handle(actor, received.msg, received.tensors)
-            except ChunkError as e:
+                self._handle(actor, received.msg, received.tensors, received.fd)
+            except (ChunkError, LimitExceeded) as e:
                 self.protocol_errors += 1
-                log.warning("chunk from %s refused: %s", actor, e)
+                log.warning("%s from %s refused: %s", type(received.msg).__name__, actor, e)
                 self._queue(actor, Error(code="bad_request", message=str(e)[:500], seq=received.seq))
 
-    def _handle(self, actor: str, msg: Any, tensors: dict[str, torch.Tensor]) -> None:
+    def _handle(self, actor: str, msg: Any, tensors: dict[str, torch.Tensor], fd: int | None = None) -> None:
         if isinstance(msg, Hello):
-            self._on_hello(actor, msg)
+            self._on_hello(actor, msg, fd)
             return
         if actor in self.drafters.drafters:
             self._handle_drafter(actor, msg, tensors)
@@ -141,9 +149,9 @@ class ClientReceive:
                 log.info("%s from %s, which never said Hello: refused", type(msg).__name__, actor)
                 self._queue(actor, Error(code="unknown_peer", message="send Hello first"))
             return
-        self._last_seen[actor] = time.monotonic()
         match msg:
             case RolloutChunk():
+                check_chunk_group_id(msg)  # before the id is parsed or echoed in an Abort
                 if self._foreign.is_foreign(msg.group_id):
                     self._on_foreign_chunk(actor, msg.group_id)
                     return
@@ -158,6 +166,9 @@ class ClientReceive:
                 if self.on_chunk is not None:
                     self.on_chunk(actor, msg)
             case Heartbeat():
+                for field, value in (("batch_size", msg.batch_size), ("free_seqs", msg.free_seqs),
+                                     ("free_groups", msg.free_groups)):
+                    check_at_most(f"Heartbeat.{field}", value, MAX_SEQS, "protocol limit")
                 self.coordinator.on_heartbeat(actor, msg.free_groups, msg.policy_version, msg.free_seqs)
                 self._load[actor] = (msg.batch_size, msg.batch_size + msg.free_seqs)
                 if self.timeline is not None:
@@ -178,7 +189,7 @@ class ClientReceive:
             case Stats():
                 self.generator_stats[actor] = msg
             case Error():
-                log.warning("generator %s reports %s: %s", actor, msg.code, msg.message)
+                log.warning("generator %s reports %s: %s", actor, msg.code, msg.message[:500])
             case Dead():
                 self._generator_gone(actor, f"it exited ({msg.reason or 'no reason given'})")
             case FetchDrafter():
@@ -191,7 +202,6 @@ class ClientReceive:
                                                                      "to send"))
 
     def _handle_drafter(self, actor: str, msg: Any, tensors: dict[str, torch.Tensor]) -> None:
-        self._last_seen[actor] = time.monotonic()
         match msg:
             case PublishDrafter():
                 self.drafters.on_publish(actor, msg, tensors)
@@ -203,7 +213,7 @@ class ClientReceive:
             case Heartbeat() | Stats():
                 pass
             case Error():
-                log.warning("drafter trainer %s reports %s: %s", actor, msg.code, msg.message)
+                log.warning("drafter trainer %s reports %s: %s", actor, msg.code, msg.message[:500])
             case Dead():
                 self._generator_gone(actor, f"it exited ({msg.reason or 'no reason given'})")
             case _:
@@ -219,7 +229,7 @@ class ClientReceive:
                      group_id)
             self._queue(actor, Abort(group_id=group_id))
 
-    def _on_hello(self, actor: str, msg: Hello) -> None:
+    def _on_hello(self, actor: str, msg: Hello, fd: int | None) -> None:
         if msg.protocol_version != PROTOCOL_VERSION:
             self._queue(actor, Refuse(reason=f"protocol version {msg.protocol_version}, this trainer speaks "
                                              f"{PROTOCOL_VERSION}; run the same specroll version on both"))
@@ -231,7 +241,7 @@ class ClientReceive:
             if actor in self.drafters.drafters:
                 self._generator_gone(actor, "it said Hello again")
             self.drafters.add_drafter(actor)
-            self._last_seen[actor] = time.monotonic()
+            self._liveness.add(actor, time.monotonic(), fd)
             self._queue(actor, Welcome(protocol_version=PROTOCOL_VERSION, actor_id=self.actor_id))
             if self._weights.announcement is not None:
                 self._queue(actor, self._weights.announcement)
@@ -240,7 +250,7 @@ class ClientReceive:
         if actor in self.coordinator.generators:  # it restarted under the same id: its groups are gone
             self._generator_gone(actor, "it said Hello again")
         self.coordinator.add_generator(actor)
-        self._last_seen[actor] = time.monotonic()
+        self._liveness.add(actor, time.monotonic(), fd)
         self._queue(actor, Welcome(protocol_version=PROTOCOL_VERSION, actor_id=self.actor_id))
         if self._weights.announcement is not None:
             self._queue(actor, self._weights.announcement)

@@ -1,6 +1,11 @@
 """The client's outgoing side: one ordered queue per peer, each drained by its own sender task, so a
 peer that grants no credit (slow, or gone) holds up its own messages only; and best-effort replies
 to peers that are not (or no longer) connected.
+
+A message to a peer whose connection is gone (``EHOSTUNREACH``) is dropped; that is logged once per
+change of state — when the peer becomes unreachable, and when a message reaches it again — not once
+per message, as the client keeps sending (``Capacity`` twice a second to a drafter trainer) until it
+declares the peer gone and forgets it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ class Outboxes:
     def __init__(self, channel: Channel[Any], task_group: TaskGroup) -> None:
         self._channel, self._tg = channel, task_group
         self._boxes: dict[str, MemoryObjectSendStream[Outgoing]] = {}
+        self.unreachable: set[str] = set()
+        """Peers whose last message could not be routed (their connection is gone)."""
 
     def put(self, actor: str, msg: Any, tensors: list[torch.Tensor] | None = None) -> None:
         """Queue ``msg`` for ``actor``, after everything queued for it before."""
@@ -42,7 +49,10 @@ class Outboxes:
             box, queued = anyio.create_memory_object_stream[Outgoing](math.inf)
             self._boxes[actor] = box
             self._tg.start_soon(self._send_loop, actor, box, queued)
-        box.send_nowait((msg, tensors or []))
+        try:
+            box.send_nowait((msg, tensors or []))
+        except anyio.BrokenResourceError:  # its sender task ended: the client is closing
+            log.debug("closing: %s to %s dropped", type(msg).__name__, actor)
 
     def reply(self, actor: str, msg: Any) -> None:
         """A best-effort answer to a peer that is not (or no longer) a generator here: sent only if
@@ -57,10 +67,18 @@ class Outboxes:
         box = self._boxes.pop(actor, None)
         if box is not None:
             box.close()
+        self.unreachable.discard(actor)
 
-    def pending(self) -> bool:
-        """Whether any queue still holds a message."""
-        return any(box.statistics().current_buffer_used for box in self._boxes.values())
+    async def flushed(self) -> None:
+        """Return once every message queued so far was handed to the socket or dropped (its peer is
+        gone or unreachable). A peer that grants no credit holds its queue: wrap this in a timeout."""
+        marks = []
+        for box in self._boxes.values():
+            mark = anyio.Event()
+            box.send_nowait((mark, []))
+            marks.append(mark)
+        for mark in marks:
+            await mark.wait()
 
     async def _send_now(self, actor: str, msg: Any) -> None:
         try:
@@ -75,11 +93,23 @@ class Outboxes:
     ) -> None:
         async with queued:
             async for msg, tensors in queued:
+                if isinstance(msg, anyio.Event):  # a mark of flushed(): everything queued before it is out
+                    msg.set()
+                    continue
                 if self._boxes.get(actor) is not box:
-                    return  # the generator is gone (or came back as a new one): drop what it never got
+                    continue  # the generator is gone (or came back as a new one): drop what it never got
                 try:
                     await self._channel.send(msg, peer=actor.encode(), tensors=tensors)
                 except zmq.ZMQError as e:
                     if e.errno != zmq.EHOSTUNREACH:
                         raise
-                    log.info("peer %s is unreachable; dropping %s", actor, type(msg).__name__)
+                    if actor in self.unreachable:
+                        log.debug("peer %s is unreachable; dropping %s", actor, type(msg).__name__)
+                    else:
+                        self.unreachable.add(actor)
+                        log.info("peer %s is unreachable (its connection is gone); dropping %s and what follows "
+                                 "until it is back or declared gone", actor, type(msg).__name__)
+                    continue
+                if actor in self.unreachable:
+                    self.unreachable.discard(actor)
+                    log.info("peer %s is reachable again", actor)
