@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -14,32 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-TINY_VOCAB = 320
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from tiny_model import CHAT_TEMPLATE, TINY_VOCAB, write_tiny_tokenizer
 
-
-def write_tiny_tokenizer(path: Path) -> None:
-    """A byte-level BPE tokenizer.json (+ tokenizer_config.json) with TINY_VOCAB tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TINY_VOCAB,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    corpus = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many in May."] * 50
-    tok.train_from_iterator(corpus, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHAT_TEMPLATE}
-    ))
+__all__ = ["CHAT_TEMPLATE", "TINY_VOCAB", "write_tiny_tokenizer"]
 
 
 def hf_tiny_config(arch: str, **overrides: object):

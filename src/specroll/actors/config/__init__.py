@@ -7,6 +7,7 @@ from specroll.actors.config.load import load_config
 from specroll.actors.config.schema import (
     DrafterConfig,
     GeneratorConfig,
+    LaunchConfig,
     ModelSection,
     NetworkConfig,
     RunConfig,
@@ -19,6 +20,7 @@ __all__ = [
     "ConfigError",
     "DrafterConfig",
     "GeneratorConfig",
+    "LaunchConfig",
     "ModelSection",
     "NetworkConfig",
     "RunConfig",

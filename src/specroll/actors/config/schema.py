@@ -158,8 +158,10 @@ class TrainerConfig(_Section):
     weights_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of published weights on the wire; ``bfloat16`` halves the bytes. Default ``float32``."""
     max_groups_in_flight: int = 8
-    """Groups dispatched to generators and not yet trained on, at most; at least ``batch_groups``.
-    Default 8."""
+    """Groups queued, generating or finished and not yet taken by a step, at most; at least
+    ``batch_groups``. The staleness bound also holds the groups not through a finished step (the one
+    being trained included) to ``(max_staleness + 1) × batch_groups`` (``specroll/rl/admission.py``;
+    the trainer and ``specroll launch`` warn when this is above it). Default 8."""
     train_threads: int | None = None
     """Torch intra-op CPU threads of the trainer; ``None`` (default): under ``specroll launch`` on a CPU,
     half the cores (the launcher's CPU budget, ``actors/launch/cpu_budget.py``), else torch's default."""
@@ -252,7 +254,9 @@ class DrafterConfig(_Section):
     ``"auto"``) hot-swap between steps (``specroll.actors.drafter_trainer.actor``)."""
 
     enabled: bool = False
-    """Start the drafter trainer and publish drafter versions to the generators. Default false."""
+    """Start the drafter trainer and publish drafter versions to the generators (with
+    ``generator.speculative`` ``off`` or ``suffix`` no generator drafts with them: a warning at start,
+    :meth:`RunConfig.warnings`). Default false."""
     path: str | None = None
     """Initial drafter directory (``config.json`` + ``model.safetensors``, as ``specroll init-drafter``
     or ``specroll drafter train`` write): the warm start, served from the first step; ``None``
@@ -277,7 +281,7 @@ class DrafterConfig(_Section):
     """Rollouts needed before a cold start's first step. Default 8."""
     draft_vocab_size: int = 4096
     """Draft vocabulary of a cold-started drafter (the rollouts' most frequent tokens); at most the
-    model's vocabulary (``specroll launch`` checks it). Default 4096."""
+    model's vocabulary (``specroll launch`` and ``specroll drafter serve`` refuse more). Default 4096."""
     features: Literal["eagle3", "last"] = "eagle3"
     """Target taps of a cold-started drafter: ``eagle3`` (low, mid, high layers; default) or ``last``."""
     num_threads: int = 1
@@ -292,9 +296,12 @@ class DrafterConfig(_Section):
     machine's cores). Default false."""
     acceptance_floor: float = 0.0
     """Warn when the acceptance length under a new policy version falls below this (a drafter not
-    keeping up, or not updated); 0 (default) never warns."""
+    keeping up, or not updated): in the trainer's log and the launcher's output; at most
+    ``generator.engine.num_draft_tokens + 1``, the most an acceptance length can be; 0 (default) never warns."""
     kv_cache_gb: float = 0.25
-    """Memory of each generator for the drafter's own K/V, in GiB. Default 0.25."""
+    """Memory of each generator for the drafter's own K/V, in GiB: at least one request's worth (a
+    ``generator.engine.max_model_len``-token request plus its drafts, at the drafter's one layer of
+    K/V per token), or a generator that drafts with ``eagle`` refuses to start. Default 0.25."""
     linger_s: float = 1.0
     """On shutdown: seconds the drafter trainer's ``Dead`` may take to be delivered. Default 1.0."""
     device: str = "cpu"
@@ -355,8 +362,15 @@ class NetworkConfig(_Section):
     """Credit window: data messages a sender may have unconsumed at one receiver; below ``hwm``.
     Default 64 (``protocol.channel.DEFAULT_WINDOW``)."""
     heartbeat_timeout_s: float = 10.0
-    """Seconds of silence after which a peer is declared dead; above ``generator.heartbeat_s``.
-    Default 10.0."""
+    """Seconds of silence (while the trainer keeps up reading) after which a peer is declared dead;
+    above ``generator.heartbeat_s``. A peer whose connection closes is declared dead within about 2 s
+    without waiting for it. A generator also waits this long for a trainer that said it is exiting
+    to come back, and for the handshake. Default 10.0."""
+    reconnect_timeout_s: float | None = None
+    """Seconds a generator or the drafter trainer waits for a trainer that vanished without saying
+    it is exiting (it crashed; ``specroll launch`` restarts it from its checkpoint, on the same port)
+    to come back, before it exits with code 3; at least ``heartbeat_timeout_s``. Default (unset): the
+    larger of 60 and ``heartbeat_timeout_s`` (:meth:`reconnect_s`)."""
 
     def __post_init__(self) -> None:
         _require(bool(self.host), "host", self.host, "an address")
@@ -367,6 +381,48 @@ class NetworkConfig(_Section):
         _require(2 <= self.window < self.hwm, "window", self.window, f"an integer in [2, hwm = {self.hwm})")
         _require(self.heartbeat_timeout_s > 0 and math.isfinite(self.heartbeat_timeout_s), "heartbeat_timeout_s",
                  self.heartbeat_timeout_s, "a positive number of seconds")
+        r = self.reconnect_timeout_s
+        _require(r is None or (math.isfinite(r) and r >= self.heartbeat_timeout_s), "reconnect_timeout_s", r,
+                 f"a number of seconds >= heartbeat_timeout_s = {self.heartbeat_timeout_s}")
+
+    def reconnect_s(self) -> float:
+        """``reconnect_timeout_s``, or when unset the larger of 60 s and ``heartbeat_timeout_s``."""
+        return self.reconnect_timeout_s if self.reconnect_timeout_s is not None else max(60.0, self.heartbeat_timeout_s)
+
+
+class LaunchConfig(_Section):
+    """How ``specroll launch`` supervises the processes it starts (``[launch]``).
+
+    A role that dies is started again after a back-off of ``restart_backoff_s`` doubling with each
+    restart of that role in the window (at most ``restart_backoff_max_s``): a generator (its groups
+    resume on the others meanwhile, and on it once it rejoins), the drafter trainer (warm-started
+    from ``RUN_DIR/drafter``) and the trainer (from its last checkpoint, on the same port, while the
+    generators keep running). A role that died more than ``max_restarts`` times within
+    ``restart_window_s`` ends the run (the drafter trainer's end only stops drafter training); a role
+    refused its configuration (exit 2) is never restarted.
+    """
+
+    max_restarts: int = 5
+    """Restarts of one role allowed within ``restart_window_s``; 0 ends the run at the first death
+    (the drafter trainer's excepted). Default 5."""
+    restart_window_s: float = 600.0
+    """Seconds over which restarts are counted against ``max_restarts``. Default 600."""
+    restart_backoff_s: float = 1.0
+    """Seconds before the first restart of a role in the window; doubled for each further one. Default 1."""
+    restart_backoff_max_s: float = 30.0
+    """Longest back-off, in seconds. Default 30."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_restarts >= 0, "max_restarts", self.max_restarts, "an integer >= 0")
+        for name in ("restart_window_s", "restart_backoff_s", "restart_backoff_max_s"):
+            value = getattr(self, name)
+            _require(value >= 0 and math.isfinite(value), name, value, "a number of seconds >= 0")
+        _require(self.restart_backoff_max_s >= self.restart_backoff_s, "restart_backoff_max_s",
+                 self.restart_backoff_max_s, f"at least restart_backoff_s = {self.restart_backoff_s}")
+
+    def backoff_s(self, restarts_in_window: int) -> float:
+        """Seconds to wait before restart number ``restarts_in_window`` (1, 2, …) of a role."""
+        return min(self.restart_backoff_max_s, self.restart_backoff_s * 2.0 ** max(0, restarts_in_window - 1))
 
 
 def _is_loopback(host: str) -> bool:
@@ -395,6 +451,8 @@ class RunConfig(_Section):
     network: NetworkConfig = NetworkConfig()
     eval: EvalConfig = EvalConfig()
     """Held-out evaluation (``[eval]``)."""
+    launch: LaunchConfig = LaunchConfig()
+    """Supervision of the processes ``specroll launch`` starts (``[launch]``)."""
 
     def __post_init__(self) -> None:
         _require(bool(self.run_dir), "run_dir", self.run_dir, "a directory path")
@@ -413,6 +471,11 @@ class RunConfig(_Section):
                  "'off', 'suffix' or 'auto' unless drafter.enabled = true or drafter.path is set")
         _require(self.network.heartbeat_timeout_s > self.generator.heartbeat_s, "network.heartbeat_timeout_s",
                  self.network.heartbeat_timeout_s, f"more than generator.heartbeat_s = {self.generator.heartbeat_s}")
+        k = engine.num_draft_tokens
+        # The acceptance length (tokens per verify step) is at most k + 1: k drafts and a bonus token.
+        _require(self.drafter.acceptance_floor <= k + 1, "drafter.acceptance_floor", self.drafter.acceptance_floor,
+                 f"at most generator.engine.num_draft_tokens + 1 = {k + 1} (the acceptance length never exceeds "
+                 f"k + 1 with k = {k} drafts per step), or 0 to never warn")
 
     def speculative(self) -> Literal["off", "suffix", "eagle"]:
         """``generator.speculative`` with ``auto`` resolved: ``eagle`` when a drafter is configured
@@ -428,6 +491,23 @@ class RunConfig(_Section):
         """Whether ``specroll launch`` starts the drafter trainer: ``drafter.enabled``, except in
         ``trainer.mode = "sync"`` (which never speculates)."""
         return self.drafter.enabled and self.trainer.mode == "async"
+
+    def warnings(self) -> list[str]:
+        """Settings that are valid but probably not what was meant, one line each naming the keys
+        (``specroll launch`` and ``specroll drafter serve`` print them at start).
+
+        * ``drafter.enabled`` with ``generator.speculative`` ``off`` or ``suffix``: the drafter trainer
+          runs and saves its versions to ``RUN_DIR/drafter`` — a legitimate way to train a drafter for
+          a later run's warm start (``drafter.path``) without spending generator time on drafting —
+          but no generator drafts with them, which is more often a forgotten ``speculative``.
+        """
+        found = []
+        mode = self.generator.speculative
+        if self.runs_drafter_trainer() and mode in ("off", "suffix"):
+            found.append(f"drafter.enabled = true with generator.speculative = {mode!r}: the drafter trainer trains "
+                         f"and saves drafter versions to {self.run_dir}/drafter, but no generator drafts with them; "
+                         f"set generator.speculative = 'auto' (or 'eagle') to draft with them")
+        return found
 
     def served_drafter(self) -> str | None:
         """The drafter directory each generator serves from its first step (``drafter.path`` when

@@ -12,9 +12,17 @@ Lifecycle:
    launcher waits for (``startup_timeout_s``; the trainer dying first ends the launch).
 3. ``generator.count`` generators start (``python -m specroll.actors.generator --config ...
    --connect ENDPOINT --actor-id generator-<i>``).
-4. Watch: the trainer exiting 0 is the end of the run; any other exit (a generator's, or the
-   trainer's with a failure) or SIGINT/SIGTERM to the launcher ends it with a failure report naming
-   who died and the tail of its log.
+4. Supervise (``[launch]``, :class:`~specroll.actors.config.schema.LaunchConfig`): the trainer
+   exiting 0 is the end of the run. A role that dies otherwise is started again after an
+   exponential back-off — a generator (its groups resume on the others meanwhile, and on it once it
+   rejoins under its old id), the drafter trainer (it warm-starts from ``RUN_DIR/drafter``), the
+   trainer (from its last checkpoint, bound to the port the first one took, while the generators
+   keep running and re-handshake). Every restart is a line here and a count in
+   ``RUN_DIR/restarts.json``, which the trainer copies into its metrics lines. A generator or drafter
+   trainer that exits 0 or 3 while the trainer is away is restarted without counting. More than
+   ``launch.max_restarts`` deaths of one role within ``launch.restart_window_s``, a role refused its
+   configuration (exit 2), or SIGINT/SIGTERM to the launcher end the run with a failure report
+   naming the role and the tail of its log (the drafter trainer's end only stops drafter training).
 5. Teardown (always, in a ``finally``): SIGTERM to each live process group, ``grace_s`` to exit,
    then SIGKILL to every process group the launcher started, then reap. Once anything was started,
    the last line names the command that draws the run (``specroll report RUN_DIR``).
@@ -42,12 +50,13 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from specroll.actors.config import ConfigError, load_config
-from specroll.actors.exit_codes import EXIT_OK, EXIT_REFUSED
+from specroll.actors.exit_codes import EXIT_OK, EXIT_PEER_LOST, EXIT_REFUSED
 from specroll.actors.files import write_text_atomic
 from specroll.actors.launch.cpu_budget import available_cores, budget_line, with_cpu_budget
 from specroll.actors.launch.errors import LaunchError
 from specroll.actors.launch.preflight import LOCK_FILENAME, preflight, take_lock
 from specroll.actors.launch.role_process import RoleProcess, describe_exit, killpg, observe_exit, start_role, tail
+from specroll.actors.restarts import write_restarts
 
 if TYPE_CHECKING:
     from specroll.actors.config import RunConfig
@@ -78,8 +87,12 @@ _WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::")
 PROGRESS_FIELDS = ("policy_version", "reward_mean", "accuracy", "eval_accuracy", "eval_step", "loss",
                    "logprob_diff_mean", "logprob_kl_k3", "gen_tokens_per_s", "max_lag",
                    "tokens_masked_stale", "samples_dropped_stale", "acceptance_length", "acceptance_length_window",
-                   "drafter_version", "step_s", "wait_s")
+                   "drafter_version", "step_s", "wait_s", "restarts")
 """Fields of a metrics record shown in the launcher's progress line, when present (in this order)."""
+
+WARNING_FIELDS = ("acceptance_floor_warning",)
+"""Fields of a metrics record that, when a string, are a warning the launcher prints after its line
+(the trainer logs them too, but its log is not what a user watches)."""
 
 
 def format_metrics(record: dict[str, object]) -> str:
@@ -88,11 +101,12 @@ def format_metrics(record: dict[str, object]) -> str:
     def numeric(value: object) -> bool:
         return isinstance(value, int | float) and not isinstance(value, bool)
 
-    keys = [k for k in PROGRESS_FIELDS if numeric(record.get(k))]
+    keys = [k for k in PROGRESS_FIELDS if numeric(record.get(k)) and (k != "restarts" or record[k])]
     if not keys:
         keys = [k for k, v in record.items() if numeric(v) and k != "step"][:10]
     parts = [f"{k}={v:.4g}" if isinstance(v := record[k], float) else f"{k}={v}" for k in keys]
-    return f"step {record.get('step', '?')}: {' '.join(parts)}"
+    skipped = " skipped (no token to train, not counted)" if record.get("skipped") is True else ""
+    return f"step {record.get('step', '?')}{skipped}: {' '.join(parts)}"
 
 
 def _specroll_command() -> str:
@@ -117,6 +131,22 @@ def local_endpoint(endpoint: str) -> str:
 
 
 @dataclass
+class _Role:
+    """One supervised role: how to start it, its current process and its deaths."""
+
+    name: str
+    module_args: list[str]
+    proc: RoleProcess | None = None
+    """The running process; None while a restart is pending (or after the drafter trainer gave up)."""
+    started_at: float = 0.0
+    restart_at: float | None = None
+    """When (``time.monotonic()``) its pending restart is due."""
+    deaths: list[float] = field(default_factory=list)
+    """Times of its counted deaths within ``launch.restart_window_s``."""
+    restarts: int = 0
+
+
+@dataclass
 class Launcher:
     """Starts, watches and stops the processes of one run (see the module docstring).
 
@@ -138,12 +168,14 @@ class Launcher:
     out: IO[str] = field(default_factory=lambda: sys.stderr)
     metrics_out: IO[str] = field(default_factory=lambda: sys.stdout)
     processes: list[RoleProcess] = field(default_factory=list, init=False)
-    """Every process started, in start order (the trainer first)."""
+    """Every process started, in start order (the trainer first), restarted ones included."""
+    roles: dict[str, _Role] = field(default_factory=dict, init=False)
+    """Every supervised role by name, with its current process."""
+    restarts: dict[str, int] = field(default_factory=dict, init=False)
+    """Restarts so far by role (also in ``RUN_DIR/restarts.json`` and the metrics lines)."""
     _signal: int | None = field(default=None, init=False, repr=False)
     _hurry: bool = field(default=False, init=False, repr=False)
     _metrics_offset: int = field(default=0, init=False, repr=False)
-    _reported: set[str] = field(default_factory=set, init=False, repr=False)
-    """Non-essential processes whose exit was already reported."""
 
     @property
     def run_dir(self) -> Path:
@@ -171,16 +203,19 @@ class Launcher:
             self._metrics_offset = metrics.stat().st_size if metrics.exists() else 0
             endpoint_file = self.run_dir / ENDPOINT_FILENAME
             endpoint_file.unlink(missing_ok=True)  # stale, from an earlier run
-            trainer = self._spawn("trainer", [self.trainer_module, "--config", str(config_path)])
+            trainer = self._start_role("trainer", [self.trainer_module, "--config", str(config_path)])
             endpoint = local_endpoint(self._wait_endpoint(trainer, endpoint_file))
             self.say(f"trainer listening at {endpoint}")
+            self._fix_trainer_port(endpoint)
             for i in range(self.config.generator.count):
-                self._spawn(f"generator-{i}", [GENERATOR_MODULE, "--config", str(config_path), "--connect", endpoint,
-                                               "--actor-id", f"generator-{i}"])
+                self._start_role(f"generator-{i}", [GENERATOR_MODULE, "--config", str(config_path), "--connect",
+                                                    endpoint, "--actor-id", f"generator-{i}"])
             if self.config.runs_drafter_trainer():
-                self._spawn(DRAFTER_ROLE, [DRAFTER_MODULE, "--config", str(config_path), "--connect", endpoint,
-                                           "--actor-id", "drafter-0"])
-            return self._watch(trainer)
+                self._start_role(DRAFTER_ROLE, [DRAFTER_MODULE, "--config", str(config_path), "--connect", endpoint,
+                                                "--actor-id", "drafter-0"])
+            if self.config.launch.max_restarts and not self.config.trainer.checkpoint_every:
+                self.say("note: trainer.checkpoint_every = 0, so a restarted trainer starts over from step 0")
+            return self._watch()
         except LaunchError as e:
             self.say(f"error: {e}")
             if e.detail:
@@ -207,16 +242,30 @@ class Launcher:
 
     # ---- starting -------------------------------------------------------------------------------
 
-    def _spawn(self, name: str, module_args: list[str]) -> RoleProcess:
-        """Start ``python -m module_args...`` as ``name`` in its own process group, output to its log."""
+    def _start_role(self, name: str, module_args: list[str]) -> RoleProcess:
+        """Start role ``name`` (``python -m module_args...``) and supervise it from now on."""
+        role = _Role(name, module_args)
+        self.roles[name] = role
+        return self._spawn(role)
+
+    def _spawn(self, role: _Role) -> RoleProcess:
+        """Start ``role``'s process in its own process group, output appended to its log."""
         self._check_signal()
-        log_path = self.run_dir / LOGS_DIRNAME / f"{name}.log"
-        proc = start_role(name, module_args, log_path)
+        log_path = self.run_dir / LOGS_DIRNAME / f"{role.name}.log"
+        proc = start_role(role.name, role.module_args, log_path)
+        role.proc, role.started_at = proc, time.monotonic()
         self.processes.append(proc)
-        pids = {"launcher": os.getpid(), "processes": {p.name: p.pid for p in self.processes}}
+        current = {r.name: r.proc.pid for r in self.roles.values() if r.proc is not None}
+        pids = {"launcher": os.getpid(), "processes": current}
         write_text_atomic(self.run_dir / PIDS_FILENAME, json.dumps(pids, indent=1) + "\n")
-        self.say(f"started {name} (pid {proc.pid}), log: {log_path}")
+        self.say(f"started {role.name} (pid {proc.pid}), log: {log_path}")
         return proc
+
+    def _fix_trainer_port(self, endpoint: str) -> None:
+        """A restarted trainer must bind where the generators reconnect: the port the first one took."""
+        if endpoint.startswith("tcp://") and not self.config.network.trainer_port:
+            port = endpoint.rpartition(":")[2]
+            self.roles["trainer"].module_args += ["--set", f"network.trainer_port={port}"]
 
     def _wait_endpoint(self, trainer: RoleProcess, path: Path) -> str:
         """The endpoint the trainer wrote to ``path``, once it is there."""
@@ -239,29 +288,75 @@ class Launcher:
 
     # ---- watching -------------------------------------------------------------------------------
 
-    def _watch(self, trainer: RoleProcess) -> int:
-        """Until the trainer exits 0 (return 0) or anything else ends the run (raise LaunchError)."""
+    def _watch(self) -> int:
+        """Supervise every role until the trainer exits 0 (return 0) or the run fails (raise LaunchError)."""
         while True:
             self._check_signal()
             self._print_metrics()
-            code = observe_exit(trainer)  # first: generators may notice the trainer's end on their own
+            trainer = self.roles["trainer"]
+            # First: generators may notice the trainer's end on their own and exit.
+            code = observe_exit(trainer.proc) if trainer.proc is not None else None
             if code == 0:
                 self._print_metrics()
                 steps = self.config.steps
                 self.say(f"the trainer finished {steps} step{'s' if steps != 1 else ''}; stopping the generators")
                 return EXIT_OK
-            if code is not None:
-                raise self._died(trainer, code)
-            for proc in self.processes:
-                code = observe_exit(proc)
-                if code is not None and proc.name == DRAFTER_ROLE:
-                    if proc.name not in self._reported:
-                        self._reported.add(proc.name)
-                        self.say(f"warning: the drafter trainer (pid {proc.pid}) {describe_exit(code)}; generation "
-                                 f"and training go on with the last drafter version (see {proc.log_path})")
-                elif code is not None:
-                    raise self._died(proc, code)
+            for role in self.roles.values():
+                code = observe_exit(role.proc) if role.proc is not None else None
+                if code is not None:
+                    self._on_death(role, code)
+            now = time.monotonic()
+            for role in self.roles.values():
+                if role.restart_at is not None and now >= role.restart_at:
+                    role.restart_at = None
+                    self._spawn(role)
             time.sleep(self.poll_s)
+
+    def _on_death(self, role: _Role, code: int) -> None:
+        """A role's process exited during the run: schedule its restart, or end the run (raise)."""
+        proc = role.proc
+        assert proc is not None
+        role.proc = None
+        drafter = role.name == DRAFTER_ROLE
+        limits = self.config.launch
+        if code == EXIT_REFUSED or (limits.max_restarts == 0 and not drafter):
+            if drafter:
+                self.say(f"warning: the drafter trainer (pid {proc.pid}) {describe_exit(code)}; generation "
+                         f"and training go on with the last drafter version (see {proc.log_path})")
+                return
+            raise self._died(proc, code)
+        now = time.monotonic()
+        counted = not self._victim_of_trainer(role, code, now)
+        if counted:
+            role.deaths = [t for t in role.deaths if now - t <= limits.restart_window_s] + [now]
+        if len(role.deaths) > limits.max_restarts:
+            deaths = (f"{len(role.deaths)} deaths within {limits.restart_window_s:g} s, more than "
+                      f"launch.max_restarts = {limits.max_restarts}")
+            if drafter:
+                self.say(f"warning: the drafter trainer (pid {proc.pid}) {describe_exit(code)} ({deaths}): not "
+                         f"restarted again; generation and training go on with the last drafter version "
+                         f"(see {proc.log_path})")
+                return
+            raise LaunchError(f"{role.name} (pid {proc.pid}) {describe_exit(code)} ({deaths}); stopping the run. "
+                              f"Last lines of {proc.log_path}:", detail=tail(proc.log_path))
+        delay = limits.backoff_s(len(role.deaths)) if counted else 0.0
+        role.restart_at = now + delay
+        role.restarts += 1
+        self.restarts[role.name] = role.restarts
+        write_restarts(self.run_dir, self.restarts)
+        why = "" if counted else " while the trainer was away (not counted)"
+        what = "from its last checkpoint" if role.name == "trainer" else "and rejoins"
+        self.say(f"{role.name} (pid {proc.pid}) {describe_exit(code)}{why}; restart {role.restarts} of "
+                 f"{role.name} in {delay:g} s ({what}; see {proc.log_path})")
+
+    def _victim_of_trainer(self, role: _Role, code: int, now: float) -> bool:
+        """A generator or drafter trainer that exited because the trainer was away (down, or restarted
+        recently): its restart is not its own failure and is not counted against ``max_restarts``."""
+        if role.name == "trainer" or code not in (EXIT_OK, EXIT_PEER_LOST):
+            return False
+        trainer = self.roles["trainer"]
+        recent = 2 * self.config.network.heartbeat_timeout_s
+        return trainer.proc is None or (trainer.restarts > 0 and now - trainer.started_at < recent)
 
     def _died(self, proc: RoleProcess, code: int, when: str = "") -> LaunchError:
         when = f" {when}" if when else ""
@@ -270,7 +365,8 @@ class Launcher:
 
     def _print_metrics(self) -> None:
         """One line per new record of ``RUN_DIR/metrics.jsonl`` (the live progress): the fields of
-        :data:`PROGRESS_FIELDS` it has, else its first numeric fields."""
+        :data:`PROGRESS_FIELDS` it has, else its first numeric fields; then a warning line (to
+        ``out``) for each of its :data:`WARNING_FIELDS` that holds one."""
         path = self.run_dir / METRICS_FILENAME
         try:
             with path.open("rb") as f:
@@ -287,6 +383,9 @@ class Launcher:
                 continue
             if isinstance(record, dict):
                 print(format_metrics(record), file=self.metrics_out, flush=True)
+                for key in WARNING_FIELDS:
+                    if isinstance(text := record.get(key), str):
+                        self.say(f"warning: step {record.get('step', '?')}: {text}")
 
     # ---- stopping -------------------------------------------------------------------------------
 
@@ -345,6 +444,8 @@ def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = 
         launcher = Launcher(config, trainer_module=trainer_module, startup_timeout_s=startup_timeout_s,
                             grace_s=grace_s)
         launcher.say(budget_line(config, cores))
+        for warning in config.warnings():
+            launcher.say(f"warning: {warning}")
         return launcher.run()
     finally:
         lock.unlink(missing_ok=True)

@@ -21,7 +21,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,12 +48,15 @@ class TrainerState:
     policy_version: int
     """Version of the saved weights (published under it)."""
     prompt_cursor: int
-    """Prompts submitted so far: the next group takes prompt number ``prompt_cursor`` of the seeded
-    order (groups in flight at save time are not retried after a resume)."""
+    """Prompts submitted so far: the next new group takes prompt number ``prompt_cursor`` of the
+    seeded order."""
     seed: int
     """The run seed: with ``prompt_cursor`` it fixes the prompt order and every group's sampling seed."""
     model: str = ""
     """The model the run started from (information only)."""
+    untrained: list[int] = field(default_factory=list)
+    """Positions (below ``prompt_cursor``) submitted and not yet trained at save time, oldest first:
+    a resumed trainer submits them again before new prompts, so no prompt of the order is skipped."""
 
 
 def find_checkpoint(run_dir: str | Path) -> Path | None:
@@ -167,6 +170,11 @@ def _read_state(file: Path) -> TrainerState:
         value = getattr(state, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise CheckpointError(f"{file}: {name}={value!r}, expected an integer >= 0")
+    untrained = state.untrained
+    if not isinstance(untrained, list) or not all(
+            isinstance(p, int) and not isinstance(p, bool) and 0 <= p < state.prompt_cursor for p in untrained):
+        raise CheckpointError(f"{file}: untrained={str(untrained)[:80]}, expected a list of integers in "
+                              f"[0, prompt_cursor = {state.prompt_cursor})")
     return state
 
 

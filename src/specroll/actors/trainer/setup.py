@@ -65,5 +65,5 @@ def load_setup(config: RunConfig) -> TrainerSetup:
         if state.seed != config.seed:
             raise TrainerError(f"{path}: saved with seed {state.seed}, but the config has seed={config.seed}; "
                                "resume with the same seed or use another run_dir")
-    cycle = PromptCycle(token_ids, split.train, config.seed, state.prompt_cursor)
+    cycle = PromptCycle(token_ids, split.train, config.seed, state.prompt_cursor, state.untrained)
     return TrainerSetup(model, ckpt.tokenizer, optimizer, cycle, eval_prompts, state, path)

@@ -15,7 +15,13 @@ event                  fields
                        ``checkpoint``: writing one),
                        ``start``, ``end`` (wall-clock s), ``step``
 ``group_finished``     ``group_id``, ``lane`` (``train`` or ``eval``)
-``step_groups``        ``step``, ``group_ids`` (the groups the step trained on, in batch order)
+``step_groups``        ``step``, ``group_ids`` (the groups the step trained on, in batch order), ``prompt_ids``,
+                       ``positions`` (each group's position in the prompt order), ``resumed`` (the ids of
+                       groups that resumed after a generator died) and ``resumed_tokens`` (their samples'
+                       token ids as trained: group id → one list per sample)
+``group_resumed``      ``group_id``, ``actor`` (the generator it resumes on), ``held`` (the token ids of
+                       each sample it carries: ``{index: ids}``, everything streamed before the death)
+``trainer_start``      ``step``, ``policy_version`` (where this trainer process starts: 0, or a checkpoint's)
 ``policy_published``   ``version``
 ``policy_served``      ``actor``, ``version`` (the generator's acknowledgement)
 ``drafter_published``  ``version``

@@ -12,18 +12,25 @@ Timeline:
 
 1. bind, write the endpoint, load the policy (and the checkpoint, when ``RUN_DIR/checkpoint/``
    exists) while generators start and connect;
-2. on resume only: wait for a generator, let every connected one heartbeat for
-   ``2 × generator.heartbeat_s + 0.5`` s, publish the restored weights as version
+2. on resume only: wait for a generator and for the first heartbeat of every connected one (at most
+   ``network.heartbeat_timeout_s``), publish the restored weights as version
    ``max(saved version, highest version any generator reports) + 1`` and wait (at most
    ``network.heartbeat_timeout_s``) for the acknowledgements — a generator may serve a version the
    dead trainer published after its last checkpoint, and versions must only ever increase;
-3. a feeder task keeps ``groups queued + in flight + finished but not yet trained`` at
-   ``trainer.max_groups_in_flight`` (``client.submit``, prompts in a seeded cyclic order);
+3. a feeder task submits groups (``client.submit``, prompts in a seeded cyclic order) while
+   ``groups queued + in flight + finished but not yet trained`` is below ``trainer.max_groups_in_flight``
+   and, AReaL's staleness control (``specroll/rl/admission.py``), the groups submitted and not
+   through a finished step — the one being trained included — are fewer than
+   ``(trainer.max_staleness + 1) × batch_groups``; it warns at start when ``max_groups_in_flight``
+   is above that;
 4. step t starts as soon as ``batch_groups`` groups finished (oldest first; the tail never
    blocks it): rewards → padded batch → staleness bound → loss → AdamW, in a worker thread so the
    client keeps receiving; then the new weights are published as the next version, a metrics line is
    appended to ``RUN_DIR/metrics.jsonl`` and the progress line updated; a checkpoint every
-   ``checkpoint_every`` steps and at the end;
+   ``checkpoint_every`` steps and at the end. A batch with no token left in the loss (every one
+   staler than η) takes no optimizer step and is not counted: a warning, a metrics line with
+   ``"skipped": true``, and the next batch is drawn for step t (after every generator serves the
+   current version; more than η + 1 such batches in a row end the run with an error);
 5. before the last metrics line: wait (at most ``network.heartbeat_timeout_s``) until every
    connected generator acknowledged the final version.
 
@@ -68,6 +75,7 @@ from tqdm import tqdm
 from specroll.actors.config import RunConfig, write_resolved
 from specroll.actors.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_PEER_LOST
 from specroll.actors.files import write_text_atomic
+from specroll.actors.restarts import read_restarts
 from specroll.actors.trainer.checkpoint import (
     TrainerState,
     save_checkpoint,
@@ -78,6 +86,7 @@ from specroll.actors.trainer.metrics import StepMetrics, truncate_metrics
 from specroll.actors.trainer.setup import TrainerError, TrainerSetup, load_setup
 from specroll.actors.trainer.timeline import TIMELINE_FILENAME, Timeline
 from specroll.actors.wakeup import Wakeup
+from specroll.rl.admission import Admission, run_ahead_warning
 from specroll.rl.coordinator import Group
 from specroll.rl.grpo_step import StepResult, build_batch, train_step
 from specroll.rl.tasks import Prompt, RewardFn, get_reward
@@ -123,12 +132,19 @@ class Trainer:
         self._check_s = min(1.0, self.no_generator_s / 4)
         """Seconds between checks that some generator is connected, while waiting for one."""
         self._room = Wakeup()
-        """Notified when a step takes finished groups, so the feeder submits more."""
+        """Notified when a step takes finished groups or finishes, so the feeder submits more."""
+        tc = config.trainer
+        self.admission = Admission(tc.batch_groups, tc.max_staleness, tc.max_groups_in_flight)
+        self._skipped_in_row = 0
+        """Batches in a row with no token to train (``_skip``)."""
         self.step_metrics = StepMetrics(client, config.drafter.acceptance_floor)
         self._last_checkpoint = self.step
         self.evaluator = Evaluator(client, setup.eval_prompts, config.generator.sampling, config.eval.greedy,
                                    self.reward_fn, self.tokenizer, config.network.heartbeat_timeout_s,
                                    self._check_generators, timeline) if setup.eval_prompts else None
+        self._untrained: dict[str, int] = {}
+        """Training groups submitted and not yet trained: group id → its position in the prompt order
+        (saved in checkpoints, so a restarted trainer submits them again)."""
         self._held: dict[str, object] | None = None
         """The metrics line of the step whose weights are being evaluated: written, with the
         evaluation's figures, once it finishes (before the next step's line)."""
@@ -140,6 +156,8 @@ class Trainer:
         Raises:
             TrainerError: no generator connected for ``3 × heartbeat_timeout_s``.
         """
+        if self.timeline is not None:
+            self.timeline.record("trainer_start", step=self.step, policy_version=self.version)
         if self.resumed_from is not None:
             log.info("resuming from %s: step %d, policy version %d", self.resumed_from, self.step, self.version)
             if self.step >= self.config.steps:
@@ -166,10 +184,15 @@ class Trainer:
     # ---- the feeder and the wait ----------------------------------------------------------------
 
     async def _feed(self) -> None:
-        """Keep ``trainer.max_groups_in_flight`` groups queued, generating or finished-untrained."""
+        """Submit groups while :class:`Admission` has room: at most ``trainer.max_groups_in_flight``
+        queued, generating or finished-untrained, at most (η + 1)·B not through a finished step."""
+        tc = self.config.trainer
+        if (warning := run_ahead_warning(tc.max_groups_in_flight, tc.batch_groups, tc.max_staleness)) is not None:
+            log.warning("%s", warning)
         while True:
-            while self.client.num_pending + self.client.num_finished < self.config.trainer.max_groups_in_flight:
+            while self.admission.room(self.client.num_pending + self.client.num_finished) > 0:
                 await self._submit_next()
+                self.admission.on_submit()
             await self._room.wait()  # no await between the check above and this wait: no wake-up is missed
 
     def _check_generators(self) -> None:
@@ -188,14 +211,17 @@ class Trainer:
 
     async def _submit_next(self) -> None:
         """Submit a group of the next prompt (its sampling seed from the prompt order)."""
-        token_ids, prompt, seed = self.prompts.next()
-        sampling = msgspec.structs.replace(self.config.generator.sampling, seed=seed)
-        await self.client.submit(token_ids, self.config.trainer.group_size, sampling, payload=prompt)
+        draw = self.prompts.next()
+        sampling = msgspec.structs.replace(self.config.generator.sampling, seed=draw.seed)
+        group_id = await self.client.submit(draw.token_ids, self.config.trainer.group_size, sampling,
+                                            payload=draw.prompt)
+        self._untrained[group_id] = draw.position
 
     async def _submit_batch(self) -> None:
         """Sync mode: submit one step's groups."""
         for _ in range(self.config.trainer.batch_groups):
             await self._submit_next()
+            self.admission.on_submit()
 
     async def _wait_for_batch(self) -> list[Group]:
         batch = self.config.trainer.batch_groups
@@ -255,6 +281,7 @@ class Trainer:
         self._write_metrics(held)
 
     def _write_metrics(self, metrics: dict[str, object]) -> None:
+        metrics.update(read_restarts(self.run_dir))  # what the launcher restarted so far
         with open(self.run_dir / METRICS_FILENAME, "a", encoding="utf-8") as f:
             f.write(json.dumps(metrics) + "\n")
 
@@ -264,7 +291,10 @@ class Trainer:
             self._check_generators()
             with anyio.move_on_after(self._check_s):
                 await self.client.wait_for_generators(1)
-        await anyio.sleep(2 * self.config.generator.heartbeat_s + 0.5)  # every connected generator heartbeats
+        # every generator connected now reports the version it serves (its first heartbeat), at most
+        # heartbeat_timeout_s; one that joins later and serves a higher version is overtaken (_overtake)
+        with anyio.move_on_after(self.config.network.heartbeat_timeout_s):
+            await self.client.wait_for_generators(len(self.client.coordinator.generators))
         saved, reported = self.version, self._reported_version()
         self.version = max(saved, reported) + 1
         log.info("publishing the restored weights as policy version %d (saved %d, generators report %d)",
@@ -303,9 +333,13 @@ class Trainer:
         start = time.monotonic()
         await self._overtake(groups)
         trained_version = self.version
+        positions = [self._untrained.pop(g.group_id, None) for g in groups]
         if self.timeline is not None:
             self.timeline.record("step_groups", step=self.step + 1, group_ids=[g.group_id for g in groups],
-                                 prompt_ids=[g.payload.prompt_id for g in groups if isinstance(g.payload, Prompt)])
+                                 prompt_ids=[g.payload.prompt_id for g in groups if isinstance(g.payload, Prompt)],
+                                 positions=positions, resumed=[g.group_id for g in groups if g.dispatches > 1],
+                                 resumed_tokens={g.group_id: [smp.token_ids for smp in g.samples]
+                                                 for g in groups if g.dispatches > 1})
         pause = self.config.drafter.pause_during_train_step
         if pause:
             self.client.pause_drafter(True)
@@ -315,10 +349,16 @@ class Trainer:
         finally:
             if pause:
                 self.client.pause_drafter(False)
+        if result.skipped:
+            await self._skip(groups, rewards, result, trained_version, time.monotonic() - start, start - wait_start)
+            return
+        self._skipped_in_row = 0
         await self._finish_evaluation()
         self.step += 1
         self.version += 1
         await self._publish()
+        self.admission.on_batch_done()  # sampled after this publish: room for B more (rl/admission.py)
+        self._room.notify()
         if sync or self.step == self.config.steps:
             with self._phase("publish"):
                 await self._wait_acks()
@@ -335,6 +375,38 @@ class Trainer:
         every = self.config.trainer.checkpoint_every
         if every and self.step % every == 0:
             await self._checkpoint()
+
+    async def _skip(self, groups: list[Group], rewards: torch.Tensor, result: StepResult, trained_version: int,
+                    step_s: float, wait_s: float) -> None:
+        """A batch with no token left in the loss: ``train_step`` took no optimizer step, so no step is
+        counted and no version published — a user asking for ``steps`` steps gets that many updates on
+        data. Its metrics line says ``"skipped": true``; the next batch is drawn for the same step
+        once every generator serves the current version, so groups submitted from now on are sampled
+        by the weights they train (lag 0). At most η + 1 batches in a row can then be skipped
+        (``Admission.max_skipped_in_row``).
+
+        Raises:
+            TrainerError: more batches in a row were skipped than that (a generator that does not
+                apply new weights, or rollouts without a response token).
+        """
+        self._skipped_in_row += 1
+        eta = self.config.trainer.max_staleness
+        log.warning("step %d: no token of its batch is trainable (%d masked as stale, %d samples dropped; "
+                    "max_staleness=%d, trained version %d): no optimizer step taken, not counted as a step; "
+                    "drawing the next batch", self.step + 1, result.tokens_masked_stale,
+                    result.samples_dropped_stale, eta, trained_version)
+        if self._skipped_in_row > self.admission.max_skipped_in_row:
+            raise TrainerError(
+                f"{self._skipped_in_row} batches in a row had no token to train, although every generator was "
+                f"sent policy version {self.version} and at most max_staleness + 1 = {eta + 1} can be that stale "
+                f"(generator versions: {dict(self.client.generator_versions)}); is a generator not applying new "
+                f"weights, or are the responses empty?")
+        await self._finish_evaluation()  # the held line (an earlier step) first
+        self._write_metrics(self.step_metrics.record(self.step + 1, self.version, groups, rewards, result,
+                                                     trained_version, step_s, wait_s))
+        await self._wait_acks()
+        self.admission.on_batch_done()
+        self._room.notify()
 
     def _train(self, groups: list[Group], version: int) -> tuple[torch.Tensor, StepResult]:
         """Rewards and one optimizer step (runs in a worker thread). Returns rewards ``[G, n]``."""
@@ -356,6 +428,7 @@ class Trainer:
 
     async def _checkpoint(self) -> None:
         state = TrainerState(step=self.step, policy_version=self.version, prompt_cursor=self.prompts.cursor,
+                             untrained=[*self.prompts.retry, *self._untrained.values()],
                              seed=self.config.seed, model=self.config.model.name)
         with self._phase("checkpoint"):
             path = await anyio.to_thread.run_sync(save_checkpoint, self.run_dir, self.model, self.optimizer, state)
