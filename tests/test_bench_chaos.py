@@ -7,14 +7,11 @@ staleness bound held, and no process left behind."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_bench_e2e import alive
+from test_bench_e2e import alive, run_benchmark
 from test_launch import members_of_groups, started_pids
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_chaos.py"
@@ -25,14 +22,7 @@ TIMEOUT_S = 900  # about 2 minutes on a loaded 2-core machine (every restart imp
 def test_quick_chaos_run_trains_every_group_once(tmp_path: Path) -> None:
     out, work = tmp_path / "chaos.json", tmp_path / "work"
     cmd = [sys.executable, str(BENCH), "--quick", "--no-baseline", "--json", str(out), "--work-dir", str(work)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"bench_chaos.py --quick did not finish within {TIMEOUT_S} s:\n{log[-3000:]}")
-    assert proc.returncode == 0, log[-3000:]
+    log, pid = run_benchmark(cmd, TIMEOUT_S)
 
     doc = json.loads(out.read_text())
     assert doc["ok"] and doc["exit_code"] == 0, log[-3000:]
@@ -48,4 +38,4 @@ def test_quick_chaos_run_trains_every_group_once(tmp_path: Path) -> None:
     run_dir = work / "chaos"
     pids = set(started_pids(run_dir).values()) | {k["pid"] for k in doc["kills"]}
     assert not alive(pids), "a process of the run outlived the benchmark"
-    assert not members_of_groups(pids)
+    assert not members_of_groups(pids | {pid})

@@ -30,6 +30,22 @@ def alive(pids: set[int]) -> set[int]:
     return out
 
 
+def run_benchmark(cmd: list[str], timeout_s: float) -> tuple[str, int]:
+    """Run a benchmark script to its end; return its output and its pid (the id of its process
+    group, which must be empty afterwards); fail the test on a non-zero exit or
+    after ``timeout_s`` (a hang guard). It runs in its own session, so on a timeout the whole tree goes
+    (the launchers' roles die with their launcher)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd[1:3])} did not finish within {timeout_s} s:\n{log[-3000:]}")
+    assert proc.returncode == 0, log[-3000:]
+    return log, proc.pid
+
+
 def check_arm(run: dict, steps: int) -> None:
     """A measured run: a reward per step, an evaluation before training and after every step, a time."""
     assert run["status"] == "ok", run["reason"]
@@ -45,15 +61,7 @@ def test_quick_run_measures_every_arm_and_leaves_no_process(tmp_path: Path, tiny
     out, work = tmp_path / "out.json", tmp_path / "work"
     cmd = [sys.executable, str(BENCH), "--quick", "--model", str(tiny_checkpoint()), "--json", str(out),
            "--workdir", str(work)]
-    # its own session: on a timeout the whole tree goes (the launchers' roles die with their launcher)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"bench_e2e.py --quick did not finish within {TIMEOUT_S} s:\n{log[-3000:]}")
-    assert proc.returncode == 0, log[-3000:]
+    log, pid = run_benchmark(cmd, TIMEOUT_S)
 
     doc = json.loads(out.read_text())
     assert doc["complete"] and doc["settings"]["steps"] == 2 and doc["settings"]["seeds"] == [0]
@@ -77,12 +85,12 @@ def test_quick_run_measures_every_arm_and_leaves_no_process(tmp_path: Path, tiny
     started = {arm: set(started_pids(work / f"{arm}-seed0" / "run").values()) for arm in ("sync", "specroll")}
 
     def leftovers() -> set[int]:
-        return members_of_groups({proc.pid}) | {p for pids in started.values() for p in alive(pids)} \
+        return members_of_groups({pid}) | {p for pids in started.values() for p in alive(pids)} \
             | members_of_groups({p for pids in started.values() for p in pids})
 
     deadline = time.monotonic() + 30  # a hang guard; normally the first look finds nothing
     while leftovers() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not members_of_groups({proc.pid}), "processes left in the benchmark's process group"
+    assert not members_of_groups({pid}), "processes left in the benchmark's process group"
     for arm, pids in started.items():
         assert not alive(pids) and not members_of_groups(pids), f"{arm}: processes left running"
