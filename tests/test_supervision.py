@@ -83,3 +83,28 @@ def test_a_generator_dying_past_max_restarts_ends_the_run_naming_it(tmp_path: Pa
             "launch.max_restarts = 1); stopping the run" in err), err
     assert "logs/generator-0.log" in err
     assert_nothing_left(run_dir, before)
+
+
+def test_the_steps_a_restarted_trainer_runs_again_are_printed_again(tmp_path: Path) -> None:
+    """The restarted trainer rewrites metrics.jsonl back to its checkpoint (a new file) and appends the
+    re-run steps: the launcher prints those, and never a line it printed already."""
+    import io
+
+    from specroll.actors.config import RunConfig
+    from specroll.actors.files import write_text_atomic
+    from specroll.actors.launch.launch import Launcher
+
+    def lines(*records: tuple[int, float]) -> str:
+        return "".join(json.dumps({"step": s, "loss": loss}) + "\n" for s, loss in records)
+
+    path = tmp_path / "metrics.jsonl"
+    out = io.StringIO()
+    launcher = Launcher(RunConfig(run_dir=str(tmp_path)), out=io.StringIO(), metrics_out=out)
+    path.write_text(lines((1, 0.5)))
+    launcher._metrics_seen.update(path.read_bytes().splitlines())  # an earlier launch's line, as run() takes it
+    with path.open("a") as f:
+        f.write(lines((2, 0.4), (3, 0.3)))
+    launcher._print_metrics()
+    write_text_atomic(path, lines((1, 0.5), (2, 0.4)) + lines((3, 0.25), (4, 0.2)))  # resumed from step 2
+    launcher._print_metrics()
+    assert out.getvalue() == "step 2: loss=0.4\nstep 3: loss=0.3\nstep 3: loss=0.25\nstep 4: loss=0.2\n"

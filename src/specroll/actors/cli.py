@@ -161,10 +161,12 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
         help="run a whole RL job here: the trainer, N generators and (if enabled) the drafter trainer as "
         "processes, watched",
         description="Start the trainer, generator.count generators and, with drafter.enabled, the drafter "
-        "trainer as separate processes (each in its own process group, logs in RUN_DIR/logs/), watch them, "
-        "and stop them all when the trainer finishes (exit 0), when the trainer or a generator dies or on "
-        "Ctrl-C (exit non-zero, naming who died). The drafter trainer's death only warns: generation and "
-        "training go on with the last drafter version.",
+        "trainer as separate processes (each in its own process group, logs in RUN_DIR/logs/) and supervise "
+        "them: one that dies is restarted with a back-off (the trainer from its last checkpoint), each "
+        "restart a line here and a count in the metrics ([launch] in the config). Everything stops when "
+        "the trainer finishes (exit 0), when a role dies more than launch.max_restarts times within "
+        "launch.restart_window_s or is refused its configuration, or on Ctrl-C (exit non-zero, naming who "
+        "died).",
     )
     p.add_argument("config", metavar="CONFIG.toml", help="run config, e.g. examples/gsm8k_smollm2.toml")
     _add_set(p)

@@ -414,7 +414,9 @@ class LaunchConfig(_Section):
 
     def __post_init__(self) -> None:
         _require(self.max_restarts >= 0, "max_restarts", self.max_restarts, "an integer >= 0")
-        for name in ("restart_window_s", "restart_backoff_s", "restart_backoff_max_s"):
+        _require(self.restart_window_s > 0 and math.isfinite(self.restart_window_s), "restart_window_s",
+                 self.restart_window_s, "a positive number of seconds")
+        for name in ("restart_backoff_s", "restart_backoff_max_s"):
             value = getattr(self, name)
             _require(value >= 0 and math.isfinite(value), name, value, "a number of seconds >= 0")
         _require(self.restart_backoff_max_s >= self.restart_backoff_s, "restart_backoff_max_s",

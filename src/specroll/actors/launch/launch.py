@@ -176,6 +176,9 @@ class Launcher:
     _signal: int | None = field(default=None, init=False, repr=False)
     _hurry: bool = field(default=False, init=False, repr=False)
     _metrics_offset: int = field(default=0, init=False, repr=False)
+    _metrics_inode: int | None = field(default=None, init=False, repr=False)
+    _metrics_seen: set[bytes] = field(default_factory=set, init=False, repr=False)
+    """The lines of ``metrics.jsonl`` printed (or there before this launch): never printed again."""
 
     @property
     def run_dir(self) -> Path:
@@ -200,7 +203,8 @@ class Launcher:
                 raise LaunchError(f"run_dir={self.config.run_dir!r}: cannot write the run directory "
                                   f"({e.strerror or e}), expected a writable directory", code=EXIT_REFUSED) from e
             metrics = self.run_dir / METRICS_FILENAME
-            self._metrics_offset = metrics.stat().st_size if metrics.exists() else 0
+            if metrics.exists():  # an earlier launch's lines: not this launch's progress
+                self._metrics_seen.update(metrics.read_bytes().splitlines())
             endpoint_file = self.run_dir / ENDPOINT_FILENAME
             endpoint_file.unlink(missing_ok=True)  # stale, from an earlier run
             trainer = self._start_role("trainer", [self.trainer_module, "--config", str(config_path)])
@@ -366,10 +370,15 @@ class Launcher:
     def _print_metrics(self) -> None:
         """One line per new record of ``RUN_DIR/metrics.jsonl`` (the live progress): the fields of
         :data:`PROGRESS_FIELDS` it has, else its first numeric fields; then a warning line (to
-        ``out``) for each of its :data:`WARNING_FIELDS` that holds one."""
+        ``out``) for each of its :data:`WARNING_FIELDS` that holds one. A restarted trainer rewrites
+        the file (a new inode: the lines of steps past its checkpoint dropped) and appends the re-run
+        steps: the file is then read again from its start, and every line not printed before is."""
         path = self.run_dir / METRICS_FILENAME
         try:
             with path.open("rb") as f:
+                inode = os.fstat(f.fileno()).st_ino
+                if inode != self._metrics_inode:
+                    self._metrics_inode, self._metrics_offset = inode, 0
                 f.seek(self._metrics_offset)
                 data = f.read()
         except OSError:
@@ -377,6 +386,9 @@ class Launcher:
         complete = data[: data.rfind(b"\n") + 1]
         self._metrics_offset += len(complete)
         for line in complete.splitlines():
+            if line in self._metrics_seen:
+                continue  # printed already (a line the restarted trainer kept), or there before this launch
+            self._metrics_seen.add(line)
             try:
                 record = json.loads(line)
             except ValueError:
