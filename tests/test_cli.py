@@ -348,7 +348,7 @@ def test_help_says_what_launch_starts_and_what_a_generator_reads(capsys) -> None
 
     top, launch, generator = help_of(), help_of("launch"), help_of("generator")
     assert "the drafter trainer" in top, top
-    assert "drafter trainer" in launch and "only warns" in launch, launch
+    assert "drafter trainer" in launch and "restarted" in launch and "launch.max_restarts" in launch, launch
     assert "[drafter]" in generator, generator
 
 
