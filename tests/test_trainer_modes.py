@@ -21,9 +21,10 @@ from tqdm import tqdm
 from specroll.actors.launch.launch import format_metrics
 from specroll.actors.launch.preflight import preflight
 from specroll.actors.trainer.client import RolloutClient
+from specroll.actors.trainer.process import run_trainer
 from specroll.actors.trainer.setup import TrainerError, load_setup
 from specroll.actors.trainer.timeline import TIMELINE_FILENAME
-from specroll.actors.trainer.trainer import Trainer, run_trainer
+from specroll.actors.trainer.trainer import Trainer
 from specroll.engine.config import EngineConfig
 from specroll.engine.engine import Engine
 from specroll.protocol.messages import RolloutChunk

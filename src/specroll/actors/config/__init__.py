@@ -3,11 +3,11 @@ writing (``dump.py``), the one error (``errors.py``); this package re-exports wh
 
 from specroll.actors.config.dump import CONFIG_FILENAME, dump_config, toml_value, write_resolved
 from specroll.actors.config.errors import ConfigError
+from specroll.actors.config.launch_section import LaunchConfig
 from specroll.actors.config.load import load_config
 from specroll.actors.config.schema import (
     DrafterConfig,
     GeneratorConfig,
-    LaunchConfig,
     ModelSection,
     NetworkConfig,
     RunConfig,

@@ -32,6 +32,7 @@ from typing import Literal
 
 import msgspec
 
+from specroll.actors.config.launch_section import LaunchConfig
 from specroll.actors.config.section import Section as _Section
 from specroll.actors.config.section import check_literals as _check_literals
 from specroll.actors.config.section import require as _require
@@ -388,43 +389,6 @@ class NetworkConfig(_Section):
     def reconnect_s(self) -> float:
         """``reconnect_timeout_s``, or when unset the larger of 60 s and ``heartbeat_timeout_s``."""
         return self.reconnect_timeout_s if self.reconnect_timeout_s is not None else max(60.0, self.heartbeat_timeout_s)
-
-
-class LaunchConfig(_Section):
-    """How ``specroll launch`` supervises the processes it starts (``[launch]``).
-
-    A role that dies is started again after a back-off of ``restart_backoff_s`` doubling with each
-    restart of that role in the window (at most ``restart_backoff_max_s``): a generator (its groups
-    resume on the others meanwhile, and on it once it rejoins), the drafter trainer (warm-started
-    from ``RUN_DIR/drafter``) and the trainer (from its last checkpoint, on the same port, while the
-    generators keep running). A role that died more than ``max_restarts`` times within
-    ``restart_window_s`` ends the run (the drafter trainer's end only stops drafter training); a role
-    refused its configuration (exit 2) is never restarted.
-    """
-
-    max_restarts: int = 5
-    """Restarts of one role allowed within ``restart_window_s``; 0 ends the run at the first death
-    (the drafter trainer's excepted). Default 5."""
-    restart_window_s: float = 600.0
-    """Seconds over which restarts are counted against ``max_restarts``. Default 600."""
-    restart_backoff_s: float = 1.0
-    """Seconds before the first restart of a role in the window; doubled for each further one. Default 1."""
-    restart_backoff_max_s: float = 30.0
-    """Longest back-off, in seconds. Default 30."""
-
-    def __post_init__(self) -> None:
-        _require(self.max_restarts >= 0, "max_restarts", self.max_restarts, "an integer >= 0")
-        _require(self.restart_window_s > 0 and math.isfinite(self.restart_window_s), "restart_window_s",
-                 self.restart_window_s, "a positive number of seconds")
-        for name in ("restart_backoff_s", "restart_backoff_max_s"):
-            value = getattr(self, name)
-            _require(value >= 0 and math.isfinite(value), name, value, "a number of seconds >= 0")
-        _require(self.restart_backoff_max_s >= self.restart_backoff_s, "restart_backoff_max_s",
-                 self.restart_backoff_max_s, f"at least restart_backoff_s = {self.restart_backoff_s}")
-
-    def backoff_s(self, restarts_in_window: int) -> float:
-        """Seconds to wait before restart number ``restarts_in_window`` (1, 2, …) of a role."""
-        return min(self.restart_backoff_max_s, self.restart_backoff_s * 2.0 ** max(0, restarts_in_window - 1))
 
 
 def _is_loopback(host: str) -> bool:

@@ -12,7 +12,7 @@ import anyio
 
 from specroll.actors.config import ConfigError, RunConfig, load_config
 from specroll.actors.exit_codes import EXIT_REFUSED
-from specroll.actors.trainer.trainer import run_trainer
+from specroll.actors.trainer.process import run_trainer
 
 log = logging.getLogger("specroll.trainer")
 

@@ -50,8 +50,8 @@ reports a version above the trainer's; the current weights are then republished 
 
 Beside this module: its start (policy, optimizer, prompts, restore) in ``setup.py``, the prompt
 order in ``prompt_cycle.py``, the metrics records in ``metrics.py``, checkpoints in
-``checkpoint.py``, the command line in ``cli.py``; the GRPO maths in ``specroll/rl/`` (``grpo.py``,
-``grpo_step.py``).
+``checkpoint.py``, the process around it (bind, exit codes) in ``process.py``, the command line
+in ``cli.py``; the GRPO maths in ``specroll/rl/`` (``grpo.py``, ``grpo_step.py``).
 """
 
 from __future__ import annotations
@@ -59,9 +59,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -72,9 +70,8 @@ import torch
 from anyio.abc import TaskGroup
 from tqdm import tqdm
 
-from specroll.actors.config import RunConfig, write_resolved
-from specroll.actors.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_PEER_LOST
-from specroll.actors.files import write_text_atomic
+from specroll.actors.config import RunConfig
+from specroll.actors.exit_codes import EXIT_PEER_LOST
 from specroll.actors.restarts import read_restarts
 from specroll.actors.trainer.checkpoint import (
     TrainerState,
@@ -83,8 +80,8 @@ from specroll.actors.trainer.checkpoint import (
 from specroll.actors.trainer.client import RolloutClient
 from specroll.actors.trainer.evaluation import Evaluator
 from specroll.actors.trainer.metrics import StepMetrics, truncate_metrics
-from specroll.actors.trainer.setup import TrainerError, TrainerSetup, load_setup
-from specroll.actors.trainer.timeline import TIMELINE_FILENAME, Timeline
+from specroll.actors.trainer.setup import TrainerError, TrainerSetup
+from specroll.actors.trainer.timeline import Timeline
 from specroll.actors.wakeup import Wakeup
 from specroll.rl.admission import Admission, run_ahead_warning
 from specroll.rl.coordinator import Group
@@ -97,13 +94,6 @@ ENDPOINT_FILENAME = "trainer.endpoint"
 METRICS_FILENAME = "metrics.jsonl"
 NO_GENERATOR_FACTOR = 3
 """The trainer gives up after ``NO_GENERATOR_FACTOR × network.heartbeat_timeout_s`` without generators."""
-
-
-def _bind_address(config: RunConfig) -> str:
-    host = config.network.host
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"  # an IPv6 literal
-    return f"tcp://{host}:{config.network.trainer_port}"
 
 
 # ---- the actor ----------------------------------------------------------------------------------
@@ -447,71 +437,3 @@ def _progress(metrics: dict[str, object], result: StepResult) -> str:
     if metrics["acceptance_length"] is not None:
         parts.append(f"accept {metrics['acceptance_length']:.2f}")
     return " ".join(parts)
-
-
-# ---- entry points -------------------------------------------------------------------------------
-
-
-async def run_trainer(config: RunConfig) -> int:
-    """Run the trainer of ``config`` to the end; return the exit code: 0 after ``config.steps``
-    steps; otherwise the error is logged in one line and the code is 1 (a failure), 3 (no generator)
-    or 128 + the signal number (SIGTERM/SIGINT, watched when called from the main thread: training
-    stops, the client still says ``Dead`` to the generators).
-    """
-    try:
-        return await _run(config)
-    except Exception as e:  # the actor's death: reported in one line, the traceback at DEBUG
-        e = _leaf(e)
-        code = e.exit_code if isinstance(e, TrainerError) else EXIT_FAILED
-        log.error("trainer failed: %s", e if isinstance(e, TrainerError) else f"{type(e).__name__}: {e}")
-        log.debug("traceback", exc_info=e)
-        return code
-
-
-async def _run(config: RunConfig) -> int:
-    run_dir = Path(config.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_resolved(config)
-    if config.trainer.train_threads is not None:
-        torch.set_num_threads(config.trainer.train_threads)
-    timeline = Timeline(run_dir / TIMELINE_FILENAME)
-    try:
-        return await _serve(config, timeline)
-    finally:
-        timeline.close()
-
-
-async def _serve(config: RunConfig, timeline: Timeline) -> int:
-    run_dir, net = Path(config.run_dir), config.network
-    client = RolloutClient(_bind_address(config), max_groups_in_flight=config.trainer.max_groups_in_flight,
-                           heartbeat_timeout_s=net.heartbeat_timeout_s, window=net.window, hwm=net.hwm,
-                           allow_public=net.allow_public, timeline=timeline)
-    code = EXIT_OK
-    async with client:  # closing it sends Dead to every connected generator
-        write_text_atomic(run_dir / ENDPOINT_FILENAME, client.endpoint)
-        log.info("trainer listening on %s; loading %s", client.endpoint, config.model.name)
-        async with anyio.create_task_group() as tg:
-
-            async def watch_signals() -> None:
-                nonlocal code
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    async for signum in signals:
-                        log.error("trainer stopped by %s", signal.Signals(signum).name)
-                        code = 128 + signum
-                        tg.cancel_scope.cancel()
-
-            if threading.current_thread() is threading.main_thread():
-                tg.start_soon(watch_signals)
-            setup = await anyio.to_thread.run_sync(load_setup, config)  # generators connect meanwhile
-            trainer = Trainer(config, setup, client, timeline)
-            await trainer.run()
-            log.info("trained %d steps; final policy version %d", trainer.step, trainer.version)
-            tg.cancel_scope.cancel()
-    return code
-
-
-def _leaf(e: BaseException) -> BaseException:
-    """The one exception inside nested single-member exception groups (task groups wrap errors)."""
-    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
-        e = e.exceptions[0]
-    return e
