@@ -57,6 +57,27 @@ class Plan:
     def steps(self) -> int:
         return max(2, self.groups // self.batch_groups)
 
+    def schedule(self) -> list[Slot]:
+        """The kills in order: generator kills cycling through ``KILL_KINDS``, the drafter trainer's
+        a third of the way and the trainer's two thirds of the way, due at steps spread evenly from
+        step 1 to about 70% of the run (``Chaos.run``)."""
+        kinds = [KILL_KINDS[i % len(KILL_KINDS)] for i in range(self.kills)]
+        kinds.insert(len(kinds) // 3, "drafter")
+        kinds.insert(2 * len(kinds) // 3, "trainer")
+        last = max(1, int(0.7 * self.steps))
+        due = [1 + (i * (last - 1)) // max(1, len(kinds) - 1) for i in range(len(kinds))]
+        give_up = [max(d + 1, n) for d, n in zip(due, [*due[1:], due[-1] + 1], strict=True)]
+        return [Slot(kind, d, g) for kind, d, g in zip(kinds, due, give_up, strict=True)]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One kill of the schedule: what it kills, the step it waits for, the step its wait ends at."""
+
+    kind: str
+    step: int
+    give_up_step: int
+
 
 FULL = Plan(groups=320, generators=3, kills=20)
 QUICK = Plan(groups=40, generators=2, kills=3, event_wait_s=10.0)
@@ -167,10 +188,17 @@ class Chaos:
         except OSError:
             return ""
 
-    def kill(self, role: str, kind: str) -> bool:
+    def live_pid(self, role: str) -> int | None:
+        """``role``'s current process, or None while it is down (killed here, not yet restarted)."""
         pid = self.pids().get(role)
-        if pid is None or not self.running():
-            return False
+        return None if pid is None or pid in {k.pid for k in self.kills} else pid
+
+    def kill(self, role: str, kind: str) -> bool:
+        """SIGKILL ``role``'s process, waiting (while the run lasts) for it to be up if it is down."""
+        while (pid := self.live_pid(role)) is None:
+            if not self.running():
+                return False
+            time.sleep(0.02)
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -180,19 +208,20 @@ class Chaos:
         print(f"chaos: {time.monotonic() - self.start:7.1f} s  SIGKILL {role} (pid {pid}) {kind}", flush=True)
         return True
 
-    def wait_marker(self, roles: list[str], marker: str, after: dict[str, int] | None = None) -> str | None:
+    def wait_marker(self, roles: list[str], marker: str, give_up_at_step: int,
+                    after: dict[str, int] | None = None) -> str | None:
         """The first of ``roles`` whose log shows ``marker`` after now (or after the offsets ``after``),
-        within ``event_wait_s``."""
+        within ``event_wait_s`` and before the trainer logs step ``give_up_at_step``."""
         offsets = {r: self.log_size(r) for r in roles} | (after or {})
         deadline = time.monotonic() + self.plan.event_wait_s
-        while time.monotonic() < deadline and self.running():
+        while time.monotonic() < deadline and self.running() and self.step() < give_up_at_step:
             for role in roles:
                 if marker in self.new_text(role, offsets[role]):
                     return role
             time.sleep(0.005)
         return None
 
-    def kill_generator(self, kind: str) -> None:
+    def kill_generator(self, kind: str, give_up_at_step: int) -> None:
         generators = [f"generator-{i}" for i in range(self.plan.generators)]
         if kind == "after-rejoin":  # the one killed last, once its restart is welcomed again
             last = next((k.role for k in reversed(self.kills) if k.role.startswith("generator")), None)
@@ -202,35 +231,52 @@ class Chaos:
         if kind in MARKERS:
             rejoin = kind == "after-rejoin"
             after = {r: self.kill_offsets[r] for r in roles if r in self.kill_offsets} if rejoin else None
-            role = self.wait_marker(roles, MARKERS[kind], after)
+            role = self.wait_marker(roles, MARKERS[kind], give_up_at_step, after)
             if role is not None:
                 self.kill(role, kind)
                 return
-            kind = f"mid-chunk ({kind} not seen within {self.plan.event_wait_s:g} s)"
-        self.kill(self.rng.choice(roles), kind)
+            kind = f"mid-chunk ({kind} not seen in time)"
+        up = [r for r in roles if self.live_pid(r) is not None]
+        self.kill(self.rng.choice(up or roles), kind)
 
-    def run(self, interval_s: float) -> None:
-        """Wait for training to start, then kill on a schedule until the plan is done or the run ends."""
-        metrics = self.run_dir / "metrics.jsonl"
-        while self.running() and not (metrics.exists() and metrics.stat().st_size):
-            time.sleep(0.1)
-        schedule = [KILL_KINDS[i % len(KILL_KINDS)] for i in range(self.plan.kills)]
-        schedule.insert(len(schedule) // 3, "drafter")
-        schedule.insert(2 * len(schedule) // 3, "trainer")
-        for kind in schedule:
-            if kind != "after-rejoin":  # that one waits for the last victim's restart to be welcomed
-                time.sleep(interval_s * self.rng.uniform(0.5, 1.5))
+    def step(self) -> int:
+        """The highest step the trainer has logged so far (0 before the first)."""
+        try:
+            lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
+        except OSError:
+            return 0
+        steps = [0]
+        for line in lines:
+            try:
+                steps.append(int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue  # a line being written
+        return max(steps)
+
+    def wait_step(self, step: int) -> None:
+        while self.running() and self.step() < step:
+            time.sleep(0.02)
+
+    def run(self) -> None:
+        """Kill on the plan's schedule until it is done or the run ends.
+
+        Kills are paced by training progress, not by the clock, so every kill lands inside the run
+        however fast the machine is: kill i waits for step ``schedule[i].step``, and a kill that waits
+        for its moment (a log line) gives up at the next kill's step, when it kills at a random moment
+        instead. The last kill is due at about 70% of the steps."""
+        for slot in self.plan.schedule():
+            self.wait_step(slot.step)
             if not self.running():
                 break
-            if kind == "drafter":
+            if slot.kind == "drafter":
                 self.kill("drafter", "drafter trainer")
-            elif kind == "trainer":
+            elif slot.kind == "trainer":
                 self.kill("trainer", "trainer")
             else:
-                self.kill_generator(kind)
+                self.kill_generator(slot.kind, give_up_at_step=slot.give_up_step)
 
 
-def launch_run(plan: Plan, model: Path, work: Path, name: str, seed: int, chaos: bool, interval_s: float) -> RunOutcome:
+def launch_run(plan: Plan, model: Path, work: Path, name: str, seed: int, chaos: bool) -> RunOutcome:
     """One launched run in ``work/name``; with ``chaos``, the kills of the plan."""
     run_dir = work / name
     config = work / f"{name}.toml"
@@ -244,7 +290,7 @@ def launch_run(plan: Plan, model: Path, work: Path, name: str, seed: int, chaos:
         try:
             if chaos:
                 c = Chaos(run_dir, launcher, random.Random(seed), plan)
-                c.run(interval_s)
+                c.run()
                 kills = c.kills
             code = launcher.wait()
         finally:
@@ -270,8 +316,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kills", type=int, help="generator kills (default 20; quick 3)")
     p.add_argument("--generators", type=int, help="generators (default 3; quick 2)")
     p.add_argument("--no-baseline", action="store_true", help="skip the run without kills (no overhead figure)")
-    p.add_argument("--interval-s", type=float, help="mean seconds between kills (default: from the baseline's "
-                   "duration, else 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", type=Path, help="keep the runs here (default: a temporary directory)")
     a = p.parse_args(argv)
@@ -286,10 +330,9 @@ def main(argv: list[str] | None = None) -> int:
         model = a.model or write_tiny_llama(work / "tiny-llama")
         baseline = None
         if not a.no_baseline:
-            baseline = launch_run(plan, model, work, "baseline", a.seed, chaos=False, interval_s=0)
+            baseline = launch_run(plan, model, work, "baseline", a.seed, chaos=False)
             print(f"chaos: baseline (no kills) exited {baseline.exit_code} in {baseline.wall_s:.1f} s", flush=True)
-        interval = a.interval_s or (baseline.wall_s * 0.7 / (plan.kills + 3) if baseline else 3.0)
-        chaos = launch_run(plan, model, work, "chaos", a.seed, chaos=True, interval_s=interval)
+        chaos = launch_run(plan, model, work, "chaos", a.seed, chaos=True)
     return report(plan, chaos, baseline, a.json)
 
 
