@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from chaos_checks import ChaosChecks, check_run
@@ -50,6 +51,8 @@ class Plan:
     group_size: int = 4
     max_tokens: int = 48
     max_staleness: int = 1
+    fork_roles: bool = True
+    """``launch.fork_roles``: roles forked from the launcher, or fresh interpreters."""
     event_wait_s: float = 20.0
     """How long a kill waits for its moment (a log line) before it kills at a random moment instead."""
 
@@ -134,6 +137,7 @@ every = 0
 max_restarts = {plan.kills + 10}
 restart_backoff_s = 0.5
 restart_backoff_max_s = 2.0
+fork_roles = {str(plan.fork_roles).lower()}
 """
 
 
@@ -144,6 +148,12 @@ class Kill:
     role: str
     pid: int
     kind: str
+    log_offset: int = 0
+    """The size of the role's log at the kill: what its restart writes comes after."""
+    wall: float = 0.0
+    """``time.time()`` at the kill."""
+    back_s: float | None = None
+    """Seconds from the kill to the restarted generator's ``welcomed by`` line (None: not back)."""
 
 
 @dataclass
@@ -203,8 +213,9 @@ class Chaos:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             return False
-        self.kills.append(Kill(round(time.monotonic() - self.start, 2), role, pid, kind))
-        self.kill_offsets[role] = self.log_size(role)
+        offset = self.log_size(role)
+        self.kills.append(Kill(round(time.monotonic() - self.start, 2), role, pid, kind, offset, time.time()))
+        self.kill_offsets[role] = offset
         print(f"chaos: {time.monotonic() - self.start:7.1f} s  SIGKILL {role} (pid {pid}) {kind}", flush=True)
         return True
 
@@ -276,6 +287,21 @@ class Chaos:
                 self.kill_generator(slot.kind, give_up_at_step=slot.give_up_step)
 
 
+def time_back(log: Path, kill: Kill) -> float | None:
+    """Seconds from ``kill`` to the first ``welcomed by`` line its role's log has after it (the
+    restarted generator registered with the trainer again), from the log's own timestamps."""
+    with log.open("rb") as f:
+        f.seek(kill.log_offset)
+        for line in f.read().decode(errors="replace").splitlines():
+            if "welcomed by" in line:
+                try:
+                    stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                except ValueError:
+                    continue
+                return round(stamp - kill.wall, 2)
+    return None
+
+
 def launch_run(plan: Plan, model: Path, work: Path, name: str, seed: int, chaos: bool) -> RunOutcome:
     """One launched run in ``work/name``; with ``chaos``, the kills of the plan."""
     run_dir = work / name
@@ -298,6 +324,9 @@ def launch_run(plan: Plan, model: Path, work: Path, name: str, seed: int, chaos:
                 launcher.send_signal(signal.SIGINT)  # the launcher tears its run down
                 launcher.wait()
     wall = time.monotonic() - start
+    for k in kills:
+        if k.role.startswith("generator"):
+            k.back_s = time_back(run_dir / "logs" / f"{k.role}.log", k)
     text = err_path.read_text(errors="replace")
     outcome = RunOutcome(code, wall, kills, restart_lines=text.count("; restart "))
     if code == 0:
@@ -316,12 +345,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kills", type=int, help="generator kills (default 20; quick 3)")
     p.add_argument("--generators", type=int, help="generators (default 3; quick 2)")
     p.add_argument("--no-baseline", action="store_true", help="skip the run without kills (no overhead figure)")
+    p.add_argument("--fresh-interpreters", action="store_true",
+                   help="launch.fork_roles = false: every start and restart is a new python -m process")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", type=Path, help="keep the runs here (default: a temporary directory)")
     a = p.parse_args(argv)
     base = QUICK if a.quick else FULL
     plan = Plan(groups=a.groups or base.groups, generators=a.generators or base.generators,
-                kills=base.kills if a.kills is None else a.kills, event_wait_s=base.event_wait_s)
+                kills=base.kills if a.kills is None else a.kills, event_wait_s=base.event_wait_s,
+                fork_roles=not a.fresh_interpreters)
     if plan.generators < 2 or plan.groups < 8 or plan.kills < 0:
         p.error(f"--generators {plan.generators} (>= 2), --groups {plan.groups} (>= 8), --kills {plan.kills} (>= 0)")
     with tempfile.TemporaryDirectory(prefix="specroll-chaos-") as tmp:
@@ -341,6 +373,7 @@ def report(plan: Plan, chaos: RunOutcome, baseline: RunOutcome | None, json_path
     checks = chaos.checks
     overhead = chaos.wall_s / baseline.wall_s - 1 if baseline and baseline.exit_code == 0 else None
     generator_kills = [k for k in chaos.kills if k.role.startswith("generator")]
+    back = sorted(k.back_s for k in generator_kills if k.back_s is not None)
     ok = chaos.exit_code == 0 and checks is not None and checks.ok and checks.max_staleness <= plan.max_staleness
     result = {
         "ok": ok, "plan": plan.__dict__, "exit_code": chaos.exit_code, "wall_s": round(chaos.wall_s, 1),
@@ -348,11 +381,17 @@ def report(plan: Plan, chaos: RunOutcome, baseline: RunOutcome | None, json_path
         "baseline_exit_code": baseline.exit_code if baseline else None,
         "overhead": round(overhead, 3) if overhead is not None else None,
         "kills": [k.__dict__ for k in chaos.kills], "generator_kills": len(generator_kills),
+        "generator_back_s": {"median": back[len(back) // 2] if back else None, "max": back[-1] if back else None,
+                             "back": len(back)},
+        "fork_roles": plan.fork_roles,
         "restart_lines": chaos.restart_lines, "checks": checks.to_json() if checks else None,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_1m": os.getloadavg()[0]},
     }
     print(f"chaos: {len(generator_kills)} generator kills, {len(chaos.kills) - len(generator_kills)} other; "
           f"{chaos.restart_lines} restarts; exit {chaos.exit_code}")
+    if back:
+        print(f"chaos: a killed generator was welcomed back after {back[len(back) // 2]:.1f} s (median; max "
+              f"{back[-1]:.1f} s, back-off included; {len(back)} of {len(generator_kills)} came back before the end)")
     if checks is not None:
         print(f"chaos: {checks.groups_trained} groups in {checks.steps} steps; lost {len(checks.lost)}, "
               f"duplicated {len(checks.duplicated) + len(checks.duplicated_groups)}; {checks.resumes} resumes, "

@@ -150,8 +150,10 @@ def generators_connected(run_dir: Path, count: int) -> bool:
 
 
 @pytest.mark.slow
-def test_launch_runs_three_steps_and_leaves_nothing(tmp_path: Path, tiny_checkpoint) -> None:
+@pytest.mark.parametrize("fork_roles", [True, False], ids=["forked", "fresh-interpreters"])
+def test_launch_runs_three_steps_and_leaves_nothing(tmp_path: Path, tiny_checkpoint, fork_roles: bool) -> None:
     config = write_config(tmp_path, tiny_checkpoint(), steps=3, count=2, eval_every=2)
+    config.write_text(config.read_text() + f"\n[launch]\nfork_roles = {str(fork_roles).lower()}\n")
     before = children_of(os.getpid())
     code, out, err = finish(launch(tmp_path, config))
     run_dir = tmp_path / "run"
@@ -170,6 +172,8 @@ def test_launch_runs_three_steps_and_leaves_nothing(tmp_path: Path, tiny_checkpo
     # its model when the short run ended, which a loaded machine makes possible; at least one served.
     assert all("exits with code 0: received SIGTERM" in log for log in logs), logs
     assert any("welcomed by" in log for log in logs), logs
+    assert all(log.startswith(f"==== specroll launch: generator-{i} {'forked' if fork_roles else 'started'} ")
+               for i, log in enumerate(logs)), logs
     assert "finished 3 steps" in err
 
 

@@ -29,6 +29,11 @@ class LaunchConfig(_Section):
     """Seconds before the first restart of a role in the window; doubled for each further one. Default 1."""
     restart_backoff_max_s: float = 30.0
     """Longest back-off, in seconds. Default 30."""
+    fork_roles: bool = True
+    """Start each role (and each restart) by forking the launcher, which has imported torch and the
+    role modules once, instead of a fresh ``python -m`` interpreter: a restart skips the ~3
+    CPU-seconds of imports (``actors/launch/role_fork.py``). Linux only; elsewhere, or false, every
+    role is a fresh interpreter. Default true."""
 
     def __post_init__(self) -> None:
         _require(self.max_restarts >= 0, "max_restarts", self.max_restarts, "an integer >= 0")

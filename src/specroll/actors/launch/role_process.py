@@ -20,13 +20,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from specroll.actors.launch.role_fork import ForkedProcess, Forker, fork_role
+
 
 @dataclass
 class RoleProcess:
     """One started role: its process (leader of its own process group) and its log."""
 
     name: str
-    popen: subprocess.Popen[bytes]
+    popen: subprocess.Popen[bytes] | ForkedProcess
     log_path: Path
     exit_code: int | None = None
     """Set once the process is seen to have exited (``-N``: killed by signal N), before it is reaped."""
@@ -37,12 +39,18 @@ class RoleProcess:
         return self.popen.pid
 
 
-def start_role(name: str, module_args: list[str], log_path: Path) -> RoleProcess:
+def start_role(name: str, module_args: list[str], log_path: Path, forker: Forker | None = None) -> RoleProcess:
     """Start ``python -m module_args...`` as ``name`` in its own process group, stdout and stderr
-    appended to ``log_path`` after a header line with the start time."""
+    appended to ``log_path`` after a header line with the start time: a fresh interpreter, or with
+    ``forker`` a fork of this process that has the modules imported already (``role_fork.py``)."""
+    if forker is not None and not forker.usable():
+        forker = None
+    how = "forked" if forker is not None else "started"
     with log_path.open("ab") as log:
-        log.write(f"==== specroll launch: {name} started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
-        log.flush()
+        log.write(f"==== specroll launch: {name} {how} {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+    if forker is not None:
+        return RoleProcess(name, fork_role(forker, module_args, log_path, name), log_path)
+    with log_path.open("ab") as log:
         popen = subprocess.Popen(
             [sys.executable, "-m", *module_args], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             process_group=0, preexec_fn=_pdeathsig_preexec(), close_fds=True,
