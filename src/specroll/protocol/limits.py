@@ -4,13 +4,17 @@ against one before any work is done for it, and a message over a bound is answer
 
 Most bounds come from the receiver's own configuration and are checked where it is known (a
 generator's ``max_num_seqs``, its model's context, vocabulary and parameter shapes:
-``actors/generator/submit_limits.py``, ``actors/peer/weights_fetch.py``). The few here hold for
-every receiver; each is far above what a legitimate peer sends, so none ever refuses real work.
+``actors/generator/submit_limits.py``, ``actors/peer/weights_fetch.py``; the trainer's vocabulary
+for the token ids generators stream back, with :func:`check_token_ids`:
+``actors/trainer/client_receive.py``). The few here hold for every receiver; each is far above
+what a legitimate peer sends, so none ever refuses real work.
 The codec already bounds a message as a whole (``codec.MAX_HEADER_BYTES``); these bound what a
 handler would build from it (a per-sample loop, a per-character copy).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 MAX_ID_CHARS = 256
 """Characters of a group id, a tensor name or a checksum. The trainer names groups ``g<number>``
@@ -58,3 +62,20 @@ def check_at_most(field: str, value: int, limit: int, why: str) -> None:
     """
     if value > limit:
         raise LimitExceeded(f"{field} = {value} is over the limit {limit} ({why})")
+
+
+def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
+    """Raise :class:`LimitExceeded` unless every id is in the vocabulary ``[0, vocab_size)``.
+
+    Work: one pass over ``ids`` (``min`` and ``max``); a second, to name the first bad id, only
+    when one is there.
+
+    Args:
+        field: the message field holding the ids (``"RolloutChunk.token_ids"``); the error names
+            ``field[i]``.
+        ids: the token ids the peer sent.
+        vocab_size: the receiver's model's vocabulary size.
+    """
+    if ids and not (min(ids) >= 0 and max(ids) < vocab_size):
+        i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
+        raise LimitExceeded(f"{field}[{i}] = {t} is outside the model's vocabulary [0, {vocab_size})")

@@ -27,6 +27,7 @@ from specroll.protocol.limits import (
     MAX_STOP_TOKEN_IDS,
     LimitExceeded,
     check_at_most,
+    check_token_ids,
 )
 from specroll.protocol.messages import Abort, SubmitGroup
 
@@ -87,7 +88,4 @@ class SubmitLimits:
             self._check_ids(f"resume[{k}].token_ids", r.token_ids)
 
     def _check_ids(self, field: str, ids: Sequence[int]) -> None:
-        vocab = self.vocab_size
-        if ids and not (min(ids) >= 0 and max(ids) < vocab):
-            i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab)
-            raise LimitExceeded(f"{field}[{i}] = {t} is outside the model's vocabulary [0, {vocab})")
+        check_token_ids(field, ids, self.vocab_size)

@@ -93,6 +93,9 @@ class RolloutClient(ClientReceive):
             (``policy_published``, ``policy_served``), drafter versions accepted and served
             (``drafter_published``, ``drafter_served``) and every finished group (``group_finished``,
             with its lane); None records nothing. The caller owns it (and closes it).
+        vocab_size: the policy's vocabulary size: a chunk with a token id outside ``[0, vocab_size)``
+            is refused (logged, answered with ``Error``, nothing of it kept). None checks nothing
+            until :attr:`vocab_size` is set (the trainer sets it once its model is loaded).
     """
 
     def __init__(
@@ -108,6 +111,7 @@ class RolloutClient(ClientReceive):
         on_chunk: Callable[[str, RolloutChunk], None] | None = None,
         actor_id: str = "trainer",
         timeline: Timeline | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.bind = bind
         self.coordinator = RolloutCoordinator(max_groups_in_flight)
@@ -117,6 +121,10 @@ class RolloutClient(ClientReceive):
         self.on_chunk = on_chunk
         self.actor_id = actor_id
         self.timeline = timeline
+        self.vocab_size = vocab_size
+        """Token ids a chunk may carry are in ``[0, vocab_size)``; None: not checked. Set it before
+        the first :meth:`submit` (no chunk is merged before then: chunks of groups this client never
+        issued are refused or aborted)."""
         self.endpoint = ""
         """The bound endpoint, e.g. ``tcp://127.0.0.1:41234`` (set by :meth:`start`)."""
         self.generator_stats: dict[str, Stats] = {}

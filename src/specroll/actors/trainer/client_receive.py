@@ -26,7 +26,7 @@ from specroll.actors.trainer.weights_publish import PublishedWeights
 from specroll.actors.wakeup import Wakeup
 from specroll.protocol.channel import Channel, SequenceError
 from specroll.protocol.codec import ProtocolError
-from specroll.protocol.limits import MAX_SEQS, LimitExceeded, check_at_most
+from specroll.protocol.limits import MAX_SEQS, LimitExceeded, check_at_most, check_token_ids
 from specroll.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -61,6 +61,7 @@ class ClientReceive:
     drafter_policy_versions: dict[str, int]
     protocol_errors: int
     timeline: Timeline | None
+    vocab_size: int | None
     _foreign: ForeignGroups
     _weights: PublishedWeights
     _channel: Channel[Any] | None
@@ -155,6 +156,7 @@ class ClientReceive:
                 if self._foreign.is_foreign(msg.group_id):
                     self._on_foreign_chunk(actor, msg.group_id)
                     return
+                self._check_chunk_tokens(msg)  # before a token is held, resumed elsewhere or trained on
                 finished = self.coordinator.on_chunk(actor, msg)
                 self.drafters.on_chunk(msg)
                 if finished is not None:
@@ -220,6 +222,22 @@ class ClientReceive:
                 self.protocol_errors += 1
                 self._queue(actor, Error(code="bad_request", message=f"{type(msg).__name__} is not for a drafter "
                                                                      "trainer to send"))
+
+    def _check_chunk_tokens(self, chunk: RolloutChunk) -> None:
+        """Refuse token ids outside the policy's vocabulary: the training step's embedding lookup
+        would raise on them (ending the trainer), and a group resumed from them would be refused by
+        every generator. Nothing is checked when :attr:`vocab_size` is None (no model known yet).
+
+        Raises:
+            LimitExceeded: an id outside ``[0, vocab_size)``; the message names the group, the sample,
+                the id's index and value, and the range.
+        """
+        if self.vocab_size is None:
+            return
+        try:
+            check_token_ids("RolloutChunk.token_ids", chunk.token_ids, self.vocab_size)
+        except LimitExceeded as e:  # the group id is at most MAX_ID_CHARS (check_chunk_group_id)
+            raise LimitExceeded(f"group {chunk.group_id!r} sample {chunk.sample_index}: {e}") from None
 
     def _on_foreign_chunk(self, actor: str, group_id: str) -> None:
         """Stop a group this client does not know on the generator that runs it (once per group

@@ -81,6 +81,7 @@ async def _serve(config: RunConfig, timeline: Timeline) -> int:
             if threading.current_thread() is threading.main_thread():
                 tg.start_soon(watch_signals)
             setup = await anyio.to_thread.run_sync(load_setup, config)  # generators connect meanwhile
+            client.vocab_size = setup.model.config.vocab_size  # before the Trainer submits its first group
             trainer = Trainer(config, setup, client, timeline)
             await trainer.run()
             log.info("trained %d steps; final policy version %d", trainer.step, trainer.version)
