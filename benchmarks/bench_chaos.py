@@ -350,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", type=Path, help="keep the runs here (default: a temporary directory)")
     a = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: a launched run is torn down
     base = QUICK if a.quick else FULL
     plan = Plan(groups=a.groups or base.groups, generators=a.generators or base.generators,
                 kills=base.kills if a.kills is None else a.kills, event_wait_s=base.event_wait_s,

@@ -204,3 +204,24 @@ async def test_an_unreachable_peer_is_logged_once_per_change_of_state(caplog) ->
             close_socket(dealer)
         close_socket(router)
         ctx.term()
+
+
+async def test_a_client_cancelled_from_outside_closes_cleanly() -> None:
+    """A trainer cancelled by its caller (Ctrl-C in an embedding program, a test's timeout) still
+    closes the client: its task group is exited, its sockets and context are closed, and the cancel
+    goes on to the caller instead of an error about an unexited cancel scope."""
+    started = anyio.Event()
+    box: list[RolloutClient] = []
+
+    async def serve() -> None:
+        async with RolloutClient(heartbeat_timeout_s=60) as client:
+            box.append(client)
+            started.set()
+            await anyio.sleep_forever()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(serve)
+        await started.wait()
+        tg.cancel_scope.cancel()
+    client = box[0]
+    assert client._tg is None and client._ctx is not None and client._ctx.closed

@@ -188,21 +188,31 @@ class RolloutClient(ClientReceive):
     async def aclose(self) -> None:
         """Stop dispatching, send what is queued (for at most ``_FLUSH_S``), stop the tasks, tell every
         connected generator and drafter trainer that the coordinator is gone (:meth:`_say_dead`) and
-        close the socket."""
+        close the socket.
+
+        Shielded from the caller's cancellation (its work is bounded: ``_FLUSH_S`` and
+        ``_DEAD_READ_S``), so a client cancelled from outside still exits its task group and closes
+        its sockets; the cancellation then goes on."""
         if self._tg is None:
             return
         self._closing = True
-        if self._outboxes is not None:
-            with anyio.move_on_after(_FLUSH_S):
-                await self._outboxes.flushed()
-        self._tg.cancel_scope.cancel()
-        await self._tg.__aexit__(None, None, None)
-        self._tg = None
-        await self._say_dead([*self.coordinator.generators, *self.drafters.drafters])
-        if self._socket is not None:
-            close_socket(self._socket, linger_ms=_DEAD_LINGER_MS)
-        if self._ctx is not None:
-            self._ctx.term()
+        try:
+            # Each shielded scope nests inside the task group's (entered in start) or follows it:
+            # the group's own scope must be the innermost when it exits.
+            with anyio.CancelScope(shield=True):
+                if self._outboxes is not None:
+                    with anyio.move_on_after(_FLUSH_S):
+                        await self._outboxes.flushed()
+            self._tg.cancel_scope.cancel()
+            await self._tg.__aexit__(None, None, None)
+        finally:
+            self._tg = None
+            with anyio.CancelScope(shield=True):
+                await self._say_dead([*self.coordinator.generators, *self.drafters.drafters])
+                if self._socket is not None:
+                    close_socket(self._socket, linger_ms=_DEAD_LINGER_MS)
+                if self._ctx is not None:
+                    self._ctx.term()
 
     async def _say_dead(self, peers: list[str]) -> None:
         """Send each peer ``Dead``, the last message it gets from this client (a generator started alone
