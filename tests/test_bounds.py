@@ -311,6 +311,32 @@ async def test_the_client_refuses_chunks_past_max_tokens_and_bad_group_ids_and_k
     assert group.group_id == group_id and [len(s.token_ids) for s in group.samples] == [8, 8]
 
 
+async def test_a_generator_whose_messages_were_lost_registers_again_and_its_groups_resume() -> None:
+    """A connection that dropped and came back (a trainer paused past the ZeroMQ heartbeat) loses
+    what was in flight: the next message shows a sequence gap. The generator's groups would wait
+    forever for chunks no one resends, so the client treats it as gone (its groups resume from the
+    tokens held) and answers ``unknown_peer``; after ``Hello`` it gets them back as resumes."""
+    async with RolloutClient(heartbeat_timeout_s=60) as client, fake_generator(client.endpoint) as gen:
+        await gen.channel.send(Hello(protocol_version=PROTOCOL_VERSION, role="generator", actor_id="fake-gen"))
+        await gen.expect(Welcome)
+        await gen.channel.send(Heartbeat(policy_version=0, batch_size=0, free_groups=1, free_seqs=4))
+        group_id = await client.submit([5, 6, 7], 2, SamplingParams(max_tokens=8))
+        assert (await gen.expect(SubmitGroup)).group_id == group_id
+        await gen.channel.send(chunk(group_id, 0, 3))
+        gen.channel._state(gen.channel._key(None)).next_seq += 5  # five messages lost on the way
+        await gen.channel.send(chunk(group_id, 0, 4, offset=3))  # held: 3 tokens; these 4 would leave a gap
+        err = await gen.expect(Error)
+        assert err.code == "unknown_peer" and "never arrived" in err.message, err
+        assert client.coordinator.groups[group_id].generator is None  # queued again, to resume
+
+        gen.channel.forget()  # what the generator does on unknown_peer: a new session, then Hello
+        await gen.channel.send(Hello(protocol_version=PROTOCOL_VERSION, role="generator", actor_id="fake-gen"))
+        await gen.expect(Welcome)
+        await gen.channel.send(Heartbeat(policy_version=0, batch_size=0, free_groups=1, free_seqs=4))
+        sub = await gen.expect(SubmitGroup)
+        assert sub.group_id == group_id and [len(r.token_ids) for r in sub.resume if r.index == 0] == [3]
+
+
 def test_the_relay_refuses_drafter_versions_past_the_protocol_limits() -> None:
     sent: list[tuple[str, Any]] = []
     relay = DrafterRelay(lambda actor, msg, tensors: sent.append((actor, msg)))

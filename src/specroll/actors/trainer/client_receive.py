@@ -100,6 +100,21 @@ class ClientReceive:
         log.warning("generator %s is gone (%s); %d groups resume elsewhere", actor, why, len(orphans))
         self._dispatch()
 
+    def _lost_messages(self, peer: bytes | None, expected: int, seq: int) -> bool:
+        """A registered peer's messages ``expected .. seq-1`` never arrived (its connection dropped
+        and came back: a trainer paused past the ZeroMQ heartbeat, a network partition). What the
+        lost chunks carried would leave its groups with a gap no later chunk can fill, so the peer
+        is treated as gone — its groups resume elsewhere from the tokens held — and told
+        ``unknown_peer``, on which it registers again with ``Hello``. Returns whether the message
+        that revealed the gap is to be dropped (it came from such a peer)."""
+        actor = (peer or b"").decode(errors="replace")
+        if actor not in self.coordinator.generators and actor not in self.drafters.drafters:
+            return False
+        self._generator_gone(actor, f"its messages {expected}..{seq - 1} never arrived")
+        self._queue(actor, Error(code="unknown_peer", message=f"your messages {expected}..{seq - 1} never "
+                                 "arrived; send Hello to register again"))
+        return True
+
     def _forget(self, actor: str) -> None:
         """Drop a gone peer's liveness, outbox and channel state."""
         self._liveness.remove(actor)
@@ -121,6 +136,8 @@ class ClientReceive:
                 received = e.received
                 if received.seq < e.expected and not received.first:
                     continue  # a duplicate: already handled once
+                if not received.first and self._lost_messages(received.peer, e.expected, received.seq):
+                    continue
             except ProtocolError as e:
                 self.protocol_errors += 1
                 actor = e.peer.decode(errors="replace") if e.peer else "?"
