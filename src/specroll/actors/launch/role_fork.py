@@ -43,10 +43,31 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-_PR_SET_NAME, _PR_SET_PDEATHSIG = 15, 1
+_PR_SET_NAME = 15
+
+
+def pdeathsig_preexec() -> Callable[[], None] | None:
+    """Run in a child right after fork: it receives SIGKILL when the launcher dies, and exits at once
+    if the launcher is already gone (Linux only; None elsewhere). ``subprocess``'s ``preexec_fn``
+    for a spawned role, called directly in a forked one."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return None
+    prctl = ctypes.CDLL(libc_name, use_errno=True).prctl  # resolved before fork, not in the child
+    pr_set_pdeathsig, parent = 1, os.getpid()
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl: do not run orphaned
+            os._exit(1)
+
+    return preexec
 
 
 def fork_supported() -> bool:
@@ -125,7 +146,7 @@ def fork_role(forker: Forker, module_args: list[str], log: Path, name: str) -> F
     """Fork a child that runs ``python -m module_args...`` in-process (module docstring), its stdout
     and stderr appended to ``log``; the child never returns here."""
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)  # resolved before fork
-    parent = os.getpid()
+    die_with_parent = pdeathsig_preexec()
     for stream in (sys.stdout, sys.stderr):  # nothing buffered is written twice
         stream.flush()
     pid = os.fork()
@@ -133,7 +154,7 @@ def fork_role(forker: Forker, module_args: list[str], log: Path, name: str) -> F
         return ForkedProcess(pid)
     code = 1
     try:
-        _become_role(libc, parent, log, name, forker)
+        _become_role(libc, die_with_parent, log, name, forker)
         code = _run_module(module_args)
     except BaseException:  # the child must never run on as a launcher
         with contextlib.suppress(BaseException):
@@ -142,12 +163,12 @@ def fork_role(forker: Forker, module_args: list[str], log: Path, name: str) -> F
         os._exit(code)
 
 
-def _become_role(libc: ctypes.CDLL, parent: int, log: Path, name: str, forker: Forker) -> None:
+def _become_role(libc: ctypes.CDLL, die_with_parent: Callable[[], None] | None, log: Path, name: str,
+                 forker: Forker) -> None:
     """In the child: the process ``subprocess.Popen(process_group=0, ...)`` would have made."""
     os.setpgid(0, 0)
-    libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != parent:  # the launcher died before prctl: do not run orphaned
-        os._exit(1)
+    if die_with_parent is not None:
+        die_with_parent()
     libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
     signal.set_wakeup_fd(-1)
     for sig, handler in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL),

@@ -9,18 +9,15 @@ process-group id — reserved, so signalling that group can only reach processes
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from specroll.actors.launch.role_fork import ForkedProcess, Forker, fork_role
+from specroll.actors.launch.role_fork import ForkedProcess, Forker, fork_role, pdeathsig_preexec
 
 
 @dataclass
@@ -53,7 +50,7 @@ def start_role(name: str, module_args: list[str], log_path: Path, forker: Forker
     with log_path.open("ab") as log:
         popen = subprocess.Popen(
             [sys.executable, "-m", *module_args], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            process_group=0, preexec_fn=_pdeathsig_preexec(), close_fds=True,
+            process_group=0, preexec_fn=pdeathsig_preexec(), close_fds=True,
         )
     return RoleProcess(name, popen, log_path)
 
@@ -78,24 +75,6 @@ def tail(path: Path, lines: int = 20, max_bytes: int = 16384) -> str:
     except OSError:
         return ""
     return "\n".join("  " + line for line in text.rstrip("\n").splitlines()[-lines:])
-
-
-def _pdeathsig_preexec() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child receive SIGKILL when the launcher dies (Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return None
-    prctl = ctypes.CDLL(libc_name, use_errno=True).prctl  # resolved before fork, not in the child
-    pr_set_pdeathsig, parent = 1, os.getpid()
-
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:  # the launcher died before prctl: do not run orphaned
-            os._exit(1)
-
-    return preexec
 
 
 def observe_exit(proc: RoleProcess) -> int | None:
