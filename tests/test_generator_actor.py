@@ -459,3 +459,17 @@ async def test_exits_zero_after_a_trainer_that_said_dead(tiny_checkpoint, tmp_pa
                     await anyio.sleep(0.05)
         assert await wait_exit(proc) == 0
     assert "the trainer ended and did not come back" in log.read_text()
+
+
+async def test_sigterm_while_waiting_for_welcome_stops_it(tiny_checkpoint, tmp_path: Path) -> None:
+    """A generator told to stop before the trainer welcomed it has no step to finish and nothing to
+    flush: it ends at once instead of waiting out the handshake (longer than the launcher's grace)."""
+    model = tiny_checkpoint("llama")
+    log = tmp_path / "gen.log"
+    with contextlib.ExitStack() as stack:
+        async with fake_trainer() as trainer:
+            proc = stack.enter_context(generator_process(trainer.endpoint, model, log, "--trainer-timeout-s", "600"))
+            await trainer.expect(Hello)  # never answered with Welcome
+            proc.send_signal(signal.SIGTERM)
+            assert await wait_exit(proc) == 0  # HANG_S, far below the 600 s handshake timeout
+    assert "received SIGTERM" in log.read_text()

@@ -196,13 +196,15 @@ class PeerConnection(Generic[M]):
 
     def stop(self, code: int, reason: str, *, graceful: bool = False) -> None:
         """End the actor: ``graceful`` lets the role's main loop end (it sees :attr:`stopping`) and
-        flushes; otherwise every task is cancelled now. The first reason given is the one reported."""
+        flushes, once welcomed; otherwise every task is cancelled now. The first reason given is the one reported."""
         if self._exit is None:
             self._exit = (code, reason)
         self.stopping = True
         self.wake.notify()
         self.outbox_changed.notify()
-        if not graceful and self._tg is not None:
+        # Before the trainer's Welcome there is no step to finish and nothing it would accept to
+        # flush: a graceful stop is immediate (it would otherwise wait out the whole handshake).
+        if (not graceful or not self.welcomed) and self._tg is not None:
             self._tg.cancel_scope.cancel()
 
     def _register_again(self, why: str) -> None:
