@@ -24,6 +24,9 @@ message                       direction            purpose
 :class:`FetchWeights`         generator → trainer  send me that version
 :class:`WeightsChunk`         trainer → generator  some of its tensors, as frames after the header
 :class:`AckWeights`           generator → trainer  the version is now served
+:class:`JoinWeightsGroup`     generator → trainer  open a weights group with me (``collective``)
+:class:`WeightsGroup`         trainer → generator  join that torch.distributed group as rank 1
+:class:`WeightsBroadcast`     trainer → generator  the version's buckets are broadcast now
 :class:`Heartbeat`            generator → trainer  liveness, live batch size, free capacity
 :class:`Stats`                generator → trainer  counters for the progress display and metrics
 :class:`Credit`               both                 flow control (see ``protocol/channel.py``)
@@ -69,15 +72,20 @@ from specroll.protocol.drafter_messages import (
 from specroll.protocol.sampling import SamplingParams
 from specroll.protocol.weights_messages import (
     AckWeights,
+    CollectiveBackend,
     FetchWeights,
+    JoinWeightsGroup,
     TensorRef,
     TensorSpec,
     WeightsAvailable,
+    WeightsBroadcast,
     WeightsChunk,
+    WeightsGroup,
+    WeightsTransport,
 )
 from specroll.protocol.wire import ErrorCode, FinishReason, NonNegative, Positive, WireDtype, WireMessage, WireStruct
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped on every change to a message; peers of different versions refuse each other."""
 
 # ---- handshake --------------------------------------------------------------------------------
@@ -280,10 +288,10 @@ class Dead(WireMessage, tag="dead"):
 
 
 ToTrainer = (Hello | RolloutChunk | FetchWeights | AckWeights | Heartbeat | Stats | Credit | Error | Dead
-             | FetchDrafter | AckDrafter | PublishDrafter)
+             | FetchDrafter | AckDrafter | PublishDrafter | JoinWeightsGroup)
 """What a trainer (coordinator) receives from a generator or the drafter trainer."""
 ToGenerator = (Welcome | Refuse | SubmitGroup | Abort | WeightsAvailable | WeightsChunk | Credit | Error | Dead
-               | DrafterAvailable | DrafterWeights)
+               | DrafterAvailable | DrafterWeights | WeightsGroup | WeightsBroadcast)
 """What a generator receives from the trainer."""
 ToDrafter = (Welcome | Refuse | WeightsAvailable | WeightsChunk | FinishedRollouts | Capacity | Credit | Error
              | Dead | DrafterAvailable)
@@ -300,6 +308,7 @@ __all__ = [
     "AckDrafter",
     "AckWeights",
     "Capacity",
+    "CollectiveBackend",
     "Credit",
     "Dead",
     "DrafterAvailable",
@@ -312,6 +321,7 @@ __all__ = [
     "FinishedRollouts",
     "Heartbeat",
     "Hello",
+    "JoinWeightsGroup",
     "NonNegative",
     "PublishDrafter",
     "Refuse",
@@ -327,7 +337,10 @@ __all__ = [
     "ToGenerator",
     "ToTrainer",
     "WeightsAvailable",
+    "WeightsBroadcast",
     "WeightsChunk",
+    "WeightsGroup",
+    "WeightsTransport",
     "Welcome",
     "WireDtype",
     "WireMessage",

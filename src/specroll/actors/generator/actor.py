@@ -16,7 +16,11 @@ liveness, signals, the exit report — is the shared peer lifecycle
 
 Message flow with the trainer: ``Hello`` → ``Welcome`` | ``Refuse``; ``SubmitGroup`` → chunks of
 each sample (the last ``finished``); ``Abort`` → final chunks with ``"abort"``;
-``WeightsAvailable`` → ``FetchWeights`` → ``WeightsChunk``s → applied between steps → ``AckWeights``.
+``WeightsAvailable`` → ``FetchWeights`` → ``WeightsChunk``s → applied between steps → ``AckWeights``;
+with ``network.weights_transport = "collective"`` the tensors come over the generator's own
+torch.distributed group instead, once it has joined one (``JoinWeightsGroup`` → ``WeightsGroup``;
+``FetchWeights(transport="collective")`` → ``WeightsBroadcast`` → bucketed broadcasts, each bucket's
+checksum checked; ``weights_group.py``), and as chunks until then or after the group failed.
 
 Policy-version attribution: an update is applied only between steps, so every engine step runs under
 exactly one version and each token it emits is tagged with that version — the weights whose forward
@@ -48,7 +52,9 @@ from specroll.actors.generator.engine_build import build_engine
 from specroll.actors.generator.live_samples import LiveSamples, SampleRefused
 from specroll.actors.generator.rollout_stream import DraftCounter
 from specroll.actors.generator.submit_limits import SubmitLimits
+from specroll.actors.generator.weights_group import Result, WeightsGroupLink
 from specroll.actors.peer.lifecycle import PeerConnection, trainer_channel
+from specroll.actors.peer.weights_collective import ChecksumMismatch, CollectiveError, endpoint_host
 from specroll.actors.peer.weights_fetch import FetchAbandoned, WeightsFetch, check_announcement
 from specroll.drafter.eagle_head import DrafterError
 from specroll.engine.engine import Engine
@@ -79,7 +85,9 @@ from specroll.protocol.messages import (
     SubmitGroup,
     ToGenerator,
     WeightsAvailable,
+    WeightsBroadcast,
     WeightsChunk,
+    WeightsGroup,
     Welcome,
 )
 
@@ -138,6 +146,10 @@ class GeneratorActor:
         """The model's parameters: what a policy version may hold."""
         self._announced: WeightsAvailable | None = None
         self._fetch: WeightsFetch | None = None
+        self.weights_group = WeightsGroupLink(config.network.weights_transport == "collective", engine.device,
+                                              self.peer.put, self._on_broadcast_result,
+                                              trainer_host=endpoint_host(connect))
+        """This generator's weights group with the trainer (``collective``)."""
         self._largest_group = 1
         self._last_stats = time.monotonic()
         self._num_steps = 0
@@ -175,6 +187,7 @@ class GeneratorActor:
         not yet applied (a new trainer may publish other weights under the same number). Live and
         queued groups stay: the new trainer aborts each as foreign at its first chunk."""
         self._announced, self._fetch = None, None
+        self.weights_group.reset()
         self._drafter_fetch = DrafterFetch()
         self._inbox = deque(op for op in self._inbox if not isinstance(op, _ApplyWeights | ReadyDrafter))
 
@@ -222,9 +235,16 @@ class GeneratorActor:
                     # restarted and will never finish the old one): drop it, fetch the new one.
                     log.info("policy version %d supersedes the unfinished fetch of %d", msg.version, f.version)
                     self._fetch = None
+                self.weights_group.on_announced(msg)
                 self._maybe_fetch()
             case WeightsChunk():
                 await self._on_weights_chunk(msg, r)
+            case WeightsGroup():
+                if (why := self.weights_group.on_group(msg)) is not None:
+                    await self.peer.refuse("bad_request", why, r.seq)
+            case WeightsBroadcast():
+                if (why := self.weights_group.on_broadcast(msg)) is not None:
+                    await self.peer.refuse("bad_request", why, r.seq)
             case DrafterAvailable():
                 f = self._drafter_fetch.fetching
                 self._drafter_fetch.on_announced(msg.version, received=any(
@@ -257,8 +277,40 @@ class GeneratorActor:
         if a is None or self._fetch is not None or a.version <= self.engine.weight_version:
             return
         self._fetch = WeightsFetch.announced(a, self._weight_shapes)
+        if self.weights_group.ready and a.transport == "collective":
+            log.info("fetching policy version %d over the weights group (%d buckets)", a.version,
+                     len(a.bucket_checksums))
+            self.weights_group.asked(a)
+            self.peer.put(FetchWeights(version=a.version, transport="collective"))
+            return
         log.info("fetching policy version %d (%d chunks)", a.version, a.num_chunks)
         self.peer.put(FetchWeights(version=a.version))
+
+    def _on_broadcast_result(self, version: int, result: Result) -> None:
+        """A version fetched over the weights group arrived (or failed): queue it for the step loop
+        when it is still the one fetched; a corrupted one is refused, a failed group refetched as chunks."""
+        f = self._fetch
+        current = f is not None and f.version == version and not f.complete
+        match result:
+            case ChecksumMismatch():
+                log.error("policy version %d refused, still serving %d: %s", version, self.engine.weight_version,
+                          result)
+                self.peer.put(Error(code="bad_request", message=f"policy version {version} refused: {result}"[:500]))
+                if current:
+                    self._fetch = None
+                    self._forget_announcement(version)  # fetched again only when announced again
+            case CollectiveError():
+                if current:
+                    self._fetch = None
+                    self._maybe_fetch()  # as chunks: the group is gone
+            case dict():
+                if not current:
+                    log.info("policy version %d arrived after it was superseded; dropped", version)
+                    return
+                assert f is not None
+                f.finish()
+                self._inbox.append(_ApplyWeights(version, result))
+                self.peer.wake.notify()
 
     def _maybe_fetch_drafter(self) -> None:
         """Fetch the newest announced drafter version when speculating with a learned drafter."""
@@ -321,7 +373,14 @@ class GeneratorActor:
     # ---- the step loop: the only code touching the engine -----------------------------------
 
     async def serve(self) -> None:
-        """The step loop: until a stop, apply queued work, then one engine step in a worker thread."""
+        """The step loop, beside the weights group's receiving task (which only waits when unused)."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.weights_group.run)
+            await self._step_loop()
+            tg.cancel_scope.cancel()
+
+    async def _step_loop(self) -> None:
+        """Until a stop, apply queued work, then one engine step in a worker thread."""
         self._last_stats = time.monotonic()
         while not self.peer.stopping:
             await self._apply_inbox()

@@ -8,7 +8,10 @@ and leaves the answer to the caller.
 
 What a version may hold is bounded by the receiver's own model before anything is fetched
 (:func:`check_announcement`): no more tensors than the model has, only names it has, no more chunks
-than tensors; each tensor's shape is checked against the model's as its chunk arrives.
+than tensors; each tensor's shape is checked against the model's as its chunk arrives. A version
+also offered over weights groups (``transport="collective"``) is checked whole up front: the receiver
+allocates its byte string from the announced shapes, so each must be the model's, and there must be
+exactly one checksum per bucket.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specroll.actors.peer.weights_collective import WeightsLayout
 from specroll.protocol.limits import MAX_ID_CHARS, LimitExceeded, check_at_most
 from specroll.protocol.messages import WeightsAvailable, WeightsChunk
+from specroll.protocol.weights_messages import MAX_BUCKETS
 
 Shapes = Mapping[str, tuple[int, ...]]
 """Hugging Face parameter name → shape, of the receiver's own model."""
@@ -35,8 +40,10 @@ def check_announcement(a: WeightsAvailable, model: Shapes) -> None:
     Raises:
         LimitExceeded: more parameters than ``model`` has, a name it does not have (or longer than
             :data:`~specroll.protocol.limits.MAX_ID_CHARS`), a name twice, or more chunks than
-            parameters (the trainer sends at least one tensor per chunk); the message names the
-            field, the value and the limit.
+            parameters (the trainer sends at least one tensor per chunk); with
+            ``transport="collective"`` also a shape other than the model's, a bucket size of 0 or a
+            checksum count other than the number of buckets; the message names the field, the
+            value and the limit.
     """
     check_at_most(f"WeightsAvailable(version={a.version}).len(params)", len(a.params), len(model),
                   "the tensors of this model")
@@ -50,6 +57,28 @@ def check_announcement(a: WeightsAvailable, model: Shapes) -> None:
             what = "twice" if p.name in seen else "and this model has no such parameter"
             raise LimitExceeded(f"WeightsAvailable(version={a.version}).params[{i}] names {p.name!r} {what}")
         seen.add(p.name)
+    if a.transport == "collective":
+        _check_buckets(a, model)
+
+
+def _check_buckets(a: WeightsAvailable, model: Shapes) -> None:
+    what = f"WeightsAvailable(version={a.version})"
+    for i, p in enumerate(a.params):
+        if tuple(p.shape) != tuple(model[p.name]):
+            raise LimitExceeded(f"{what}.params[{i}] ({p.name}) has shape {tuple(p.shape)}, this model's is "
+                                f"{tuple(model[p.name])}")
+    if a.bucket_bytes < 1:
+        raise LimitExceeded(f"{what}.bucket_bytes = {a.bucket_bytes}, expected a positive size with transport "
+                            "'collective'")
+    try:
+        total = WeightsLayout.of(a.params, a.dtype).total_bytes
+    except ValueError as e:
+        raise LimitExceeded(f"{what}: {e}") from None
+    check_at_most(f"{what}.len(bucket_checksums)", len(a.bucket_checksums), MAX_BUCKETS, "protocol limit")
+    buckets = -(-total // a.bucket_bytes)  # ceil
+    if len(a.bucket_checksums) != buckets:
+        raise LimitExceeded(f"{what}.len(bucket_checksums) = {len(a.bucket_checksums)}, expected {buckets} "
+                            f"({total} bytes in buckets of {a.bucket_bytes})")
 
 
 @dataclass
@@ -74,6 +103,10 @@ class WeightsFetch:
     @property
     def complete(self) -> bool:
         return self.next_index >= self.num_chunks
+
+    def finish(self) -> None:
+        """The whole version arrived another way (over a weights group): no chunk is expected."""
+        self.next_index = self.num_chunks
 
     def add(self, msg: WeightsChunk, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """Add chunk ``msg`` (of this version) with its tensors.

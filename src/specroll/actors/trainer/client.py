@@ -13,6 +13,10 @@ same way::
 
 :class:`~specroll.actors.trainer.sync_client.SyncRolloutClient` wraps it for code without an event loop.
 
+Weights travel as ZeroMQ chunks on the same socket (the default), or with
+``weights_transport="collective"`` as bucketed broadcasts over one torch.distributed group per
+generator (``weights_groups.py``; announcements and acknowledgements stay on ZeroMQ).
+
 Drafter trainers connect to the same endpoint (``Hello(role="drafter")``); the client feeds them
 finished rollouts and the generators' load, and relays their drafter versions to the generators
 (:class:`~specroll.actors.trainer.drafter_relay.DrafterRelay`, :attr:`RolloutClient.drafters`).
@@ -39,12 +43,14 @@ import zmq.asyncio
 from anyio.abc import TaskGroup
 from zmq.utils.monitor import parse_monitor_message
 
+from specroll.actors.peer.weights_collective import endpoint_host
 from specroll.actors.trainer.client_receive import ClientReceive
 from specroll.actors.trainer.drafter_relay import DrafterRelay
 from specroll.actors.trainer.foreign_groups import ForeignGroups
 from specroll.actors.trainer.peer_liveness import PeerLiveness
 from specroll.actors.trainer.peer_outboxes import Outboxes
 from specroll.actors.trainer.timeline import Timeline
+from specroll.actors.trainer.weights_groups import BackendChoice, WeightsGroups
 from specroll.actors.trainer.weights_publish import PublishedWeights
 from specroll.actors.wakeup import Wakeup
 from specroll.protocol.channel import DEFAULT_WINDOW, Channel
@@ -56,6 +62,7 @@ from specroll.protocol.messages import (
     RolloutChunk,
     Stats,
     ToTrainer,
+    WeightsTransport,
 )
 from specroll.protocol.sampling import SamplingParams
 from specroll.protocol.sockets import DEFAULT_HWM, close_socket, last_endpoint, make_socket
@@ -96,6 +103,15 @@ class RolloutClient(ClientReceive):
         vocab_size: the policy's vocabulary size: a chunk with a token id outside ``[0, vocab_size)``
             is refused (logged, answered with ``Error``, nothing of it kept). None checks nothing
             until :attr:`vocab_size` is set (the trainer sets it once its model is loaded).
+        weights_transport: ``zmq`` (default): weights travel as ``WeightsChunk`` messages;
+            ``collective``: a generator that asks gets a torch.distributed group of its own and
+            fetches each version as bucketed broadcasts over it (``weights_groups.py``); chunks
+            stay the answer for everyone else (drafter trainers, a generator whose group failed).
+        weights_bucket_mb: MiB per broadcast bucket (``collective``).
+        weights_backend: ``auto`` (NCCL when this process has CUDA and the generator's engine is
+            on CUDA, else gloo), ``gloo`` or ``nccl``.
+        weights_host: the address the groups' stores and gloo sockets bind; default: the host of
+            ``bind`` (127.0.0.1 for a non-TCP endpoint). Unauthenticated: a cluster-internal address.
     """
 
     def __init__(
@@ -112,6 +128,10 @@ class RolloutClient(ClientReceive):
         actor_id: str = "trainer",
         timeline: Timeline | None = None,
         vocab_size: int | None = None,
+        weights_transport: WeightsTransport = "zmq",
+        weights_bucket_mb: int = 64,
+        weights_backend: BackendChoice = "auto",
+        weights_host: str | None = None,
     ) -> None:
         self.bind = bind
         self.coordinator = RolloutCoordinator(max_groups_in_flight)
@@ -145,7 +165,11 @@ class RolloutClient(ClientReceive):
         self._finished_event = Wakeup()
         self._version_event = Wakeup()
         self._generators_event = Wakeup()
-        self._weights = PublishedWeights()
+        self._weights = PublishedWeights(weights_transport, weights_bucket_mb << 20)
+        self.weights_groups = WeightsGroups(
+            self._weights, weights_host or endpoint_host(bind), weights_backend, heartbeat_timeout_s, self._queue,
+            self._send_chunks, self._start_soon)
+        """The generators' weights groups (``collective``)."""
         self._ctx: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._channel: Channel[Any] | None = None
@@ -346,11 +370,26 @@ class RolloutClient(ClientReceive):
         Raises:
             ValueError: an unknown dtype or a version not above the last published one.
         """
-        announce = self._weights.publish(named_tensors, version, dtype)
+        named = dict(named_tensors)
+        # Off the event loop: the snapshot (and for ``collective`` the checksums) take ~0.1 s per 100M parameters.
+        announce = await anyio.to_thread.run_sync(self._weights.publish, named, version, dtype)
         if self.timeline is not None:
             self.timeline.record("policy_published", version=version)
         for actor in [*self.coordinator.generators, *self.drafters.drafters]:
             self._queue(actor, announce)
+
+    @property
+    def weights_transport(self) -> WeightsTransport:
+        """How the next published version is offered: ``zmq`` (chunks only) or ``collective`` (also
+        over weights groups). May be changed between publishes (``benchmarks/bench_weight_sync.py``
+        compares both on one set of generators); groups already built stay."""
+        return self._weights.transport
+
+    @weights_transport.setter
+    def weights_transport(self, transport: WeightsTransport) -> None:
+        if transport not in ("zmq", "collective"):
+            raise ValueError(f"weights_transport={transport!r}, expected 'zmq' or 'collective'")
+        self._weights.transport = transport
 
     def pause_drafter(self, paused: bool = True) -> None:
         """Ask drafter trainers to stop training between their steps (``False``: go on); they hear it
@@ -385,6 +424,11 @@ class RolloutClient(ClientReceive):
             return
         self._outboxes.put(actor, msg, tensors)
 
+    def _start_soon(self, fn: Callable[..., Any], *args: object) -> None:
+        """Start ``fn(*args)`` in the client's task group (nothing once closed)."""
+        if self._tg is not None and not self._closing:
+            self._tg.start_soon(fn, *args)
+
     async def _tick_loop(self) -> None:
         last_capacity = 0.0
         while True:
@@ -418,3 +462,4 @@ class RolloutClient(ClientReceive):
                 self.timeline.record("group_resumed", group_id=msg.group_id, actor=actor,
                                      held={r.index: r.token_ids for r in msg.resume})
             self._queue(actor, msg)
+

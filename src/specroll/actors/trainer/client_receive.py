@@ -22,6 +22,7 @@ from specroll.actors.trainer.foreign_groups import ForeignGroups
 from specroll.actors.trainer.peer_liveness import PeerLiveness
 from specroll.actors.trainer.peer_outboxes import Outboxes
 from specroll.actors.trainer.timeline import Timeline
+from specroll.actors.trainer.weights_groups import WeightsGroups
 from specroll.actors.trainer.weights_publish import PublishedWeights
 from specroll.actors.wakeup import Wakeup
 from specroll.protocol.channel import Channel, SequenceError
@@ -38,10 +39,13 @@ from specroll.protocol.messages import (
     FetchWeights,
     Heartbeat,
     Hello,
+    JoinWeightsGroup,
     PublishDrafter,
     Refuse,
     RolloutChunk,
     Stats,
+    WeightsGroup,
+    WeightsTransport,
     Welcome,
 )
 from specroll.rl.coordinator import ChunkError, RolloutCoordinator, check_chunk_group_id
@@ -64,6 +68,7 @@ class ClientReceive:
     vocab_size: int | None
     _foreign: ForeignGroups
     _weights: PublishedWeights
+    weights_groups: WeightsGroups
     _channel: Channel[Any] | None
     _outboxes: Outboxes | None
     _load: dict[str, tuple[int, int]]
@@ -95,6 +100,7 @@ class ClientReceive:
         orphans = self.coordinator.remove_generator(actor)
         self._capacity_known.discard(actor)
         self.dead_generators.append(actor)
+        self.weights_groups.forget(actor)
         self._forget(actor)
         self._version_event.notify()  # one fewer generator to wait for
         log.warning("generator %s is gone (%s); %d groups resume elsewhere", actor, why, len(orphans))
@@ -199,7 +205,13 @@ class ClientReceive:
                 self._version_event.notify()  # a heartbeat may report a newer served version
                 self._dispatch()
             case FetchWeights():
-                self._on_fetch(actor, msg.version)
+                self._on_fetch(actor, msg.version, msg.transport)
+            case JoinWeightsGroup():
+                if self._weights.transport == "collective":
+                    self.weights_groups.join(actor, msg)
+                else:
+                    self._queue(actor, WeightsGroup(name="", host="", port=0, refused="this trainer sends weights as "
+                                                    "chunks (network.weights_transport = zmq)"))
             case AckWeights():
                 self.coordinator.on_served(actor, msg.version)
                 if self.timeline is not None:
@@ -291,6 +303,13 @@ class ClientReceive:
             self._queue(actor, self._weights.announcement)
         self.drafters.on_generator_hello(actor)
 
-    def _on_fetch(self, actor: str, version: int) -> None:
+    def _on_fetch(self, actor: str, version: int, transport: WeightsTransport = "zmq") -> None:
+        if transport == "collective" and self._weights.transport == "collective":
+            self.weights_groups.fetch(actor, version)  # over its group, or chunks when it has none
+        else:
+            self._send_chunks(actor, version)
+
+    def _send_chunks(self, actor: str, version: int) -> None:
+        """Answer a fetch of ``version`` with its chunks (or the ``Error`` naming the current version)."""
         for msg, tensors in self._weights.answer_fetch(version):
             self._queue(actor, msg, tensors)
