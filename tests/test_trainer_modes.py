@@ -207,14 +207,14 @@ async def test_the_feeder_keeps_eta_plus_one_batches_ahead_and_a_stale_batch_is_
             await step(0)  # trained as version 1: lag 1 = η
             assert (trainer.step, trainer.version) == (2, 2)
 
-            weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+            weights = {k: v.clone() for k, v in trainer.policy.full_weights().items()}
             await step(0)  # trained as version 2: lag 2 > η, every token masked
             assert (trainer.step, trainer.version, client.num_pending) == (2, 2, 4)  # no step, no version
-            assert all(torch.equal(weights[k], v) for k, v in trainer.model.state_dict().items())
+            assert all(torch.equal(weights[k], v) for k, v in trainer.policy.full_weights().items())
             assert "step 3: no token of its batch is trainable (8 masked as stale" in caplog.text
             await step(2)
             assert (trainer.step, trainer.version) == (3, 3)
-            assert any(not torch.equal(weights[k], v) for k, v in trainer.model.state_dict().items())
+            assert any(not torch.equal(weights[k], v) for k, v in trainer.policy.full_weights().items())
 
             await step(0)  # η + 1 = 2 stale batches in a row are possible; a third means something is wrong
             await step(1)

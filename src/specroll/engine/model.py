@@ -187,6 +187,51 @@ def _fused_slot(config: ModelConfig, name: str) -> tuple[str, int, int] | None:
     return f"{module_path}.{fused}.{leaf}", start, rows
 
 
+def unfuse_weights(config: ModelConfig, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face names from the model's own (fused) parameter names: ``params`` is
+    ``named_parameters()``-like (e.g. a gathered full state dict of a sharded model); q/k/v and
+    gate/up come out as row *views* of the fused tensors. Returns exactly the names of
+    ``expected_weight_shapes(config)``, in its order (a tied LM head omitted).
+
+    Raises:
+        KeyError: a parameter of ``config``'s architecture is missing from ``params``.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name in expected_weight_shapes(config):
+        slot = _fused_slot(config, name)
+        if slot is None:
+            out[name] = params[name]
+        else:
+            fused, start, rows = slot
+            out[name] = params[fused][start : start + rows]
+    return out
+
+
+def fuse_weights(config: ModelConfig, named_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`unfuse_weights`: tensors under Hugging Face names (validated, e.g. by
+    ``checkpoint.check_weights``) → new tensors under the model's parameter names, q/k/v and
+    gate/up concatenated along rows (what ``set_model_state_dict`` of a sharded model takes).
+
+    Raises:
+        KeyError: a slice of a fused parameter is missing (the rows would not be covered).
+    """
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for name, tensor in named_tensors.items():
+        slot = _fused_slot(config, name)
+        if slot is None:
+            out[name] = tensor
+        else:
+            parts.setdefault(slot[0], []).append((slot[1], tensor))
+    for fused, pieces in parts.items():
+        pieces.sort(key=lambda piece: piece[0])
+        expected = 3 if ".qkv_proj." in fused else 2
+        if len(pieces) != expected:
+            raise KeyError(f"{fused}: {len(pieces)} of its {expected} slices given")
+        out[fused] = torch.cat([t for _, t in pieces])
+    return out
+
+
 class CausalLM(nn.Module):
     """The decoder plus its LM head.
 
@@ -235,16 +280,7 @@ class CausalLM(nn.Module):
             with the parameters (they change when training steps; clone to keep a snapshot, and
             make them contiguous copies before ``safetensors.save_file``, which refuses shared storage).
         """
-        params = dict(self.named_parameters())
-        out: dict[str, torch.Tensor] = {}
-        for name in expected_weight_shapes(self.config):
-            slot = _fused_slot(self.config, name)
-            if slot is None:
-                out[name] = params[name].detach()
-            else:
-                fused, start, rows = slot
-                out[name] = params[fused].detach()[start : start + rows]
-        return out
+        return unfuse_weights(self.config, {name: p.detach() for name, p in self.named_parameters()})
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -330,6 +366,20 @@ class CausalLM(nn.Module):
         causal = idx[None, :] <= idx[:, None]  # [T, T]
         hidden = self.hidden_dense(input_ids, positions, causal & attention_mask[:, None, :])
         return F.linear(hidden, self.lm_head_weight).float()
+
+    def logits_at(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_mask: torch.Tensor,
+                  rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        """:meth:`hidden_dense`, then the LM head only at positions ``(rows[i], columns[i])``:
+        logits ``[N, vocab_size]`` in the model's dtype, differentiable (the GRPO step's forward,
+        ``rl/grpo_step.response_logprobs``). One method, so a sharded model (FSDP2's
+        ``register_fsdp_forward_method``) has the LM head's weight gathered for the whole call.
+
+        Args:
+            input_ids, positions, attn_mask: as :meth:`hidden_dense` (``[B, T]``, ``[B, T]``, ``[B, T, T]``).
+            rows, columns: int64 ``[N]``: the batch row and position of each wanted prediction.
+        """
+        hidden = self.hidden_dense(input_ids, positions, attn_mask)  # [B, T, hidden]
+        return F.linear(hidden[rows, columns], self.lm_head_weight)  # [N, vocab]
 
     def hidden_dense(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
         """Differentiable dense forward for training with an explicit attention pattern: the final

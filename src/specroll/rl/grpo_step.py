@@ -27,21 +27,23 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass, fields, replace
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from specroll.engine.model import CausalLM
 from specroll.rl.coordinator import Group
 from specroll.rl.grpo import (
-    LossKind,
-    StalenessPolicy,
     apply_staleness,
     group_advantages,
     policy_loss,
     target_logprobs,
 )
+from specroll.rl.step_result import Mismatch, StepResult, StepSettings
+
+__all__ = ["Mismatch", "RolloutBatch", "StepResult", "StepSettings", "build_batch", "response_logprobs", "train_step"]
 
 
 @dataclass(frozen=True)
@@ -73,11 +75,16 @@ class RolloutBatch:
     """float32 ``[B]``: the GRPO advantage of each sample (shared by its tokens)."""
     group_size: int
 
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """This batch with every tensor on ``device`` (the trainer's ``trainer.device``)."""
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
+
     def attention_mask(self, rows: torch.Tensor, t: int) -> torch.Tensor:
         """bool ``[len(rows), t, t]``: query i attends key j when j ≤ i, j is real, and j is on the
         prompt or on i's own response."""
         seg = self.segments[rows, :t]  # [g, t]
-        idx = torch.arange(t)
+        idx = torch.arange(t, device=seg.device)
         causal = idx[None, :] <= idx[:, None]  # [t, t]
         key, query = seg[:, None, :], seg[:, :, None]  # [g, 1, t], [g, t, 1]
         return causal & (key >= 0) & ((key == 0) | (key == query))
@@ -151,107 +158,23 @@ def build_batch(
 def response_logprobs(model: CausalLM, batch: RolloutBatch, rows: torch.Tensor) -> torch.Tensor:
     """The policy's logprob of every response token of the groups in ``rows``: float32 ``[len(rows)·n, L]``
     (0 where ``loss_mask`` is False), differentiable in the model's parameters."""
+    device = batch.input_ids.device
     t = int(batch.row_lengths[rows].max())  # trim the micro-batch to its own longest row
-    hidden = model.hidden_dense(batch.input_ids[rows, :t], batch.positions[rows, :t],
-                                batch.attention_mask(rows, t))  # [g, t, hidden]
     n = batch.group_size
-    samples = (rows[:, None] * n + torch.arange(n)).flatten()  # [s]
+    samples = (rows[:, None] * n + torch.arange(n, device=device)).flatten()  # [s]
     real = batch.loss_mask[samples]  # [s, L]
-    local_row = torch.arange(len(rows)).repeat_interleave(n)[:, None].expand_as(real)  # [s, L]
-    h = hidden[local_row[real], batch.predecessor[samples][real]]  # [N, hidden]: only predicting positions
-    lp = target_logprobs(torch.nn.functional.linear(h, model.lm_head_weight), batch.targets[samples][real])  # [N]
-    return torch.zeros(real.shape, dtype=torch.float32).masked_scatter(real, lp)  # [s, L]
-
-
-@dataclass
-class Mismatch:
-    """Training–inference logprob mismatch over the lag-0 response tokens of a step: tokens sampled by
-    the very weights being trained, so any gap is numerics (dtype, kernels, batch shapes) or K/V kept
-    across a weight update (``kv_policy = "keep"``), not learning.
-
-    With ``d = log π_trainer(x) − log μ_behavior(x)`` per token: ``diff_mean`` = mean |d|,
-    ``diff_max`` = max |d|, ``kl_k3`` = mean ``(e^d − 1) − d``, the k3 estimator of KL(μ ‖ π) from
-    samples of μ (J. Schulman, "Approximating KL Divergence", 2020), ≥ 0 per token. All None when the
-    step trained no lag-0 token. The behavior logprob is under the processed sampling distribution,
-    so the comparison is exact only at temperature 1 without top-k/top-p (the default).
-    """
-
-    tokens: int = 0
-    diff_mean: float | None = None
-    diff_max: float | None = None
-    kl_k3: float | None = None
-
-    def add(self, logprobs: torch.Tensor, behavior: torch.Tensor) -> None:
-        """Fold in one micro-batch: ``logprobs`` and ``behavior`` are float ``[N]`` over its lag-0 tokens."""
-        if logprobs.numel() == 0:
-            return
-        d = (logprobs.double() - behavior.double())  # [N]
-        n, total = int(d.numel()), self.tokens + int(d.numel())
-        mean_abs, k3 = float(d.abs().mean()), float((torch.expm1(d) - d).mean())
-        self.diff_mean = mean_abs if self.diff_mean is None else (self.diff_mean * self.tokens + mean_abs * n) / total
-        self.kl_k3 = k3 if self.kl_k3 is None else (self.kl_k3 * self.tokens + k3 * n) / total
-        self.diff_max = max(self.diff_max or 0.0, float(d.abs().max()))
-        self.tokens = total
-
-
-@dataclass
-class StepResult:
-    """What one :func:`train_step` did (loss diagnostics averaged over its trained tokens)."""
-
-    loss: float
-    """The step's loss (sum over micro-batches of their share of the token mean)."""
-    is_weight_mean: float
-    truncated_fraction: float
-    clip_fraction: float
-    approx_kl: float
-    grad_norm: float
-    """Global gradient L2 norm before clipping."""
-    trained_tokens: int
-    """Response tokens in the loss after the staleness bound."""
-    tokens_masked_stale: int
-    """Response tokens the staleness bound removed from the loss."""
-    samples_dropped_stale: int
-    """Samples removed whole (``staleness_policy = "drop"``)."""
-    staleness: dict[int, int] = field(default_factory=dict)
-    """Version lag → number of trained tokens with that lag."""
-    mismatch: Mismatch = field(default_factory=Mismatch)
-    """The trainer's logprobs against the behavior logprobs on lag-0 tokens."""
-
-    @property
-    def max_lag(self) -> int:
-        """Largest version lag of a trained token (0 when none was trained)."""
-        return max(self.staleness, default=0)
-
-    @property
-    def skipped(self) -> bool:
-        """No token was in the loss (all masked or dropped as stale, or no response token): no
-        optimizer step was taken and the loss diagnostics are 0."""
-        return self.trained_tokens == 0
-
-
-class StepSettings(Protocol):
-    """What one step reads of the trainer's settings (the run config's ``TrainerConfig`` is one;
-    this layer names only the fields, as it imports nothing of the actors)."""
-
-    @property
-    def max_staleness(self) -> int: ...
-    @property
-    def staleness_policy(self) -> StalenessPolicy: ...
-    @property
-    def grad_accum_steps(self) -> int: ...
-    @property
-    def loss(self) -> LossKind: ...
-    @property
-    def tis_cap(self) -> float: ...
-    @property
-    def clip_eps(self) -> float: ...
-    @property
-    def max_grad_norm(self) -> float: ...
+    local_row = torch.arange(len(rows), device=device).repeat_interleave(n)[:, None].expand_as(real)  # [s, L]
+    # logits only where a response token is predicted: [N, vocab]
+    logits = model.logits_at(batch.input_ids[rows, :t], batch.positions[rows, :t], batch.attention_mask(rows, t),
+                             local_row[real], batch.predecessor[samples][real])
+    lp = target_logprobs(logits, batch.targets[samples][real])  # [N]
+    return torch.zeros(real.shape, dtype=torch.float32, device=device).masked_scatter(real, lp)  # [s, L]
 
 
 def train_step(
     model: CausalLM, optimizer: torch.optim.Optimizer, batch: RolloutBatch, current_version: int,
-    config: StepSettings, before_micro_batch: Callable[[], None] | None = None,
+    config: StepSettings, before_micro_batch: Callable[[], None] | None = None, *, rank: int = 0,
+    world_size: int = 1,
 ) -> StepResult:
     """One optimizer step of GRPO on ``batch``, trained as policy version ``current_version``.
 
@@ -265,10 +188,23 @@ def train_step(
     A batch whose tokens all have zero advantage does step: that is GRPO's update for it.
     ``before_micro_batch`` is called before each micro-batch (the trainer sets its thread budget there).
 
+    Sharded (``world_size`` > 1, inside a ``torch.distributed`` process group whose every rank calls
+    this with the same ``batch``; the model sharded with FSDP2 summing, not averaging, gradients:
+    ``actors/trainer/sharded.py``): rank r trains its contiguous share of the G group rows
+    (``tensor_split``), in ``min(grad_accum_steps, ⌈G / world_size⌉)`` micro-batches on every rank —
+    FSDP's collectives need the same number of forward/backward passes everywhere, so a rank out of
+    rows runs a pass with an empty loss mask (a zero loss that still backpropagates). N is the whole
+    batch's, so the summed gradient is the one-rank gradient; the loss diagnostics and the mismatch
+    are summed over ranks (``all_reduce``), so every rank returns the one-rank result (up to the
+    order of float additions).
+
     Raises:
-        ValueError: a trained token newer than ``current_version`` (from ``apply_staleness``).
+        ValueError: a trained token newer than ``current_version`` (from ``apply_staleness``), or
+            ``rank`` not in ``[0, world_size)``.
         FloatingPointError: the gradient norm is not finite (nothing is updated).
     """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank}, expected an integer in [0, world_size = {world_size})")
     mask, masked, dropped = apply_staleness(batch.loss_mask, batch.versions, current_version,
                                             config.max_staleness, config.staleness_policy)
     total = int(mask.sum())
@@ -284,21 +220,31 @@ def train_step(
     mismatch = Mismatch()
     num_groups = batch.input_ids.shape[0]
     n = batch.group_size
-    for rows in torch.arange(num_groups).tensor_split(min(config.grad_accum_steps, num_groups)):
+    device = batch.input_ids.device
+    share = torch.arange(num_groups, device=device).tensor_split(world_size)[rank]  # this rank's rows
+    passes = min(config.grad_accum_steps, -(-num_groups // world_size))
+    for rows in share.tensor_split(passes):
         if before_micro_batch is not None:
             before_micro_batch()
-        samples = (rows[:, None] * n + torch.arange(n)).flatten()  # [s]
+        idle = len(rows) == 0  # a sharded rank out of rows: the same passes as the others, nothing trained
+        rows = torch.zeros(1, dtype=torch.int64, device=device) if idle else rows  # [g]
+        samples = (rows[:, None] * n + torch.arange(n, device=device)).flatten()  # [s]
         logprobs = response_logprobs(model, batch, rows)  # [s, L]
-        fresh = lag0[samples]  # [s, L]
+        trained, fresh = mask[samples], lag0[samples]  # [s, L] each
+        if idle:
+            trained, fresh = torch.zeros_like(trained), torch.zeros_like(fresh)
         mismatch.add(logprobs.detach()[fresh], batch.behavior_logprobs[samples][fresh])
-        loss, m = policy_loss(logprobs, batch.behavior_logprobs[samples], batch.advantages[samples], mask[samples],
+        loss, m = policy_loss(logprobs, batch.behavior_logprobs[samples], batch.advantages[samples], trained,
                               kind=config.loss, tis_cap=config.tis_cap, clip_eps=config.clip_eps,
                               num_tokens=total)
         loss.backward()
         loss_sum += float(loss.detach())
         for key in sums:  # token-weighted, so the step's figure is the mean over all its tokens
             sums[key] += m[key] * m["tokens"]  # type: ignore[literal-required]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm or math.inf))
+    if world_size > 1:
+        loss_sum, sums, mismatch = _sum_over_ranks(loss_sum, sums, mismatch, device)
+    norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm or math.inf)
+    grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # sharded: a replicated DTensor
     if not math.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         raise FloatingPointError(f"gradient norm is {grad_norm} at policy version {current_version}; "
@@ -308,3 +254,18 @@ def train_step(
     return StepResult(loss=loss_sum, grad_norm=grad_norm, trained_tokens=total, tokens_masked_stale=masked,
                       samples_dropped_stale=dropped, staleness=dict(sorted(lags.items())), mismatch=mismatch,
                       **{key: value / total for key, value in sums.items()})
+
+
+def _sum_over_ranks(loss_sum: float, sums: dict[str, float], mismatch: Mismatch,
+                    device: torch.device) -> tuple[float, dict[str, float], Mismatch]:
+    """The step's loss, token-weighted diagnostics and mismatch over every rank of the default
+    process group: sums (float64) and the largest |d|."""
+    tokens, abs_sum, k3_sum, abs_max = mismatch.sums()
+    added = torch.tensor([loss_sum, *sums.values(), tokens, abs_sum, k3_sum], dtype=torch.float64,
+                         device=device)  # [len(sums) + 4]
+    largest = torch.tensor([abs_max], dtype=torch.float64, device=device)  # [1]
+    dist.all_reduce(added, op=dist.ReduceOp.SUM)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    values = added.tolist()
+    total_sums = dict(zip(sums, values[1 : 1 + len(sums)], strict=True))
+    return values[0], total_sums, Mismatch.from_sums(*values[1 + len(sums) :], largest.item())

@@ -32,6 +32,7 @@ from typing import Literal
 
 import msgspec
 
+from specroll.actors.config.cluster_section import ClusterConfig
 from specroll.actors.config.launch_section import LaunchConfig
 from specroll.actors.config.section import Section as _Section
 from specroll.actors.config.section import check_literals as _check_literals
@@ -137,7 +138,8 @@ class TrainerConfig(_Section):
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping. Default 1.0."""
     grad_accum_steps: int = 1
-    """Micro-batches one step's B·n samples are split into (one optimizer step). Default 1."""
+    """Micro-batches one step's B·n samples are split into (one optimizer step); with several ranks,
+    each rank's share of them (every rank runs as many). Default 1."""
     loss: Literal["tis", "ppo"] = "tis"
     """Off-policy correction against the behavior logprobs: ``tis`` (default) weighs each token's
     policy gradient by the truncated importance ratio min(π/μ, ``tis_cap``); ``ppo`` is the decoupled
@@ -164,18 +166,32 @@ class TrainerConfig(_Section):
     being trained included) to ``(max_staleness + 1) × batch_groups`` (``specroll/rl/admission.py``;
     the trainer and ``specroll launch`` warn when this is above it). Default 8."""
     train_threads: int | None = None
-    """Torch intra-op CPU threads of the trainer; ``None`` (default): under ``specroll launch`` on a CPU,
-    half the cores (the launcher's CPU budget, ``actors/launch/cpu_budget.py``), else torch's default."""
+    """Torch intra-op CPU threads of the trainer (of each rank); ``None`` (default): under ``specroll
+    launch`` on a CPU, half the cores divided among the ranks (the launcher's CPU budget,
+    ``actors/launch/cpu_budget.py``), else torch's default."""
 
     borrow_threads: int | None = None
     """Torch threads the trainer adds for a micro-batch (``grad_accum_steps`` split a step) while no
     rollout is queued or generating — the generators' cores are idle then; 0 never borrows. ``None``
     (default): under ``specroll launch`` on a CPU, the generators' share of the cores (the launcher's
-    CPU budget), else 0."""
+    CPU budget), else 0. With several ranks: per rank, decided once per step by rank 0."""
+    world_size: int = 1
+    """Trainer ranks: torch.distributed processes the policy and AdamW's state are sharded over with
+    FSDP2 (on CUDA with NCCL, and on the CPU with gloo — no DDP fallback is needed); rank 0 talks to
+    the generators and sends each step's batch to the others, each training its share of the groups
+    (``actors/trainer/sharded.py``). ``specroll launch`` starts them all; alone, start them with
+    ``torchrun --nproc-per-node N -m specroll.actors.trainer --config FILE``. ``train_threads``,
+    ``borrow_threads`` and ``grad_accum_steps`` are per rank. At most ``batch_groups``. Default 1
+    (one process, no process group)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the trainer trains: ``cpu`` (default; gloo between ranks) or ``cuda`` (rank r on
+    ``cuda:LOCAL_RANK``, NCCL between ranks)."""
 
     def __post_init__(self) -> None:
         _check_literals(self)
         _require(self.batch_groups >= 1, "batch_groups", self.batch_groups, "a positive integer")
+        _require(1 <= self.world_size <= self.batch_groups, "world_size", self.world_size,
+                 f"an integer in [1, batch_groups = {self.batch_groups}] (every rank trains at least one group)")
         _require(self.borrow_threads is None or self.borrow_threads >= 0, "borrow_threads", self.borrow_threads,
                  "an integer >= 0 or unset")
         _require(self.group_size >= 2, "group_size", self.group_size,
@@ -372,8 +388,22 @@ class NetworkConfig(_Section):
     it is exiting (it crashed; ``specroll launch`` restarts it from its checkpoint, on the same port)
     to come back, before it exits with code 3; at least ``heartbeat_timeout_s``. Default (unset): the
     larger of 60 and ``heartbeat_timeout_s`` (:meth:`reconnect_s`)."""
+    weights_transport: Literal["zmq", "collective"] = "zmq"
+    """How policy weights reach the generators: ``zmq`` (default; chunks on the trainer's socket, the
+    fallback that works across any network) or ``collective`` (each generator joins a torch.distributed
+    group of its own with the trainer and receives every version as bucketed broadcasts, NCCL or gloo;
+    announcements and acknowledgements stay on ZeroMQ, the drafter trainer keeps fetching chunks). The
+    groups' stores and sockets bind ``host`` and are unauthenticated: a cluster-internal network only."""
+    weights_bucket_mb: int = 64
+    """MiB per broadcast with ``collective`` (each bucket is checksummed with CRC-32). Default 64."""
+    weights_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Backend of the weights groups: ``auto`` (default) is NCCL when the trainer trains on CUDA
+    (``trainer.device``) and the generator's engine is on CUDA (distinct GPUs: NCCL refuses two
+    ranks on one device), else gloo."""
 
     def __post_init__(self) -> None:
+        _check_literals(self)
+        _require(self.weights_bucket_mb >= 1, "weights_bucket_mb", self.weights_bucket_mb, "a positive number of MiB")
         _require(bool(self.host), "host", self.host, "an address")
         _require(self.allow_public or _is_loopback(self.host), "host", self.host,
                  "a loopback address (127.0.0.1, ::1, localhost) unless allow_public = true")
@@ -419,6 +449,8 @@ class RunConfig(_Section):
     """Held-out evaluation (``[eval]``)."""
     launch: LaunchConfig = LaunchConfig()
     """Supervision of the processes ``specroll launch`` starts (``[launch]``)."""
+    cluster: ClusterConfig = ClusterConfig()
+    """Where ``specroll launch`` places the roles: this host, or Ray actors on a cluster (``[cluster]``)."""
 
     def __post_init__(self) -> None:
         _require(bool(self.run_dir), "run_dir", self.run_dir, "a directory path")

@@ -7,7 +7,9 @@ next step's rollouts), a decode step costs about the same at batch 8 and at batc
 beyond the cores (four processes on two cores before) slow every role down — torch's intra-op
 threads wait for each other at every operator. Hence, on C cores:
 
-* the trainer gets ``ceil(C / 2)`` threads: it is the bottleneck;
+* the trainer gets ``ceil(C / 2)`` threads: it is the bottleneck; a trainer of N ranks
+  (``trainer.world_size``) divides them, ``max(1, ceil(C / 2) // N)`` per rank (its borrowed
+  threads too), as N processes of T threads on the same cores would wait for each other;
 * the generators share the other ``floor(C / 2)`` (at least one each), which the trainer borrows
   (``trainer.borrow_threads``) for a micro-batch whenever no rollout is queued or generating: the
   timeline shows the generator idle for about half of each step once the next batch is done;
@@ -46,11 +48,12 @@ def with_cpu_budget(config: RunConfig, cores: int) -> RunConfig:
     engine = config.generator.engine
     if engine.device != "cpu":
         return config
-    trainer_threads = config.trainer.train_threads or -(-cores // 2)
+    ranks = config.trainer.world_size
+    trainer_threads = config.trainer.train_threads or max(1, -(-cores // 2) // ranks)  # per rank
     generator_threads = engine.num_threads or max(1, (cores // 2) // config.generator.count)
     borrow = config.trainer.borrow_threads
-    if borrow is None:
-        borrow = min(generator_threads * config.generator.count, max(cores - trainer_threads, 0))
+    if borrow is None:  # per rank too
+        borrow = min(generator_threads * config.generator.count, max(cores - trainer_threads * ranks, 0)) // ranks
     return msgspec.structs.replace(
         config,
         trainer=msgspec.structs.replace(config.trainer, train_threads=trainer_threads, borrow_threads=borrow),
@@ -62,6 +65,9 @@ def with_cpu_budget(config: RunConfig, cores: int) -> RunConfig:
 def budget_line(config: RunConfig, cores: int) -> str:
     """What each role gets, in one line for the launcher's output."""
     trainer = config.trainer.train_threads or "torch's default"
+    ranks = config.trainer.world_size
+    if ranks > 1:
+        trainer = f"{ranks} ranks x {trainer}"
     generator = config.generator.engine.num_threads or "torch's default"
     drafter = f", the drafter trainer {config.drafter.num_threads} on idle capacity" \
         if config.runs_drafter_trainer() else ""

@@ -9,6 +9,10 @@ Layout (every file is safetensors or JSON, so loading a checkpoint can never run
   (fused) parameter names; hyperparameters come from the config on load;
 * ``trainer_state.json`` — :class:`TrainerState`: step, policy version, prompt cursor, seed.
 
+The files hold full tensors whatever the number of trainer ranks: a sharded trainer gathers them
+on rank 0 to write them (``sharded.py``) and restores by broadcasting them from rank 0, so a
+checkpoint written by N ranks resumes with M.
+
 A checkpoint is written into a temporary directory next to it (files fsynced), then swapped in
 with two renames: the old ``checkpoint/`` becomes ``checkpoint.prev/``, the new one takes its name,
 the old one is removed. A crash between the renames leaves ``checkpoint.prev/``, which
@@ -21,6 +25,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,6 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from specroll.engine.checkpoint import CheckpointError, check_weights
 from specroll.engine.model import CausalLM
+from specroll.engine.model_config import ModelConfig
 
 CHECKPOINT_DIRNAME = "checkpoint"
 MODEL_FILE = "model.safetensors"
@@ -71,7 +77,24 @@ def find_checkpoint(run_dir: str | Path) -> Path | None:
 
 def save_checkpoint(run_dir: str | Path, model: CausalLM, optimizer: torch.optim.Optimizer,
                     state: TrainerState) -> Path:
+    """Write ``run_dir/checkpoint/`` of an unsharded ``model`` and its ``optimizer`` (see
+    :func:`write_checkpoint`); returns its path.
+
+    Raises:
+        OSError: the files cannot be written (the previous checkpoint is left in place).
+    """
+    return write_checkpoint(run_dir, model.hf_weights(), optimizer_tensors(model, optimizer), state)
+
+
+def write_checkpoint(run_dir: str | Path, weights: Mapping[str, torch.Tensor],
+                     optimizer: Mapping[str, torch.Tensor], state: TrainerState) -> Path:
     """Write ``run_dir/checkpoint/`` atomically (see the module docstring); returns its path.
+
+    Args:
+        weights: the policy under Hugging Face names (full tensors: gathered, when it is sharded).
+        optimizer: AdamW's state, ``"{parameter}/{key}"`` → full tensor, under the model's own
+            parameter names (:func:`optimizer_tensors`, or a gathered full optimizer state dict).
+        state: the trainer's progress.
 
     Raises:
         OSError: the files cannot be written (the previous checkpoint is left in place).
@@ -83,9 +106,8 @@ def save_checkpoint(run_dir: str | Path, model: CausalLM, optimizer: torch.optim
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private (0700); a checkpoint is an ordinary directory
         # contiguous copies: safetensors refuses tensors that share storage (the fused q/k/v slices)
-        weights = {name: t.detach().to("cpu").contiguous().clone() for name, t in model.hf_weights().items()}
-        save_file(weights, str(tmp / MODEL_FILE), metadata={"format": "pt"})
-        save_file(_optimizer_tensors(model, optimizer), str(tmp / OPTIMIZER_FILE))
+        save_file(_copies(weights), str(tmp / MODEL_FILE), metadata={"format": "pt"})
+        save_file(_copies(optimizer), str(tmp / OPTIMIZER_FILE))
         record = {"format": FORMAT, **asdict(state)}
         (tmp / STATE_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         for file in tmp.iterdir():
@@ -104,8 +126,20 @@ def save_checkpoint(run_dir: str | Path, model: CausalLM, optimizer: torch.optim
     return final
 
 
-def load_trainer_checkpoint(path: str | Path, model: CausalLM, optimizer: torch.optim.Optimizer) -> TrainerState:
-    """Restore ``model`` and ``optimizer`` (built from the same config as when saved) from ``path``.
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """A checkpoint as read and checked by :func:`read_checkpoint` (full tensors, on the CPU)."""
+
+    state: TrainerState
+    weights: dict[str, torch.Tensor]
+    """The policy under Hugging Face names (``CausalLM.load_weights`` takes them)."""
+    optimizer: dict[str, dict[str, torch.Tensor]]
+    """AdamW's state: parameter name (the model's own, fused) → ``exp_avg``, ``exp_avg_sq``, ``step``..."""
+
+
+def read_checkpoint(path: str | Path, config: ModelConfig, param_shapes: Mapping[str, torch.Size]) -> SavedCheckpoint:
+    """Read and check the checkpoint at ``path`` for a model of ``config`` whose parameters (their
+    own names, full shapes: a sharded parameter's global shape) are ``param_shapes``.
 
     Raises:
         CheckpointError: a file is missing or unreadable, the weights do not fit the model, the
@@ -114,27 +148,48 @@ def load_trainer_checkpoint(path: str | Path, model: CausalLM, optimizer: torch.
     """
     path = Path(path)
     state = _read_state(path / STATE_FILE)
-    weights = _read_tensors(path / MODEL_FILE)
-    model.load_weights(check_weights(model.config, weights, str(path / MODEL_FILE)))
-    tensors = _read_tensors(path / OPTIMIZER_FILE)
-    index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
-    params = dict(model.named_parameters())
-    per_param: dict[int, dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
+    weights = check_weights(config, _read_tensors(path / MODEL_FILE), str(path / MODEL_FILE))
+    per_param: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in _read_tensors(path / OPTIMIZER_FILE).items():
         name, _, field = key.rpartition("/")
-        param = params.get(name)
-        if param is None or id(param) not in index:
+        shape = param_shapes.get(name)
+        if shape is None:
             raise CheckpointError(f"{path / OPTIMIZER_FILE}: state for unknown parameter {name!r}")
-        if field != "step" and tensor.shape != param.shape:
+        if field != "step" and tensor.shape != shape:
             raise CheckpointError(f"{path / OPTIMIZER_FILE}: {key} has shape {tuple(tensor.shape)}, "
-                                  f"expected {tuple(param.shape)}")
-        per_param.setdefault(index[id(param)], {})[field] = tensor
+                                  f"expected {tuple(shape)}")
+        per_param.setdefault(name, {})[field] = tensor
+    return SavedCheckpoint(state, dict(weights), per_param)
+
+
+def load_trainer_checkpoint(path: str | Path, model: CausalLM, optimizer: torch.optim.Optimizer) -> TrainerState:
+    """Restore an unsharded ``model`` and its ``optimizer`` (built from the same config as when
+    saved, by any number of ranks) from ``path``.
+
+    Raises:
+        CheckpointError: as :func:`read_checkpoint`.
+    """
+    params = dict(model.named_parameters())
+    saved = read_checkpoint(path, model.config, {name: p.shape for name, p in params.items()})
+    model.load_weights(saved.weights)
+    index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    per_param: dict[int, dict[str, torch.Tensor]] = {}
+    for name, fields in saved.optimizer.items():
+        if id(params[name]) not in index:
+            raise CheckpointError(f"{Path(path) / OPTIMIZER_FILE}: state for parameter {name!r}, which the "
+                                  "optimizer does not train")
+        per_param[index[id(params[name])]] = fields
     current = optimizer.state_dict()
     optimizer.load_state_dict({"state": per_param, "param_groups": current["param_groups"]})
-    return state
+    return saved.state
 
 
-def _optimizer_tensors(model: CausalLM, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def optimizer_tensors(model: CausalLM, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """AdamW's state of an unsharded model as saved: ``"{parameter}/{key}"`` → tensor (views).
+
+    Raises:
+        TypeError: a state value that is not a tensor (only tensors are saved).
+    """
     names = {id(p): name for name, p in model.named_parameters()}
     out: dict[str, torch.Tensor] = {}
     for param, state in optimizer.state.items():
@@ -142,8 +197,13 @@ def _optimizer_tensors(model: CausalLM, optimizer: torch.optim.Optimizer) -> dic
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"optimizer state {key!r} of {names[id(param)]} is a {type(value).__name__}, "
                                 "expected a tensor (only tensors are saved)")
-            out[f"{names[id(param)]}/{key}"] = value.detach().to("cpu").contiguous().clone()
+            out[f"{names[id(param)]}/{key}"] = value.detach()
     return out
+
+
+def _copies(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies that share no storage (what ``safetensors.save_file`` takes)."""
+    return {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
 
 
 def _read_tensors(file: Path) -> dict[str, torch.Tensor]:

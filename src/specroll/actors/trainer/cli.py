@@ -1,10 +1,15 @@
-"""The trainer's command line: ``python -m specroll.actors.trainer --config FILE [--set a.b=v]``;
-``specroll trainer`` loads the config itself and calls :func:`serve`."""
+"""The trainer's command line: ``python -m specroll.actors.trainer --config FILE [--set a.b=v]``
+(with ``trainer.world_size`` > 1 also ``--rank R --world-size N --master ADDR:PORT``, or under
+``torchrun``: ``ranks.py``); ``specroll trainer`` loads the config itself and calls :func:`serve`.
+
+Rank 0 runs the trainer (``process.py``), every other rank follows it (``follower.py``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -12,7 +17,9 @@ import anyio
 
 from specroll.actors.config import ConfigError, RunConfig, load_config
 from specroll.actors.exit_codes import EXIT_REFUSED
+from specroll.actors.trainer.follower import run_follower
 from specroll.actors.trainer.process import run_trainer
+from specroll.actors.trainer.ranks import RankError, Ranks, resolve_ranks
 
 log = logging.getLogger("specroll.trainer")
 
@@ -24,25 +31,47 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set trainer.batch_groups=2 (repeatable)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    ranks = p.add_argument_group("trainer ranks (trainer.world_size > 1; these win over torchrun's RANK, "
+                                 "WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK)")
+    ranks.add_argument("--rank", type=int, default=None, help="this process's rank, 0 to N-1 (0 hosts the trainer)")
+    ranks.add_argument("--world-size", type=int, default=None, help="N: the trainer's ranks (= trainer.world_size)")
+    ranks.add_argument("--master", default=None, metavar="ADDR:PORT",
+                       help="where the ranks rendezvous (rank 0 listens there)")
+    ranks.add_argument("--local-rank", type=int, default=None,
+                       help="its index on this host (its CUDA device); default: --rank")
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: parse, load the config, run; return the exit code."""
+    """Entry point: parse, load the config, find this rank, run; return the exit code."""
     args = parse_args(argv)
     _configure_logging(args.log_level)
     try:
         config = load_config(args.config, args.overrides)
-    except ConfigError as e:
+        ranks = resolve_ranks(args.rank, args.world_size, args.master, args.local_rank, os.environ,
+                              config.trainer.world_size)
+    except (ConfigError, RankError) as e:
         log.error("%s", e)
         return EXIT_REFUSED
-    return anyio.run(run_trainer, config, backend="asyncio")
+    return _run(config, ranks)
 
 
 def serve(config: RunConfig, log_level: str = "INFO") -> int:
-    """Run the trainer of an already loaded ``config``; return its exit code."""
+    """Run the trainer of an already loaded ``config`` (its rank from torchrun's environment, if
+    any); return its exit code."""
     _configure_logging(log_level)
-    return anyio.run(run_trainer, config, backend="asyncio")
+    try:
+        ranks = resolve_ranks(None, None, None, None, os.environ, config.trainer.world_size)
+    except RankError as e:
+        log.error("%s", e)
+        return EXIT_REFUSED
+    return _run(config, ranks)
+
+
+def _run(config: RunConfig, ranks: Ranks | None) -> int:
+    if ranks is not None and ranks.rank > 0:
+        return run_follower(config, ranks)
+    return anyio.run(run_trainer, config, ranks, backend="asyncio")
 
 
 def _configure_logging(level: str) -> None:

@@ -16,9 +16,11 @@ from specroll.actors.config import RunConfig, write_resolved
 from specroll.actors.exit_codes import EXIT_FAILED, EXIT_OK
 from specroll.actors.files import write_text_atomic
 from specroll.actors.trainer.client import RolloutClient
+from specroll.actors.trainer.ranks import Ranks
 from specroll.actors.trainer.setup import TrainerError, load_setup
 from specroll.actors.trainer.timeline import TIMELINE_FILENAME, Timeline
 from specroll.actors.trainer.trainer import ENDPOINT_FILENAME, Trainer
+from specroll.actors.trainer.weights_groups import BackendChoice
 
 log = logging.getLogger("specroll.trainer")
 
@@ -30,14 +32,17 @@ def _bind_address(config: RunConfig) -> str:
     return f"tcp://{host}:{config.network.trainer_port}"
 
 
-async def run_trainer(config: RunConfig) -> int:
+async def run_trainer(config: RunConfig, ranks: Ranks | None = None) -> int:
     """Run the trainer of ``config`` to the end; return the exit code: 0 after ``config.steps``
-    steps; otherwise the error is logged in one line and the code is 1 (a failure), 3 (no generator)
-    or 128 + the signal number (SIGTERM/SIGINT, watched when called from the main thread: training
-    stops, the client still says ``Dead`` to the generators).
+    steps; otherwise the error is logged in one line and the code is 1 (a failure), 2 (a bad config
+    or rank), 3 (no generator) or 128 + the signal number (SIGTERM/SIGINT, watched when called from
+    the main thread: training stops, the client still says ``Dead`` to the generators).
+
+    With ``ranks``, this is rank 0 of a sharded trainer: the other ranks (``follower.py``) are told
+    to stop however it ends.
     """
     try:
-        return await _run(config)
+        return await _run(config, ranks)
     except Exception as e:  # the actor's death: reported in one line, the traceback at DEBUG
         e = _leaf(e)
         code = e.exit_code if isinstance(e, TrainerError) else EXIT_FAILED
@@ -46,7 +51,7 @@ async def run_trainer(config: RunConfig) -> int:
         return code
 
 
-async def _run(config: RunConfig) -> int:
+async def _run(config: RunConfig, ranks: Ranks | None) -> int:
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_resolved(config)
@@ -54,20 +59,25 @@ async def _run(config: RunConfig) -> int:
         torch.set_num_threads(config.trainer.train_threads)
     timeline = Timeline(run_dir / TIMELINE_FILENAME)
     try:
-        return await _serve(config, timeline)
+        return await _serve(config, timeline, ranks)
     finally:
         timeline.close()
 
 
-async def _serve(config: RunConfig, timeline: Timeline) -> int:
+async def _serve(config: RunConfig, timeline: Timeline, ranks: Ranks | None) -> int:
     run_dir, net = Path(config.run_dir), config.network
     client = RolloutClient(_bind_address(config), max_groups_in_flight=config.trainer.max_groups_in_flight,
                            heartbeat_timeout_s=net.heartbeat_timeout_s, window=net.window, hwm=net.hwm,
-                           allow_public=net.allow_public, timeline=timeline)
+                           allow_public=net.allow_public, timeline=timeline,
+                           weights_transport=net.weights_transport, weights_bucket_mb=net.weights_bucket_mb,
+                           weights_backend=_weights_backend(config))
     code = EXIT_OK
     async with client:  # closing it sends Dead to every connected generator
         write_text_atomic(run_dir / ENDPOINT_FILENAME, client.endpoint)
         log.info("trainer listening on %s; loading %s", client.endpoint, config.model.name)
+        if ranks is not None:
+            log.info("trainer rank 0 of %d (%s): waiting for the other ranks at %s", ranks.world_size,
+                     ranks.source, ranks.init_method)
         async with anyio.create_task_group() as tg:
 
             async def watch_signals() -> None:
@@ -80,13 +90,26 @@ async def _serve(config: RunConfig, timeline: Timeline) -> int:
 
             if threading.current_thread() is threading.main_thread():
                 tg.start_soon(watch_signals)
-            setup = await anyio.to_thread.run_sync(load_setup, config)  # generators connect meanwhile
-            client.vocab_size = setup.model.config.vocab_size  # before the Trainer submits its first group
-            trainer = Trainer(config, setup, client, timeline)
-            await trainer.run()
-            log.info("trained %d steps; final policy version %d", trainer.step, trainer.version)
-            tg.cancel_scope.cancel()
+            setup = await anyio.to_thread.run_sync(load_setup, config, ranks)  # generators connect meanwhile
+            done = False
+            try:
+                client.vocab_size = setup.policy.config.vocab_size  # before the Trainer submits its first group
+                trainer = Trainer(config, setup, client, timeline)
+                await trainer.run()
+                done = True
+                log.info("trained %d steps; final policy version %d", trainer.step, trainer.version)
+                tg.cancel_scope.cancel()
+            finally:
+                with anyio.CancelScope(shield=True):  # also when cancelled: the other ranks must stop
+                    await anyio.to_thread.run_sync(setup.policy.close, done)
     return code
+
+
+def _weights_backend(config: RunConfig) -> BackendChoice:
+    """``network.weights_backend``, with ``auto`` made gloo for a trainer on the CPU (NCCL would
+    need its rank 0 on a GPU, whatever devices the machine has)."""
+    backend = config.network.weights_backend
+    return "gloo" if backend == "auto" and config.trainer.device == "cpu" else backend
 
 
 def _leaf(e: BaseException) -> BaseException:

@@ -1,6 +1,6 @@
-"""What the trainer starts from: the policy, its tokenizer, AdamW, the prompt order and the held-out
-evaluation prompts, restored from ``RUN_DIR/checkpoint`` when one is there; and the trainer's one
-error type."""
+"""What the trainer starts from: the policy (with AdamW; sharded over the trainer's ranks when
+there are several), its tokenizer, the prompt order and the held-out evaluation prompts, restored
+from ``RUN_DIR/checkpoint`` when one is there; and the trainer's one error type."""
 
 from __future__ import annotations
 
@@ -10,9 +10,13 @@ from pathlib import Path
 import torch
 
 from specroll.actors.config import RunConfig
-from specroll.actors.exit_codes import EXIT_FAILED
-from specroll.actors.trainer.checkpoint import TrainerState, find_checkpoint, load_trainer_checkpoint
+from specroll.actors.exit_codes import EXIT_FAILED, EXIT_REFUSED
+from specroll.actors.trainer.checkpoint import TrainerState, find_checkpoint, load_trainer_checkpoint, read_checkpoint
+from specroll.actors.trainer.policy import LocalPolicy, Policy, RankZeroPolicy
 from specroll.actors.trainer.prompt_cycle import PromptCycle
+from specroll.actors.trainer.rank_channel import RankChannel
+from specroll.actors.trainer.ranks import RankError, Ranks, join_group, rank_device
+from specroll.actors.trainer.sharded import ShardedModel
 from specroll.actors.trainer.task_load import load_task
 from specroll.engine.checkpoint import load_checkpoint
 from specroll.engine.model import CausalLM
@@ -30,11 +34,11 @@ class TrainerError(RuntimeError):
 
 @dataclass
 class TrainerSetup:
-    """What the trainer starts from: the policy, tokenizer, optimizer, prompt order and restored state."""
+    """What the trainer starts from: the policy, tokenizer, prompt order and restored state."""
 
-    model: CausalLM
+    policy: Policy
+    """The model and its optimizer: in this process, or sharded over the trainer's ranks (``policy.py``)."""
     tokenizer: Tokenizer
-    optimizer: torch.optim.Optimizer
     prompts: PromptCycle
     eval_prompts: list[tuple[Prompt, list[int]]]
     """The held-out evaluation prompts with their token ids (chat template applied); empty when
@@ -43,14 +47,26 @@ class TrainerSetup:
     resumed_from: Path | None
 
 
-def load_setup(config: RunConfig) -> TrainerSetup:
-    """The policy, tokenizer, optimizer and prompts; restored from ``RUN_DIR/checkpoint`` if present."""
+def load_setup(config: RunConfig, ranks: Ranks | None = None) -> TrainerSetup:
+    """The policy, tokenizer, optimizer and prompts; restored from ``RUN_DIR/checkpoint`` if present.
+
+    With ``ranks`` (rank 0 of a sharded trainer): joins the other ranks' process group (blocking
+    until they all joined), shards the policy and restores the checkpoint into every rank's shards.
+
+    Raises:
+        TrainerError: the checkpoint was saved with another seed (exit 2), or ``trainer.device`` is
+            ``cuda`` without a CUDA device for this rank (exit 2).
+        CheckpointError: the checkpoint does not load.
+    """
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.model.dtype]
+    tc = config.trainer
+    try:
+        device = rank_device(ranks, tc.device)
+    except RankError as e:
+        raise TrainerError(str(e), EXIT_REFUSED) from e
     ckpt = load_checkpoint(config.model.name, dtype)
     model = CausalLM(ckpt.config).to(dtype)
     model.load_weights(ckpt.weights)
-    tc = config.trainer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.learning_rate, weight_decay=tc.weight_decay)
     split = load_task(config)
 
     def encode(p: Prompt) -> list[int]:
@@ -60,10 +76,29 @@ def load_setup(config: RunConfig) -> TrainerSetup:
     eval_prompts = [(p, encode(p)) for p in split.eval] if config.eval.every else []
     state = TrainerState(step=0, policy_version=0, prompt_cursor=0, seed=config.seed, model=config.model.name)
     path = find_checkpoint(config.run_dir)
-    if path is not None:
-        state = load_trainer_checkpoint(path, model, optimizer)
-        if state.seed != config.seed:
-            raise TrainerError(f"{path}: saved with seed {state.seed}, but the config has seed={config.seed}; "
-                               "resume with the same seed or use another run_dir")
+    policy: Policy
+    if ranks is None:
+        model.to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=tc.learning_rate, weight_decay=tc.weight_decay)
+        policy = LocalPolicy(model, optimizer, tc, device)
+        if path is not None:
+            state = _check_seed(load_trainer_checkpoint(path, model, optimizer), path, config.seed)
+    else:
+        store = join_group(ranks, device)
+        sharded = ShardedModel(model, ranks, device, tc.learning_rate, tc.weight_decay, torch.get_num_threads())
+        rank_zero = RankZeroPolicy(sharded, RankChannel(store, ranks.rank, ranks.world_size, device), tc)
+        policy = rank_zero
+        if path is not None:
+            shapes = {name: p.shape for name, p in sharded.model.named_parameters()}  # full shapes of the shards
+            saved = read_checkpoint(path, ckpt.config, shapes)
+            state = _check_seed(saved.state, path, config.seed)
+            rank_zero.restore(saved)
     cycle = PromptCycle(token_ids, split.train, config.seed, state.prompt_cursor, state.untrained)
-    return TrainerSetup(model, ckpt.tokenizer, optimizer, cycle, eval_prompts, state, path)
+    return TrainerSetup(policy, ckpt.tokenizer, cycle, eval_prompts, state, path)
+
+
+def _check_seed(state: TrainerState, path: Path, seed: int) -> TrainerState:
+    if state.seed != seed:
+        raise TrainerError(f"{path}: saved with seed {state.seed}, but the config has seed={seed}; "
+                           "resume with the same seed or use another run_dir")
+    return state

@@ -48,6 +48,10 @@ Policy version: the number of optimizer steps taken, plus any jumps made so that
 never below one a generator already reports (step 2, and whenever a generator or a rollout token
 reports a version above the trainer's; the current weights are then republished above it).
 
+Sharded (``trainer.world_size`` > 1): this process is rank 0 and the only one that talks to
+generators; the policy it trains, publishes and checkpoints (``policy.py``) is sharded over the
+ranks with FSDP2, each operation a command to the other ranks (``follower.py``).
+
 Beside this module: its start (policy, optimizer, prompts, restore) in ``setup.py``, the prompt
 order in ``prompt_cycle.py``, the metrics records in ``metrics.py``, checkpoints in
 ``checkpoint.py``, the process around it (bind, exit codes) in ``process.py``, the command line
@@ -59,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -73,10 +78,7 @@ from tqdm import tqdm
 from specroll.actors.config import RunConfig
 from specroll.actors.exit_codes import EXIT_PEER_LOST
 from specroll.actors.restarts import read_restarts
-from specroll.actors.trainer.checkpoint import (
-    TrainerState,
-    save_checkpoint,
-)
+from specroll.actors.trainer.checkpoint import TrainerState
 from specroll.actors.trainer.client import RolloutClient
 from specroll.actors.trainer.evaluation import Evaluator
 from specroll.actors.trainer.metrics import StepMetrics, truncate_metrics
@@ -85,7 +87,7 @@ from specroll.actors.trainer.timeline import Timeline
 from specroll.actors.wakeup import Wakeup
 from specroll.rl.admission import Admission, run_ahead_warning
 from specroll.rl.coordinator import Group
-from specroll.rl.grpo_step import StepResult, build_batch, train_step
+from specroll.rl.grpo_step import StepResult, build_batch
 from specroll.rl.tasks import Prompt, RewardFn, get_reward
 
 log = logging.getLogger("specroll.trainer")
@@ -111,7 +113,7 @@ class Trainer:
     def __init__(self, config: RunConfig, setup: TrainerSetup, client: RolloutClient,
                  timeline: Timeline | None = None) -> None:
         self.config, self.client, self.timeline = config, client, timeline
-        self.model, self.optimizer, self.tokenizer = setup.model, setup.optimizer, setup.tokenizer
+        self.policy, self.tokenizer = setup.policy, setup.tokenizer
         self.prompts = setup.prompts
         self.step, self.version = setup.state.step, setup.state.policy_version
         self.resumed_from = setup.resumed_from
@@ -233,8 +235,8 @@ class Trainer:
 
     async def _publish(self) -> None:
         with self._phase("publish"):
-            await self.client.publish_weights(self.model.hf_weights(), self.version,
-                                              dtype=self.config.trainer.weights_dtype)
+            weights = await anyio.to_thread.run_sync(self.policy.full_weights)  # sharded: gathered from the ranks
+            await self.client.publish_weights(weights, self.version, dtype=self.config.trainer.weights_dtype)
 
     @contextlib.contextmanager
     def _phase(self, phase: str) -> Iterator[None]:
@@ -320,6 +322,9 @@ class Trainer:
             if sync:
                 await self._submit_batch()
             groups = await self._wait_for_batch()
+        # in the order they were submitted, not finished: a seeded sync run trains the same batch
+        # (same rows, same ranks, same float sums) whatever order its rollouts happened to finish in
+        groups.sort(key=lambda g: self._untrained.get(g.group_id, math.inf))
         start = time.monotonic()
         await self._overtake(groups)
         trained_version = self.version
@@ -412,7 +417,7 @@ class Trainer:
             torch.set_num_threads(base + borrow if borrow and self.client.generators_idle() else base)
 
         try:
-            return rewards, train_step(self.model, self.optimizer, batch, version, tc, budget)
+            return rewards, self.policy.train(batch, version, budget)
         finally:
             torch.set_num_threads(base)
 
@@ -421,7 +426,7 @@ class Trainer:
                              untrained=[*self.prompts.retry, *self._untrained.values()],
                              seed=self.config.seed, model=self.config.model.name)
         with self._phase("checkpoint"):
-            path = await anyio.to_thread.run_sync(save_checkpoint, self.run_dir, self.model, self.optimizer, state)
+            path = await anyio.to_thread.run_sync(self.policy.save, self.run_dir, state)
         self._last_checkpoint = self.step
         log.info("checkpoint of step %d (policy version %d) written to %s", self.step, self.version, path)
 
