@@ -170,6 +170,10 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("config", metavar="CONFIG.toml", help="run config, e.g. examples/gsm8k_smollm2.toml")
     _add_set(p)
+    p.add_argument("--cluster", choices=("local", "ray"), default=None,
+                   help="where the roles run: processes of this host (local) or Ray actors on any node of a Ray "
+                        "cluster (ray: needs pip install 'specroll[ray]'; [cluster] in the config, e.g. --set "
+                        "cluster.address=auto); the same as --set cluster.backend=...")
     p.add_argument("--startup-timeout-s", type=positive_float, default=300.0,
                    help="seconds the trainer may take to bind and write RUN_DIR/trainer.endpoint "
                         "(default: %(default)s)")
@@ -250,7 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "launch":
         from specroll.actors.launch.launch import TRAINER_MODULE, run_launch
 
-        return run_launch(args.config, args.overrides, trainer_module=args.trainer_module or TRAINER_MODULE,
+        overrides = [*args.overrides, *([f"cluster.backend={args.cluster}"] if args.cluster else [])]
+        return run_launch(args.config, overrides, trainer_module=args.trainer_module or TRAINER_MODULE,
                           startup_timeout_s=args.startup_timeout_s, grace_s=args.grace_s)
     if args.command == "report":
         from specroll.actors.jobs.report import run_report

@@ -9,7 +9,10 @@ Lifecycle:
    role reads that file.
 2. The trainer starts (``python -m specroll.actors.trainer --config RUN_DIR/config.toml``) after a
    stale ``RUN_DIR/trainer.endpoint`` is removed; once bound it writes its endpoint there, which the
-   launcher waits for (``startup_timeout_s``; the trainer dying first ends the launch).
+   launcher waits for (``startup_timeout_s``; the trainer dying first ends the launch). With
+   ``trainer.world_size = N`` > 1 the trainer is N processes started together (``rank_roles.py``):
+   rank 0 is the role ``trainer`` (the endpoint, the generators), rank r the role ``trainer-rank<r>``,
+   each with ``--rank r --world-size N --master 127.0.0.1:PORT``, a fresh free PORT at every start.
 3. ``generator.count`` generators start (``python -m specroll.actors.generator --config ...
    --connect ENDPOINT --actor-id generator-<i>``).
 4. Supervise (``[launch]``, :class:`~specroll.actors.config.schema.LaunchConfig`): the trainer
@@ -17,9 +20,12 @@ Lifecycle:
    exponential back-off — a generator (its groups resume on the others meanwhile, and on it once it
    rejoins under its old id), the drafter trainer (it warm-starts from ``RUN_DIR/drafter``), the
    trainer (from its last checkpoint, bound to the port the first one took, while the generators
-   keep running and re-handshake). Every restart is a line here and a count in
-   ``RUN_DIR/restarts.json``, which the trainer copies into its metrics lines. A generator or drafter
-   trainer that exits 0 or 3 while the trainer is away is restarted without counting. More than
+   keep running and re-handshake). The trainer's ranks are one unit: any rank dying stops the
+   others (SIGTERM, ``grace_s``, SIGKILL) and all restart together, counted as one death of
+   ``trainer``; a rank other than 0 exiting 0 (it read rank 0's ``Stop``) is no death. Every
+   restart is a line here and a count in ``RUN_DIR/restarts.json``, which the trainer copies into
+   its metrics lines. A generator or drafter trainer that exits 0 or 3 while the trainer is away is
+   restarted without counting. More than
    ``launch.max_restarts`` deaths of one role within ``launch.restart_window_s``, a role refused its
    configuration (exit 2), or SIGINT/SIGTERM to the launcher end the run with a failure report
    naming the role and the tail of its log (the drafter trainer's end only stops drafter training).
@@ -41,6 +47,11 @@ restart of a role is a fork of the launcher running the role's ``__main__`` as `
 the same process group, log, descriptors, signal handlers and exit statuses, without a fresh
 interpreter's ~3 CPU-seconds of imports. With ``fork_roles = false`` (or off Linux) each role is a
 fresh ``python -m`` interpreter.
+
+Placement on Ray (``[cluster] backend = "ray"``, ``specroll launch --cluster ray``;
+``ray_cluster.py``): each role's process is started on a Ray node by an actor reserving the role's
+``[cluster.<role>]`` resources, and supervised through it exactly as above; the trainer's endpoint
+is read on its node, and the Ray instance is left (or stopped, when the launch started it) at teardown.
 """
 
 from __future__ import annotations
@@ -62,6 +73,15 @@ from specroll.actors.files import write_text_atomic
 from specroll.actors.launch.cpu_budget import available_cores, budget_line, with_cpu_budget
 from specroll.actors.launch.errors import LaunchError
 from specroll.actors.launch.preflight import LOCK_FILENAME, preflight, take_lock
+from specroll.actors.launch.rank_roles import (
+    TRAINER_ROLE,
+    free_master,
+    is_trainer_rank,
+    rank_args,
+    rank_role,
+    with_master,
+)
+from specroll.actors.launch.ray_cluster import RayCluster, check_supported, import_ray, resources_line, with_ray_threads
 from specroll.actors.launch.role_fork import Forker, fork_supported, prepare
 from specroll.actors.launch.role_process import RoleProcess, describe_exit, killpg, observe_exit, start_role, tail
 from specroll.actors.restarts import write_restarts
@@ -168,6 +188,8 @@ class Launcher:
         out: where status lines go; metrics lines go to ``metrics_out``.
         forker: start roles by forking this process (``[launch] fork_roles``, ``role_fork.py``);
             None: each role is a fresh interpreter.
+        cluster: start each role on a Ray node through its actor (``[cluster] backend = "ray"``,
+            ``ray_cluster.py``); None: on this host.
     """
 
     config: RunConfig
@@ -178,6 +200,7 @@ class Launcher:
     out: IO[str] = field(default_factory=lambda: sys.stderr)
     metrics_out: IO[str] = field(default_factory=lambda: sys.stdout)
     forker: Forker | None = None
+    cluster: RayCluster | None = None
     processes: list[RoleProcess] = field(default_factory=list, init=False)
     """Every process started, in start order (the trainer first), restarted ones included."""
     roles: dict[str, _Role] = field(default_factory=dict, init=False)
@@ -218,7 +241,7 @@ class Launcher:
                 self._metrics_seen.update(metrics.read_bytes().splitlines())
             endpoint_file = self.run_dir / ENDPOINT_FILENAME
             endpoint_file.unlink(missing_ok=True)  # stale, from an earlier run
-            trainer = self._start_role("trainer", [self.trainer_module, "--config", str(config_path)])
+            trainer = self._start_trainer([self.trainer_module, "--config", str(config_path)])
             endpoint = local_endpoint(self._wait_endpoint(trainer, endpoint_file))
             self.say(f"trainer listening at {endpoint}")
             self._fix_trainer_port(endpoint)
@@ -263,17 +286,67 @@ class Launcher:
         self.roles[name] = role
         return self._spawn(role)
 
+    def _start_trainer(self, module_args: list[str]) -> RoleProcess:
+        """Start the trainer: one role, or its ``trainer.world_size`` ranks (``rank_roles.py``);
+        returns rank 0's process."""
+        world = self.config.trainer.world_size
+        if world == 1:
+            return self._start_role(TRAINER_ROLE, module_args)
+        master = free_master()
+        for rank in range(world):
+            self._start_role(rank_role(rank), [*module_args, *rank_args(rank, world, master)])
+        proc = self.roles[TRAINER_ROLE].proc
+        assert proc is not None
+        return proc
+
+    def _respawn(self, role: _Role) -> None:
+        """Start ``role`` again after its back-off; the trainer's ranks all together, on a fresh master port."""
+        world = self.config.trainer.world_size
+        if role.name != TRAINER_ROLE or world == 1:
+            self._spawn(role)
+            return
+        master = free_master()
+        for rank in range(world):
+            rank_role_ = self.roles[rank_role(rank)]
+            rank_role_.module_args = with_master(rank_role_.module_args, master)
+            self._spawn(rank_role_)
+
+    def _stop_trainer_ranks(self) -> None:
+        """One rank died: stop the others (SIGTERM, ``grace_s`` to exit — rank 0 says ``Dead`` to the
+        generators — then SIGKILL), so the whole unit restarts from the checkpoint together."""
+        ranks = [r for r in self.roles.values() if is_trainer_rank(r.name) and r.proc is not None]
+        for r in ranks:  # gone as well (rank 0 fails on its own when a peer dies): said, not counted
+            if r.proc is not None and (code := observe_exit(r.proc)) is not None:
+                self.say(f"{r.proc.name} (pid {r.proc.pid}) {describe_exit(code)} too")
+        live = [r.proc for r in ranks if r.proc is not None and observe_exit(r.proc) is None]
+        if live:
+            self.say(f"stopping the other trainer ranks: {', '.join(p.name for p in live)}")
+        for p in live:
+            killpg(p, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        while live and time.monotonic() < deadline and self._signal is None:
+            time.sleep(self.poll_s)
+            live = [p for p in live if observe_exit(p) is None]
+        for p in live:
+            killpg(p, signal.SIGKILL)
+        for r in ranks:
+            r.proc = None
+
     def _spawn(self, role: _Role) -> RoleProcess:
         """Start ``role``'s process in its own process group, output appended to its log."""
         self._check_signal()
         log_path = self.run_dir / LOGS_DIRNAME / f"{role.name}.log"
-        proc = start_role(role.name, role.module_args, log_path, self.forker)
+        if self.cluster is not None:
+            proc = self.cluster.start(role.name, role.module_args, log_path, self._check_signal)
+        else:
+            proc = start_role(role.name, role.module_args, log_path, self.forker)
         role.proc, role.started_at = proc, time.monotonic()
         self.processes.append(proc)
         current = {r.name: r.proc.pid for r in self.roles.values() if r.proc is not None}
         pids = {"launcher": os.getpid(), "processes": current}
         write_text_atomic(self.run_dir / PIDS_FILENAME, json.dumps(pids, indent=1) + "\n")
-        self.say(f"started {role.name} (pid {proc.pid}), log: {log_path}")
+        where = f" {self.cluster.describe(proc)}" if self.cluster is not None else ""
+        self.say(f"started {role.name} (pid {proc.pid}{where}), log: {log_path}")
         return proc
 
     def _fix_trainer_port(self, endpoint: str) -> None:
@@ -287,10 +360,9 @@ class Launcher:
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             self._check_signal()
-            if path.exists():
-                text = path.read_text(errors="replace").strip()
-                if text:
-                    return text
+            text = self._read_endpoint(trainer, path)
+            if text:
+                return text
             code = observe_exit(trainer)
             if code is not None:
                 raise self._died(trainer, code, "before writing its endpoint")
@@ -300,6 +372,13 @@ class Launcher:
                                   f"last lines of {trainer.log_path}:",
                                   detail=tail(trainer.log_path))
             time.sleep(self.poll_s)
+
+    def _read_endpoint(self, trainer: RoleProcess, path: Path) -> str:
+        """What the trainer wrote to ``path`` so far (``""``: nothing yet); under Ray, read on the
+        trainer's node with a wildcard host made that node's IP (``ray_cluster.py``)."""
+        if self.cluster is not None:
+            return self.cluster.endpoint(trainer, path)
+        return path.read_text(errors="replace").strip() if path.exists() else ""
 
     # ---- watching -------------------------------------------------------------------------------
 
@@ -324,7 +403,7 @@ class Launcher:
             for role in self.roles.values():
                 if role.restart_at is not None and now >= role.restart_at:
                     role.restart_at = None
-                    self._spawn(role)
+                    self._respawn(role)
             time.sleep(self.poll_s)
 
     def _on_death(self, role: _Role, code: int) -> None:
@@ -332,6 +411,9 @@ class Launcher:
         proc = role.proc
         assert proc is not None
         role.proc = None
+        ranked = self.config.trainer.world_size > 1 and is_trainer_rank(role.name)
+        if ranked and role.name != TRAINER_ROLE and code == EXIT_OK:
+            return  # it read rank 0's Stop: rank 0's own exit says how the trainer ended
         drafter = role.name == DRAFTER_ROLE
         limits = self.config.launch
         if code == EXIT_REFUSED or (limits.max_restarts == 0 and not drafter):
@@ -340,6 +422,9 @@ class Launcher:
                          f"and training go on with the last drafter version (see {proc.log_path})")
                 return
             raise self._died(proc, code)
+        if ranked:  # the ranks are one unit: the others are stopped, one death counted, all restarted
+            self._stop_trainer_ranks()
+            role = self.roles[TRAINER_ROLE]
         now = time.monotonic()
         counted = not self._victim_of_trainer(role, code, now)
         if counted:
@@ -352,7 +437,7 @@ class Launcher:
                          f"restarted again; generation and training go on with the last drafter version "
                          f"(see {proc.log_path})")
                 return
-            raise LaunchError(f"{role.name} (pid {proc.pid}) {describe_exit(code)} ({deaths}); stopping the run. "
+            raise LaunchError(f"{proc.name} (pid {proc.pid}) {describe_exit(code)} ({deaths}); stopping the run. "
                               f"Last lines of {proc.log_path}:", detail=tail(proc.log_path))
         delay = limits.backoff_s(len(role.deaths)) if counted else 0.0
         role.restart_at = now + delay
@@ -360,14 +445,17 @@ class Launcher:
         self.restarts[role.name] = role.restarts
         write_restarts(self.run_dir, self.restarts)
         why = "" if counted else " while the trainer was away (not counted)"
-        what = "from its last checkpoint" if role.name == "trainer" else "and rejoins"
-        self.say(f"{role.name} (pid {proc.pid}) {describe_exit(code)}{why}; restart {role.restarts} of "
+        what = "and rejoins"
+        if role.name == TRAINER_ROLE:
+            world = self.config.trainer.world_size
+            what = "from its last checkpoint" + (f", all {world} ranks" if world > 1 else "")
+        self.say(f"{proc.name} (pid {proc.pid}) {describe_exit(code)}{why}; restart {role.restarts} of "
                  f"{role.name} in {delay:g} s ({what}; see {proc.log_path})")
 
     def _victim_of_trainer(self, role: _Role, code: int, now: float) -> bool:
         """A generator or drafter trainer that exited because the trainer was away (down, or restarted
         recently): its restart is not its own failure and is not counted against ``max_restarts``."""
-        if role.name == "trainer" or code not in (EXIT_OK, EXIT_PEER_LOST):
+        if is_trainer_rank(role.name) or code not in (EXIT_OK, EXIT_PEER_LOST):
             return False
         trainer = self.roles["trainer"]
         recent = 2 * self.config.network.heartbeat_timeout_s
@@ -413,6 +501,14 @@ class Launcher:
     # ---- stopping -------------------------------------------------------------------------------
 
     def _teardown(self) -> None:
+        """Stop every process (:meth:`_stop_processes`); then, under Ray, every actor and the connection."""
+        try:
+            self._stop_processes()
+        finally:
+            if self.cluster is not None:
+                self.cluster.close()
+
+    def _stop_processes(self) -> None:
         """SIGTERM every live process group, wait up to ``grace_s``, SIGKILL every group started, reap."""
         live = [p for p in self.processes if observe_exit(p) is None]
         if live:
@@ -447,8 +543,16 @@ def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = 
     except ConfigError as e:
         print(f"specroll launch: error: {e}", file=sys.stderr)
         return EXIT_REFUSED
+    on_ray = config.cluster.backend == "ray"
+    if on_ray:
+        try:
+            check_supported(config)
+            import_ray()
+        except LaunchError as e:
+            print(f"specroll launch: error: {e}", file=sys.stderr)
+            return e.code
     forker = None
-    if config.launch.fork_roles and fork_supported():  # before the preflight touches a tensor (role_fork.py)
+    if config.launch.fork_roles and fork_supported() and not on_ray:  # before the preflight touches a tensor
         forker = prepare([trainer_module, GENERATOR_MODULE, DRAFTER_MODULE])
     try:
         done = preflight(config)
@@ -465,11 +569,13 @@ def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = 
         print(f"specroll launch: error: {e}", file=sys.stderr)
         return EXIT_REFUSED
     cores = available_cores()
-    config = with_cpu_budget(config, cores)
+    config = with_ray_threads(config) if on_ray else with_cpu_budget(config, cores)
     try:
         launcher = Launcher(config, trainer_module=trainer_module, startup_timeout_s=startup_timeout_s,
                             grace_s=grace_s, forker=forker)
-        launcher.say(budget_line(config, cores))
+        if on_ray:
+            launcher.cluster = RayCluster(config, launcher.say, Path(config.run_dir) / ENDPOINT_FILENAME)
+        launcher.say(resources_line(config) if on_ray else budget_line(config, cores))
         for warning in config.warnings():
             launcher.say(f"warning: {warning}")
         return launcher.run()

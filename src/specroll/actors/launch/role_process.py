@@ -14,10 +14,27 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from specroll.actors.launch.role_fork import ForkedProcess, Forker, fork_role, pdeathsig_preexec
+
+
+@runtime_checkable
+class RemoteProcess(Protocol):
+    """A role's process that a host process starts and watches for the launcher (a Ray actor on some
+    node: ``ray_cluster.RayProcess``). ``pid`` is the pid on that node; the host observes the exit
+    without reaping (``poll``), signals the process group (``killpg``) and reaps when told (``wait``)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def killpg(self, sig: signal.Signals) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 @dataclass
@@ -25,7 +42,7 @@ class RoleProcess:
     """One started role: its process (leader of its own process group) and its log."""
 
     name: str
-    popen: subprocess.Popen[bytes] | ForkedProcess
+    popen: subprocess.Popen[bytes] | ForkedProcess | RemoteProcess
     log_path: Path
     exit_code: int | None = None
     """Set once the process is seen to have exited (``-N``: killed by signal N), before it is reaped."""
@@ -36,10 +53,14 @@ class RoleProcess:
         return self.popen.pid
 
 
-def start_role(name: str, module_args: list[str], log_path: Path, forker: Forker | None = None) -> RoleProcess:
+def start_role(name: str, module_args: list[str], log_path: Path, forker: Forker | None = None,
+               cwd: Path | None = None, default_signals: bool = False) -> RoleProcess:
     """Start ``python -m module_args...`` as ``name`` in its own process group, stdout and stderr
-    appended to ``log_path`` after a header line with the start time: a fresh interpreter, or with
-    ``forker`` a fork of this process that has the modules imported already (``role_fork.py``)."""
+    appended to ``log_path`` after a header line with the start time: a fresh interpreter (in ``cwd``,
+    default this process's), or with ``forker`` a fork of this process that has the modules imported
+    already (``role_fork.py``). ``default_signals``: the fresh interpreter starts with no signal
+    blocked or ignored, whatever this process has (a Ray worker blocks SIGINT and ignores SIGQUIT,
+    which a child would otherwise inherit through ``exec``)."""
     if forker is not None and not forker.usable():
         forker = None
     how = "forked" if forker is not None else "started"
@@ -50,9 +71,28 @@ def start_role(name: str, module_args: list[str], log_path: Path, forker: Forker
     with log_path.open("ab") as log:
         popen = subprocess.Popen(
             [sys.executable, "-m", *module_args], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            process_group=0, preexec_fn=pdeathsig_preexec(), close_fds=True,
+            process_group=0, close_fds=True, cwd=cwd,
+            preexec_fn=_with_default_signals(pdeathsig_preexec()) if default_signals else pdeathsig_preexec(),
         )
     return RoleProcess(name, popen, log_path)
+
+
+def _with_default_signals(then: Callable[[], None] | None) -> Callable[[], None]:
+    """A ``preexec_fn``: unblock every signal and set every catchable one to its default disposition
+    (``exec`` keeps the mask and ignored signals, resets only handled ones), then run ``then``."""
+    catchable = sorted(signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP})
+
+    def preexec() -> None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
+        for sig in catchable:
+            try:
+                signal.signal(sig, signal.SIG_DFL)
+            except (OSError, ValueError):
+                continue  # reserved by the C library (the real-time signals it uses)
+        if then is not None:
+            then()
+
+    return preexec
 
 
 def describe_exit(code: int) -> str:
@@ -81,6 +121,9 @@ def observe_exit(proc: RoleProcess) -> int | None:
     """The exit code if ``proc`` has exited, without reaping it (its pid and pgid stay reserved)."""
     if proc.exit_code is not None:
         return proc.exit_code
+    if isinstance(proc.popen, RemoteProcess):  # its host observes it, without reaping
+        proc.exit_code = proc.popen.poll()
+        return proc.exit_code
     if not hasattr(os, "waitid"):  # not Linux: poll() reaps; the pgid is then no longer reserved
         proc.exit_code = proc.popen.poll()
         proc.reaped = proc.exit_code is not None
@@ -102,6 +145,9 @@ def observe_exit(proc: RoleProcess) -> int | None:
 def killpg(proc: RoleProcess, sig: signal.Signals) -> None:
     """Signal the process group ``proc`` leads; valid while ``proc`` is unreaped (its pid is reserved)."""
     if proc.reaped:
+        return
+    if isinstance(proc.popen, RemoteProcess):  # its host signals the group on its node
+        proc.popen.killpg(sig)
         return
     try:
         os.killpg(proc.pid, sig)
