@@ -18,7 +18,7 @@ import torch
 from test_trainer import ENDPOINT_FILENAME, free_port, generators, metrics, run_config, wait_for
 from tqdm import tqdm
 
-from specroll.actors.launch.launch import format_metrics
+from specroll.actors.launch.metrics_tail import format_metrics
 from specroll.actors.launch.preflight import preflight
 from specroll.actors.trainer.client import RolloutClient
 from specroll.actors.trainer.process import run_trainer

@@ -34,6 +34,12 @@ class LaunchConfig(_Section):
     role modules once, instead of a fresh ``python -m`` interpreter: a restart skips the ~3
     CPU-seconds of imports (``actors/launch/role_fork.py``). Linux only; elsewhere, or false, every
     role is a fresh interpreter. Default true."""
+    gpu_per_role: bool = True
+    """On a multi-GPU host, give every CUDA role GPUs of its own: the trainer's ranks GPUs
+    ``0 .. trainer.world_size - 1`` (with ``trainer.device = "cuda"``), then each generator whose
+    ``generator.engine.device`` is ``cuda`` the next one, then a drafter trainer on ``cuda``
+    (``CUDA_VISIBLE_DEVICES``; ``actors/launch/gpu_plan.py``). False: every role sees every GPU and
+    uses its ``cuda:0``. Not used under Ray, which assigns GPUs by ``num_gpus``. Default true."""
 
     def __post_init__(self) -> None:
         _require(self.max_restarts >= 0, "max_restarts", self.max_restarts, "an integer >= 0")

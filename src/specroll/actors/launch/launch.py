@@ -72,6 +72,8 @@ from specroll.actors.exit_codes import EXIT_OK, EXIT_PEER_LOST, EXIT_REFUSED
 from specroll.actors.files import write_text_atomic
 from specroll.actors.launch.cpu_budget import available_cores, budget_line, with_cpu_budget
 from specroll.actors.launch.errors import LaunchError
+from specroll.actors.launch.gpu_plan import gpu_env
+from specroll.actors.launch.metrics_tail import MetricsTail, format_metrics, record_warnings
 from specroll.actors.launch.preflight import LOCK_FILENAME, preflight, take_lock
 from specroll.actors.launch.rank_roles import (
     TRAINER_ROLE,
@@ -83,7 +85,15 @@ from specroll.actors.launch.rank_roles import (
 )
 from specroll.actors.launch.ray_cluster import RayCluster, check_supported, import_ray, resources_line, with_ray_threads
 from specroll.actors.launch.role_fork import Forker, fork_supported, prepare
-from specroll.actors.launch.role_process import RoleProcess, describe_exit, killpg, observe_exit, start_role, tail
+from specroll.actors.launch.role_process import (
+    RoleProcess,
+    describe_exit,
+    killpg,
+    observe_exit,
+    start_role,
+    tail,
+    terminate,
+)
 from specroll.actors.restarts import write_restarts
 
 if TYPE_CHECKING:
@@ -110,31 +120,6 @@ LOGS_DIRNAME = "logs"
 METRICS_FILENAME = "metrics.jsonl"
 
 _WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::")
-
-
-PROGRESS_FIELDS = ("policy_version", "reward_mean", "accuracy", "eval_accuracy", "eval_step", "loss",
-                   "logprob_diff_mean", "logprob_kl_k3", "gen_tokens_per_s", "max_lag",
-                   "tokens_masked_stale", "samples_dropped_stale", "acceptance_length", "acceptance_length_window",
-                   "drafter_version", "step_s", "wait_s", "restarts")
-"""Fields of a metrics record shown in the launcher's progress line, when present (in this order)."""
-
-WARNING_FIELDS = ("acceptance_floor_warning",)
-"""Fields of a metrics record that, when a string, are a warning the launcher prints after its line
-(the trainer logs them too, but its log is not what a user watches)."""
-
-
-def format_metrics(record: dict[str, object]) -> str:
-    """``"step 3: reward_mean=0.25 loss=0.0132 ..."``: one progress line for a metrics record."""
-
-    def numeric(value: object) -> bool:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-
-    keys = [k for k in PROGRESS_FIELDS if numeric(record.get(k)) and (k != "restarts" or record[k])]
-    if not keys:
-        keys = [k for k, v in record.items() if numeric(v) and k != "step"][:10]
-    parts = [f"{k}={v:.4g}" if isinstance(v := record[k], float) else f"{k}={v}" for k in keys]
-    skipped = " skipped (no token to train, not counted)" if record.get("skipped") is True else ""
-    return f"step {record.get('step', '?')}{skipped}: {' '.join(parts)}"
 
 
 def _specroll_command() -> str:
@@ -164,6 +149,8 @@ class _Role:
 
     name: str
     module_args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    """Variables set in its environment (its GPUs: ``gpu_plan.py``)."""
     proc: RoleProcess | None = None
     """The running process; None while a restart is pending (or after the drafter trainer gave up)."""
     started_at: float = 0.0
@@ -209,10 +196,11 @@ class Launcher:
     """Restarts so far by role (also in ``RUN_DIR/restarts.json`` and the metrics lines)."""
     _signal: int | None = field(default=None, init=False, repr=False)
     _hurry: bool = field(default=False, init=False, repr=False)
-    _metrics_offset: int = field(default=0, init=False, repr=False)
-    _metrics_inode: int | None = field(default=None, init=False, repr=False)
-    _metrics_seen: set[bytes] = field(default_factory=set, init=False, repr=False)
-    """The lines of ``metrics.jsonl`` printed (or there before this launch): never printed again."""
+    metrics_tail: MetricsTail = field(init=False, repr=False)
+    """Follows ``RUN_DIR/metrics.jsonl`` for the progress lines."""
+
+    def __post_init__(self) -> None:
+        self.metrics_tail = MetricsTail(self.run_dir / METRICS_FILENAME)
 
     @property
     def run_dir(self) -> Path:
@@ -236,21 +224,21 @@ class Launcher:
             except OSError as e:
                 raise LaunchError(f"run_dir={self.config.run_dir!r}: cannot write the run directory "
                                   f"({e.strerror or e}), expected a writable directory", code=EXIT_REFUSED) from e
-            metrics = self.run_dir / METRICS_FILENAME
-            if metrics.exists():  # an earlier launch's lines: not this launch's progress
-                self._metrics_seen.update(metrics.read_bytes().splitlines())
+            self.metrics_tail.skip_existing()  # an earlier launch's lines: not this launch's progress
             endpoint_file = self.run_dir / ENDPOINT_FILENAME
             endpoint_file.unlink(missing_ok=True)  # stale, from an earlier run
             trainer = self._start_trainer([self.trainer_module, "--config", str(config_path)])
             endpoint = local_endpoint(self._wait_endpoint(trainer, endpoint_file))
             self.say(f"trainer listening at {endpoint}")
             self._fix_trainer_port(endpoint)
+            gpus = gpu_env(self.config, DRAFTER_ROLE) if self.cluster is None else {}  # Ray assigns its own
             for i in range(self.config.generator.count):
-                self._start_role(f"generator-{i}", [GENERATOR_MODULE, "--config", str(config_path), "--connect",
-                                                    endpoint, "--actor-id", f"generator-{i}"])
+                name = f"generator-{i}"
+                self._start_role(name, [GENERATOR_MODULE, "--config", str(config_path), "--connect",
+                                        endpoint, "--actor-id", name], gpus.get(name))
             if self.config.runs_drafter_trainer():
                 self._start_role(DRAFTER_ROLE, [DRAFTER_MODULE, "--config", str(config_path), "--connect", endpoint,
-                                                "--actor-id", "drafter-0"])
+                                                "--actor-id", "drafter-0"], gpus.get(DRAFTER_ROLE))
             if self.config.launch.max_restarts and not self.config.trainer.checkpoint_every:
                 self.say("note: trainer.checkpoint_every = 0, so a restarted trainer starts over from step 0")
             return self._watch()
@@ -280,9 +268,10 @@ class Launcher:
 
     # ---- starting -------------------------------------------------------------------------------
 
-    def _start_role(self, name: str, module_args: list[str]) -> RoleProcess:
-        """Start role ``name`` (``python -m module_args...``) and supervise it from now on."""
-        role = _Role(name, module_args)
+    def _start_role(self, name: str, module_args: list[str], env: dict[str, str] | None = None) -> RoleProcess:
+        """Start role ``name`` (``python -m module_args...``, ``env`` set in its environment) and
+        supervise it from now on."""
+        role = _Role(name, module_args, env or {})
         self.roles[name] = role
         return self._spawn(role)
 
@@ -321,13 +310,7 @@ class Launcher:
         live = [r.proc for r in ranks if r.proc is not None and observe_exit(r.proc) is None]
         if live:
             self.say(f"stopping the other trainer ranks: {', '.join(p.name for p in live)}")
-        for p in live:
-            killpg(p, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_s
-        while live and time.monotonic() < deadline and self._signal is None:
-            time.sleep(self.poll_s)
-            live = [p for p in live if observe_exit(p) is None]
-        for p in live:
+        for p in terminate(live, self.grace_s, self.poll_s, lambda: self._signal is not None):
             killpg(p, signal.SIGKILL)
         for r in ranks:
             r.proc = None
@@ -339,13 +322,14 @@ class Launcher:
         if self.cluster is not None:
             proc = self.cluster.start(role.name, role.module_args, log_path, self._check_signal)
         else:
-            proc = start_role(role.name, role.module_args, log_path, self.forker)
+            proc = start_role(role.name, role.module_args, log_path, self.forker, env=role.env)
         role.proc, role.started_at = proc, time.monotonic()
         self.processes.append(proc)
         current = {r.name: r.proc.pid for r in self.roles.values() if r.proc is not None}
         pids = {"launcher": os.getpid(), "processes": current}
         write_text_atomic(self.run_dir / PIDS_FILENAME, json.dumps(pids, indent=1) + "\n")
-        where = f" {self.cluster.describe(proc)}" if self.cluster is not None else ""
+        where = f" {self.cluster.describe(proc)}" if self.cluster is not None else "".join(
+            f", {k}={v}" for k, v in role.env.items())
         self.say(f"started {role.name} (pid {proc.pid}{where}), log: {log_path}")
         return proc
 
@@ -467,36 +451,12 @@ class Launcher:
                            f"Last lines of {proc.log_path}:", detail=tail(proc.log_path))
 
     def _print_metrics(self) -> None:
-        """One line per new record of ``RUN_DIR/metrics.jsonl`` (the live progress): the fields of
-        :data:`PROGRESS_FIELDS` it has, else its first numeric fields; then a warning line (to
-        ``out``) for each of its :data:`WARNING_FIELDS` that holds one. A restarted trainer rewrites
-        the file (a new inode: the lines of steps past its checkpoint dropped) and appends the re-run
-        steps: the file is then read again from its start, and every line not printed before is."""
-        path = self.run_dir / METRICS_FILENAME
-        try:
-            with path.open("rb") as f:
-                inode = os.fstat(f.fileno()).st_ino
-                if inode != self._metrics_inode:
-                    self._metrics_inode, self._metrics_offset = inode, 0
-                f.seek(self._metrics_offset)
-                data = f.read()
-        except OSError:
-            return
-        complete = data[: data.rfind(b"\n") + 1]
-        self._metrics_offset += len(complete)
-        for line in complete.splitlines():
-            if line in self._metrics_seen:
-                continue  # printed already (a line the restarted trainer kept), or there before this launch
-            self._metrics_seen.add(line)
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                print(format_metrics(record), file=self.metrics_out, flush=True)
-                for key in WARNING_FIELDS:
-                    if isinstance(text := record.get(key), str):
-                        self.say(f"warning: step {record.get('step', '?')}: {text}")
+        """Print the new records of ``RUN_DIR/metrics.jsonl`` (the live progress, ``metrics_tail.py``):
+        one line each, then a warning line (to ``out``) for each warning field a record holds."""
+        for record in self.metrics_tail.new_records():
+            print(format_metrics(record), file=self.metrics_out, flush=True)
+            for text in record_warnings(record):
+                self.say(f"warning: step {record.get('step', '?')}: {text}")
 
     # ---- stopping -------------------------------------------------------------------------------
 
@@ -513,12 +473,7 @@ class Launcher:
         live = [p for p in self.processes if observe_exit(p) is None]
         if live:
             self.say(f"stopping {', '.join(p.name for p in live)} (SIGTERM, {self.grace_s:g} s grace)")
-        for p in live:
-            killpg(p, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_s
-        while live and time.monotonic() < deadline and not self._hurry:
-            time.sleep(self.poll_s)
-            live = [p for p in live if observe_exit(p) is None]
+        live = terminate(live, self.grace_s, self.poll_s, lambda: self._hurry)
         if live:
             self.say(f"{', '.join(p.name for p in live)} did not stop within {self.grace_s:g} s: SIGKILL")
         for p in self.processes:  # also the exited ones: their groups may hold leftovers

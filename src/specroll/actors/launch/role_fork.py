@@ -43,7 +43,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,9 +142,10 @@ def prepare(modules: list[str]) -> Forker:
     return Forker(default_threads)
 
 
-def fork_role(forker: Forker, module_args: list[str], log: Path, name: str) -> ForkedProcess:
+def fork_role(forker: Forker, module_args: list[str], log: Path, name: str,
+              env: Mapping[str, str] | None = None) -> ForkedProcess:
     """Fork a child that runs ``python -m module_args...`` in-process (module docstring), its stdout
-    and stderr appended to ``log``; the child never returns here."""
+    and stderr appended to ``log``, with ``env`` set in its environment; the child never returns here."""
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)  # resolved before fork
     die_with_parent = pdeathsig_preexec()
     for stream in (sys.stdout, sys.stderr):  # nothing buffered is written twice
@@ -155,6 +156,7 @@ def fork_role(forker: Forker, module_args: list[str], log: Path, name: str) -> F
     code = 1
     try:
         _become_role(libc, die_with_parent, log, name, forker)
+        os.environ.update(env or {})  # before the role imports anything that reads it (CUDA is not initialized)
         code = _run_module(module_args)
     except BaseException:  # the child must never run on as a launcher
         with contextlib.suppress(BaseException):

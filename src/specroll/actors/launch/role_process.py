@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -54,24 +54,26 @@ class RoleProcess:
 
 
 def start_role(name: str, module_args: list[str], log_path: Path, forker: Forker | None = None,
-               cwd: Path | None = None, default_signals: bool = False) -> RoleProcess:
+               cwd: Path | None = None, default_signals: bool = False,
+               env: Mapping[str, str] | None = None) -> RoleProcess:
     """Start ``python -m module_args...`` as ``name`` in its own process group, stdout and stderr
     appended to ``log_path`` after a header line with the start time: a fresh interpreter (in ``cwd``,
     default this process's), or with ``forker`` a fork of this process that has the modules imported
     already (``role_fork.py``). ``default_signals``: the fresh interpreter starts with no signal
     blocked or ignored, whatever this process has (a Ray worker blocks SIGINT and ignores SIGQUIT,
-    which a child would otherwise inherit through ``exec``)."""
+    which a child would otherwise inherit through ``exec``). ``env``: variables set (over this
+    process's environment) in the role's."""
     if forker is not None and not forker.usable():
         forker = None
     how = "forked" if forker is not None else "started"
     with log_path.open("ab") as log:
         log.write(f"==== specroll launch: {name} {how} {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
     if forker is not None:
-        return RoleProcess(name, fork_role(forker, module_args, log_path, name), log_path)
+        return RoleProcess(name, fork_role(forker, module_args, log_path, name, env), log_path)
     with log_path.open("ab") as log:
         popen = subprocess.Popen(
             [sys.executable, "-m", *module_args], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            process_group=0, close_fds=True, cwd=cwd,
+            process_group=0, close_fds=True, cwd=cwd, env={**os.environ, **env} if env else None,
             preexec_fn=_with_default_signals(pdeathsig_preexec()) if default_signals else pdeathsig_preexec(),
         )
     return RoleProcess(name, popen, log_path)
@@ -153,3 +155,17 @@ def killpg(proc: RoleProcess, sig: signal.Signals) -> None:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass  # the group is empty: nothing left to stop
+
+
+def terminate(procs: list[RoleProcess], grace_s: float, poll_s: float,
+              give_up: Callable[[], bool]) -> list[RoleProcess]:
+    """SIGTERM the process group of each of ``procs`` and wait up to ``grace_s`` (checking every
+    ``poll_s``) for them to exit, or until ``give_up()``; return those still running."""
+    for p in procs:
+        killpg(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    live = [p for p in procs if observe_exit(p) is None]
+    while live and time.monotonic() < deadline and not give_up():
+        time.sleep(poll_s)
+        live = [p for p in live if observe_exit(p) is None]
+    return live

@@ -1,0 +1,85 @@
+"""The launcher's live progress: the records the trainer appends to ``RUN_DIR/metrics.jsonl``,
+followed across trainer restarts, and the one line each becomes on the launcher's output."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+PROGRESS_FIELDS = ("policy_version", "reward_mean", "accuracy", "eval_accuracy", "eval_step", "loss",
+                   "logprob_diff_mean", "logprob_kl_k3", "gen_tokens_per_s", "max_lag",
+                   "tokens_masked_stale", "samples_dropped_stale", "acceptance_length", "acceptance_length_window",
+                   "drafter_version", "step_s", "wait_s", "restarts")
+"""Fields of a metrics record shown in the launcher's progress line, when present (in this order)."""
+
+WARNING_FIELDS = ("acceptance_floor_warning",)
+"""Fields of a metrics record that, when a string, are a warning the launcher prints after its line
+(the trainer logs them too, but its log is not what a user watches)."""
+
+
+def format_metrics(record: dict[str, object]) -> str:
+    """``"step 3: reward_mean=0.25 loss=0.0132 ..."``: one progress line for a metrics record."""
+
+    def numeric(value: object) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+
+    keys = [k for k in PROGRESS_FIELDS if numeric(record.get(k)) and (k != "restarts" or record[k])]
+    if not keys:
+        keys = [k for k, v in record.items() if numeric(v) and k != "step"][:10]
+    parts = [f"{k}={v:.4g}" if isinstance(v := record[k], float) else f"{k}={v}" for k in keys]
+    skipped = " skipped (no token to train, not counted)" if record.get("skipped") is True else ""
+    return f"step {record.get('step', '?')}{skipped}: {' '.join(parts)}"
+
+
+
+def record_warnings(record: dict[str, object]) -> list[str]:
+    """The warnings a record holds (its :data:`WARNING_FIELDS` that are strings)."""
+    return [text for key in WARNING_FIELDS if isinstance(text := record.get(key), str)]
+
+
+class MetricsTail:
+    """Reads the records appended to ``path`` since the last call, each once.
+
+    A restarted trainer rewrites the file (a new inode: the lines of steps past its checkpoint
+    dropped) and appends the re-run steps: the file is then read again from its start, and every
+    line not returned before is returned.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seen: set[bytes] = set()
+        """Lines returned (or there before this launch): never returned again."""
+        self._offset = 0
+        self._inode: int | None = None
+
+    def skip_existing(self) -> None:
+        """Never return the lines the file holds now (an earlier launch's progress)."""
+        if self.path.exists():
+            self.seen.update(self.path.read_bytes().splitlines())
+
+    def new_records(self) -> list[dict[str, object]]:
+        """The complete JSON-object lines not returned before, in file order (others skipped)."""
+        try:
+            with self.path.open("rb") as f:
+                inode = os.fstat(f.fileno()).st_ino
+                if inode != self._inode:
+                    self._inode, self._offset = inode, 0
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:
+            return []
+        complete = data[: data.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        records = []
+        for line in complete.splitlines():
+            if line in self.seen:
+                continue  # returned already (a line the restarted trainer kept), or there before this launch
+            self.seen.add(line)
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+        return records
