@@ -18,8 +18,11 @@ logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 before = signal.getsignal({signum})
 
 def loading_the_model():
-    os.kill(os.getpid(), {signum})  # the launcher stops the run while the model loads
-    time.sleep(600)                 # interrupted at once by the handler (else the run times out)
+    try:
+        os.kill(os.getpid(), {signum})  # the launcher stops the run while the model loads
+        time.sleep(600)                 # interrupted at once by the handler (else the run times out)
+    except Exception as e:  # a loader's own handler (the GGUF reader's) must not swallow the stop
+        raise RuntimeError("not a readable GGUF file") from e
     return 7
 
 code = run_stoppable(loading_the_model, logging.getLogger("specroll.generator"), "generator", "g-1")

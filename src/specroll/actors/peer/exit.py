@@ -37,7 +37,11 @@ async def report_exit(channel: Channel, actor_id: str, exit: tuple[int, str] | N
     return code
 
 
-class _StoppedWhileStarting(Exception):
+class _StoppedWhileStarting(BaseException):
+    """Raised by the signal handler while starting: a ``BaseException``, as ``KeyboardInterrupt`` is,
+    so a loader's ``except Exception`` (the GGUF reader turns every error into a ``CheckpointError``)
+    cannot swallow it and report a stop as a broken model file."""
+
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signal_name = signal.Signals(signum).name
