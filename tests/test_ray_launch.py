@@ -24,6 +24,10 @@ from test_launch import finish, live, members_of_groups, started_pids, wait_for,
 
 from specroll.actors.config import ConfigError, load_config
 
+HANG_S = 900
+"""Hang guards only: a fresh interpreter per role plus Ray's own workers take minutes of wall time on
+2 busy cores (a 120 s guard was exceeded beside two busy processes)."""
+
 
 def descendants_of(pid: int) -> set[int]:
     """Live (non-zombie) processes below ``pid`` in the process tree."""
@@ -89,7 +93,7 @@ def test_ray_launch_runs_three_steps_and_leaves_nothing(tmp_path: Path, tiny_che
     # One generator: it is welcomed before the trainer can finish, so the launcher's SIGTERM never meets a
     # generator still in its handshake (which waits for the trainer up to network.heartbeat_timeout_s).
     config = ray_config(tmp_path, tiny_checkpoint(), steps=3, count=1)
-    code, out, err = finish(launch_on_ray(config, local_ray))
+    code, out, err = finish(launch_on_ray(config, local_ray), timeout=HANG_S)
     run_dir = tmp_path / "run"
     assert code == 0, err
     assert f"joined the Ray cluster at {local_ray}" in err
@@ -124,14 +128,16 @@ def test_ray_launch_restarts_a_dead_role_and_a_dead_actor(tmp_path: Path, tiny_c
             log = run_dir / "logs" / f"{role}.log"
             return log.exists() and log.read_text(errors="replace").count("welcomed by") >= times
 
-        wait_for(lambda: welcomed("generator-0", 1) and welcomed("generator-1", 1), "both generators", proc)
+        wait_for(lambda: welcomed("generator-0", 1) and welcomed("generator-1", 1), "both generators", proc,
+                 timeout=HANG_S)
         first = started_pids(run_dir)
         os.kill(first["generator-0"], signal.SIGINT)
         actor_pid = int(Path(f"/proc/{first['generator-1']}/stat").read_text().rpartition(")")[2].split()[1])
         os.kill(actor_pid, signal.SIGKILL)  # generator-1's Ray worker: its actor dies, and its process with it
-        wait_for(lambda: welcomed("generator-0", 2) and welcomed("generator-1", 2), "both generators back", proc)
+        wait_for(lambda: welcomed("generator-0", 2) and welcomed("generator-1", 2), "both generators back",
+                 proc, timeout=HANG_S)
         proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=180)
+        code = proc.wait(timeout=HANG_S)
     finally:
         if proc.poll() is None:
             proc.kill()
