@@ -3,10 +3,14 @@ launcher gives a role reaches it whether it is forked or a fresh interpreter."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from specroll.actors.config import load_config
 from specroll.actors.launch.gpu_plan import gpu_env
@@ -58,3 +62,16 @@ def test_the_role_sees_the_environment_it_was_given(tmp_path: Path, monkeypatch:
                       env={"CUDA_VISIBLE_DEVICES": "5"})
     assert proc.popen.wait(timeout=WAIT_S) == 0
     assert "visible=5" in log.read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
+@pytest.mark.parametrize("key", ["generator.engine.device=cuda", "trainer.device=cuda"])
+def test_a_cuda_role_on_a_host_without_cuda_is_refused_before_anything_starts(tmp_path: Path, key: str) -> None:
+    run_dir = tmp_path / "run"
+    config = tmp_path / "run.toml"
+    config.write_text(f"run_dir = {json.dumps(str(run_dir))}\n")
+    proc = subprocess.run([sys.executable, "-m", "specroll.actors.cli", "launch", str(config), "--set", key],
+                          capture_output=True, text=True, timeout=WAIT_S)
+    assert proc.returncode == 2, proc.stderr
+    assert f"{key.split('=')[0]}='cuda', but this host has no CUDA device" in proc.stderr, proc.stderr
+    assert "started" not in proc.stderr and not (run_dir / "logs").exists()

@@ -45,6 +45,8 @@ def preflight(config: RunConfig) -> str | None:
     except CheckpointError as e:
         raise LaunchError(f"model.name: {e}") from None
     _check_drafter(config)
+    if config.cluster.backend == "local":  # under Ray the roles run on nodes this host knows nothing of
+        _check_cuda(config)
     tc = config.trainer
     if tc.mode == "async" and (warning := run_ahead_warning(tc.max_groups_in_flight, tc.batch_groups,
                                                             tc.max_staleness)) is not None:
@@ -69,6 +71,28 @@ def preflight(config: RunConfig) -> str | None:
         print(f"specroll launch: resuming from {checkpoint} (step {step} of {config.steps}; the metrics of later "
               f"steps are replaced)", file=sys.stderr)
     return None
+
+
+def cuda_keys(config: RunConfig) -> list[str]:
+    """The ``key=value`` of each device setting that puts a role this launch starts on CUDA."""
+    found = [] if config.trainer.device != "cuda" else [f"trainer.device={config.trainer.device!r}"]
+    if config.generator.engine.device.startswith("cuda"):
+        found.append(f"generator.engine.device={config.generator.engine.device!r}")
+    if config.runs_drafter_trainer() and config.drafter.device.startswith("cuda"):
+        found.append(f"drafter.device={config.drafter.device!r}")
+    return found
+
+
+def _check_cuda(config: RunConfig) -> None:
+    """A role on CUDA on a host without it would die at start and be restarted to the limit."""
+    keys = cuda_keys(config)
+    if not keys:
+        return
+    import torch  # imported by the launcher already (role_fork.prepare); is_available() creates no CUDA context
+
+    if not torch.cuda.is_available():
+        raise LaunchError(f"{', '.join(keys)}, but this host has no CUDA device (torch {torch.__version__}); "
+                          "expected 'cpu' here, or a CUDA machine")
 
 
 def _task_key(config: RunConfig, error: Exception) -> str:
