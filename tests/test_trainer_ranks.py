@@ -84,6 +84,17 @@ def test_the_trainer_exits_2_on_bad_ranks_before_loading_anything(tmp_path: Path
     assert not (tmp_path / "run").exists()
 
 
+def test_specroll_trainer_takes_the_rank_flags(tmp_path: Path) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text(f'run_dir = "{tmp_path / "run"}"\nmodel.name = "{tmp_path / "no-model"}"\n'
+                      '[trainer]\nworld_size = 2\nbatch_groups = 2\n')
+    proc = subprocess.run([sys.executable, "-m", "specroll.actors.cli", "trainer", "--config", str(config), "--rank",
+                           "0", "--world-size", "3", "--master", "h:1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "but 3 ranks were started" in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_commands_round_trip_and_rank_roles() -> None:
     step = TrainStep(version=3, shape=BatchShape(groups=2, tokens=9, group_size=4, response_tokens=5), threads=1)
     assert decode_command(encode_command(step)) == step

@@ -193,6 +193,9 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", required=True, metavar="FILE", help="run config TOML")
     _add_set(p)
+    from specroll.actors.trainer.rank_flags import add_rank_arguments
+
+    add_rank_arguments(p)
 
 
 def _add_generator(sub: argparse._SubParsersAction) -> None:
@@ -265,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from specroll.actors.trainer.cli import serve as serve_trainer
 
         config = _role_config(args, "specroll trainer")
-        return EXIT_REFUSED if config is None else serve_trainer(config)
+        return EXIT_REFUSED if config is None else serve_trainer(config, args=args)
     if args.command == "drafter" and args.drafter_command == "serve":
         from specroll.actors.drafter_trainer.args import PROG
         from specroll.actors.drafter_trainer.cli import serve

@@ -19,6 +19,7 @@ from specroll.actors.config import ConfigError, RunConfig, load_config
 from specroll.actors.exit_codes import EXIT_REFUSED
 from specroll.actors.trainer.follower import run_follower
 from specroll.actors.trainer.process import run_trainer
+from specroll.actors.trainer.rank_flags import add_rank_arguments
 from specroll.actors.trainer.ranks import RankError, Ranks, resolve_ranks
 
 log = logging.getLogger("specroll.trainer")
@@ -31,14 +32,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set trainer.batch_groups=2 (repeatable)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    ranks = p.add_argument_group("trainer ranks (trainer.world_size > 1; these win over torchrun's RANK, "
-                                 "WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK)")
-    ranks.add_argument("--rank", type=int, default=None, help="this process's rank, 0 to N-1 (0 hosts the trainer)")
-    ranks.add_argument("--world-size", type=int, default=None, help="N: the trainer's ranks (= trainer.world_size)")
-    ranks.add_argument("--master", default=None, metavar="ADDR:PORT",
-                       help="where the ranks rendezvous (rank 0 listens there)")
-    ranks.add_argument("--local-rank", type=int, default=None,
-                       help="its index on this host (its CUDA device); default: --rank")
+    add_rank_arguments(p)
     return p.parse_args(argv)
 
 
@@ -56,12 +50,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _run(config, ranks)
 
 
-def serve(config: RunConfig, log_level: str = "INFO") -> int:
-    """Run the trainer of an already loaded ``config`` (its rank from torchrun's environment, if
-    any); return its exit code."""
+def serve(config: RunConfig, log_level: str = "INFO", args: argparse.Namespace | None = None) -> int:
+    """Run the trainer of an already loaded ``config``, its rank from ``args``' rank flags
+    (:func:`add_rank_arguments`) or else torchrun's environment, if any; return its exit code."""
     _configure_logging(log_level)
+    flags = [getattr(args, k, None) for k in ("rank", "world_size", "master", "local_rank")]
     try:
-        ranks = resolve_ranks(None, None, None, None, os.environ, config.trainer.world_size)
+        ranks = resolve_ranks(*flags, os.environ, config.trainer.world_size)
     except RankError as e:
         log.error("%s", e)
         return EXIT_REFUSED
