@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgspec
@@ -287,3 +289,30 @@ def test_torchrun_starts_the_ranks_from_its_environment(tmp_path: Path, tiny_che
     assert "the checkpoint is already at step 2 of 2: nothing to train" in text
     assert "trainer rank 1: restored the checkpoint of step 2" in text
     assert "trainer rank 1: stopped by rank 0 after 0 steps" in text
+
+
+def test_rank_0_waiting_for_the_other_ranks_stops_at_sigterm(tmp_path: Path) -> None:
+    """Rank 0 meets the other ranks before anything else, with the default signal dispositions: a
+    launcher stopping a run whose ranks never all came up does not wait out the rendezvous timeout."""
+    config = tmp_path / "run.toml"
+    config.write_text(f'run_dir = "{tmp_path / "run"}"\n[trainer]\nworld_size = 2\nbatch_groups = 2\n')
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "rank0.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "specroll.actors.trainer", "--config", str(config), "--rank",
+                                 "0", "--world-size", "2", "--master", f"127.0.0.1:{port}"],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120  # a hang guard for the interpreter's start
+        while "waiting for the other ranks" not in log.read_text() and proc.poll() is None:
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == -signal.SIGTERM, log.read_text()  # the rendezvous waits 30 min
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not (tmp_path / "run").exists()

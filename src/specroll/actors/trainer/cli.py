@@ -16,11 +16,11 @@ from collections.abc import Sequence
 import anyio
 
 from specroll.actors.config import ConfigError, RunConfig, load_config
-from specroll.actors.exit_codes import EXIT_REFUSED
+from specroll.actors.exit_codes import EXIT_FAILED, EXIT_REFUSED
 from specroll.actors.trainer.follower import run_follower
 from specroll.actors.trainer.process import run_trainer
 from specroll.actors.trainer.rank_flags import add_rank_arguments
-from specroll.actors.trainer.ranks import RankError, Ranks, resolve_ranks
+from specroll.actors.trainer.ranks import RankError, Ranks, join_group, rank_device, resolve_ranks
 
 log = logging.getLogger("specroll.trainer")
 
@@ -66,7 +66,22 @@ def serve(config: RunConfig, log_level: str = "INFO", args: argparse.Namespace |
 def _run(config: RunConfig, ranks: Ranks | None) -> int:
     if ranks is not None and ranks.rank > 0:
         return run_follower(config, ranks)
-    return anyio.run(run_trainer, config, ranks, backend="asyncio")
+    store = None
+    if ranks is not None:
+        # Rank 0 meets the other ranks before anything else, in the main thread and with the default
+        # signal dispositions: a SIGTERM or SIGINT while it waits ends it at once (the rendezvous is a
+        # blocking call that a worker thread could not be cancelled out of for up to GROUP_TIMEOUT).
+        log.info("trainer rank 0 of %d (%s): waiting for the other ranks at %s", ranks.world_size, ranks.source,
+                 ranks.init_method)
+        try:
+            store = join_group(ranks, rank_device(ranks, config.trainer.device))
+        except RankError as e:  # trainer.device = "cuda" without a device for this rank
+            log.error("%s", e)
+            return EXIT_REFUSED
+        except (OSError, RuntimeError) as e:  # the port is taken, the rendezvous failed or timed out
+            log.error("trainer rank 0: the rendezvous at %s failed: %s", ranks.init_method, e)
+            return EXIT_FAILED
+    return anyio.run(run_trainer, config, ranks, store, backend="asyncio")
 
 
 def _configure_logging(level: str) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import anyio
 import torch
+import torch.distributed as dist
 
 from specroll.actors.config import RunConfig, write_resolved
 from specroll.actors.exit_codes import EXIT_FAILED, EXIT_OK
@@ -32,17 +33,18 @@ def _bind_address(config: RunConfig) -> str:
     return f"tcp://{host}:{config.network.trainer_port}"
 
 
-async def run_trainer(config: RunConfig, ranks: Ranks | None = None) -> int:
+async def run_trainer(config: RunConfig, ranks: Ranks | None = None, store: dist.Store | None = None) -> int:
     """Run the trainer of ``config`` to the end; return the exit code: 0 after ``config.steps``
     steps; otherwise the error is logged in one line and the code is 1 (a failure), 2 (a bad config
     or rank), 3 (no generator) or 128 + the signal number (SIGTERM/SIGINT, watched when called from
     the main thread: training stops, the client still says ``Dead`` to the generators).
 
     With ``ranks``, this is rank 0 of a sharded trainer: the other ranks (``follower.py``) are told
-    to stop however it ends.
+    to stop however it ends; ``store`` is the one it met them on (``ranks.join_group``), or None to
+    meet them while the policy loads.
     """
     try:
-        return await _run(config, ranks)
+        return await _run(config, ranks, store)
     except Exception as e:  # the actor's death: reported in one line, the traceback at DEBUG
         e = _leaf(e)
         code = e.exit_code if isinstance(e, TrainerError) else EXIT_FAILED
@@ -51,7 +53,7 @@ async def run_trainer(config: RunConfig, ranks: Ranks | None = None) -> int:
         return code
 
 
-async def _run(config: RunConfig, ranks: Ranks | None) -> int:
+async def _run(config: RunConfig, ranks: Ranks | None, store: dist.Store | None) -> int:
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_resolved(config)
@@ -59,12 +61,12 @@ async def _run(config: RunConfig, ranks: Ranks | None) -> int:
         torch.set_num_threads(config.trainer.train_threads)
     timeline = Timeline(run_dir / TIMELINE_FILENAME)
     try:
-        return await _serve(config, timeline, ranks)
+        return await _serve(config, timeline, ranks, store)
     finally:
         timeline.close()
 
 
-async def _serve(config: RunConfig, timeline: Timeline, ranks: Ranks | None) -> int:
+async def _serve(config: RunConfig, timeline: Timeline, ranks: Ranks | None, store: dist.Store | None) -> int:
     run_dir, net = Path(config.run_dir), config.network
     client = RolloutClient(_bind_address(config), max_groups_in_flight=config.trainer.max_groups_in_flight,
                            heartbeat_timeout_s=net.heartbeat_timeout_s, window=net.window, hwm=net.hwm,
@@ -75,9 +77,6 @@ async def _serve(config: RunConfig, timeline: Timeline, ranks: Ranks | None) -> 
     async with client:  # closing it sends Dead to every connected generator
         write_text_atomic(run_dir / ENDPOINT_FILENAME, client.endpoint)
         log.info("trainer listening on %s; loading %s", client.endpoint, config.model.name)
-        if ranks is not None:
-            log.info("trainer rank 0 of %d (%s): waiting for the other ranks at %s", ranks.world_size,
-                     ranks.source, ranks.init_method)
         async with anyio.create_task_group() as tg:
 
             async def watch_signals() -> None:
@@ -90,7 +89,7 @@ async def _serve(config: RunConfig, timeline: Timeline, ranks: Ranks | None) -> 
 
             if threading.current_thread() is threading.main_thread():
                 tg.start_soon(watch_signals)
-            setup = await anyio.to_thread.run_sync(load_setup, config, ranks)  # generators connect meanwhile
+            setup = await anyio.to_thread.run_sync(load_setup, config, ranks, store)  # generators connect meanwhile
             done = False
             try:
                 client.vocab_size = setup.policy.config.vocab_size  # before the Trainer submits its first group

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from specroll.actors.config import RunConfig
 from specroll.actors.exit_codes import EXIT_FAILED, EXIT_REFUSED
@@ -47,11 +48,12 @@ class TrainerSetup:
     resumed_from: Path | None
 
 
-def load_setup(config: RunConfig, ranks: Ranks | None = None) -> TrainerSetup:
+def load_setup(config: RunConfig, ranks: Ranks | None = None, store: dist.Store | None = None) -> TrainerSetup:
     """The policy, tokenizer, optimizer and prompts; restored from ``RUN_DIR/checkpoint`` if present.
 
-    With ``ranks`` (rank 0 of a sharded trainer): joins the other ranks' process group (blocking
-    until they all joined), shards the policy and restores the checkpoint into every rank's shards.
+    With ``ranks`` (rank 0 of a sharded trainer): joins the other ranks' process group unless
+    ``store`` says it did already (blocking until they all joined), shards the policy and restores
+    the checkpoint into every rank's shards.
 
     Raises:
         TrainerError: the checkpoint was saved with another seed (exit 2), or ``trainer.device`` is
@@ -84,7 +86,8 @@ def load_setup(config: RunConfig, ranks: Ranks | None = None) -> TrainerSetup:
         if path is not None:
             state = _check_seed(load_trainer_checkpoint(path, model, optimizer), path, config.seed)
     else:
-        store = join_group(ranks, device)
+        if store is None:
+            store = join_group(ranks, device)
         sharded = ShardedModel(model, ranks, device, tc.learning_rate, tc.weight_decay, torch.get_num_threads())
         rank_zero = RankZeroPolicy(sharded, RankChannel(store, ranks.rank, ranks.world_size, device), tc)
         policy = rank_zero
