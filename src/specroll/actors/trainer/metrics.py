@@ -112,20 +112,45 @@ class StepMetrics:
         }
 
 
-def truncate_metrics(path: Path, step: int) -> None:
-    """Keep the metrics of steps up to ``step`` (the checkpoint resumed from): the steps a killed
-    trainer ran past its checkpoint are trained again, so their lines are replaced, not repeated."""
+def truncate_metrics(path: Path, step: int, evaluated_again: bool = False) -> dict[str, object] | None:
+    """Keep the metrics of steps up to ``step`` (the checkpoint resumed from, or 0 after an earlier
+    incarnation that wrote no checkpoint): the steps a killed trainer ran past it are trained again,
+    so their lines are replaced, not repeated.
+
+    Args:
+        evaluated_again: the restarted trainer evaluates the weights of ``step`` again, and writes
+            their figures into a line of ``step`` of its own: the old line of ``step`` is taken out
+            too. Step 0's is an evaluation's line only, and is dropped; a later step's (its last
+            one not ``skipped``) is returned without its ``eval_*`` fields, for the trainer to hold
+            and write again with the new evaluation's.
+
+    Returns:
+        The line of ``step`` taken out to be written again, or None.
+    """
     if not path.is_file():
-        return
+        return None
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = []
+    kept: list[str] = []
+    again: tuple[int, dict[str, object]] | None = None  # (index in kept, record) of step's line
     for line in lines:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut short by the kill
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
-            kept.append(line if line.endswith("\n") else line + "\n")
+        if not (isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step):
+            continue
+        if evaluated_again and record["step"] == step:
+            if step == 0:
+                continue
+            if not record.get("skipped"):
+                again = (len(kept), record)
+        kept.append(line if line.endswith("\n") else line + "\n")
+    held = None
+    if again is not None:
+        del kept[again[0]]
+        held = {k: v for k, v in again[1].items() if not k.startswith("eval_")}
     if len(kept) != len(lines):
-        log.info("metrics: dropping %d lines of steps after the checkpoint's step %d", len(lines) - len(kept), step)
+        log.info("metrics: dropping %d lines of steps trained or evaluated again (resuming at step %d)",
+                 len(lines) - len(kept), step)
         write_text_atomic(path, "".join(kept))
+    return held

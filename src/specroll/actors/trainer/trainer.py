@@ -12,11 +12,16 @@ Timeline:
 
 1. bind, write the endpoint, load the policy (and the checkpoint, when ``RUN_DIR/checkpoint/``
    exists) while generators start and connect;
-2. on resume only: wait for a generator and for the first heartbeat of every connected one (at most
-   ``network.heartbeat_timeout_s``), publish the restored weights as version
+2. on resume only — from a checkpoint, or from step 0 when an earlier trainer of the run left no
+   checkpoint but left metrics lines or a trainer restart recorded by the launcher
+   (``RUN_DIR/restarts.json``); a first start on an empty run directory skips this: wait for a
+   generator and for the first heartbeat of every connected one (at most
+   ``network.heartbeat_timeout_s``), publish the restored (or initial) weights as version
    ``max(saved version, highest version any generator reports) + 1`` and wait (at most
    ``network.heartbeat_timeout_s``) for the acknowledgements — a generator may serve a version the
-   dead trainer published after its last checkpoint, and versions must only ever increase;
+   dead trainer published after its last checkpoint, and versions must only ever increase; then drop
+   the metrics lines of the steps it trains again (and the evaluation of the step it resumes at, when
+   it evaluates those weights again: their line is written again with the new figures);
 3. a feeder task submits groups (``client.submit``, prompts in a seeded cyclic order) while
    ``groups queued + in flight + finished but not yet trained`` is below ``trainer.max_groups_in_flight``
    and, AReaL's staleness control (``specroll/rl/admission.py``), the groups submitted and not
@@ -150,20 +155,28 @@ class Trainer:
         """
         if self.timeline is not None:
             self.timeline.record("trainer_start", step=self.step, policy_version=self.version)
-        if self.resumed_from is not None:
+        held: dict[str, object] | None = None
+        resume = self.resumed_from is not None
+        if resume:
             log.info("resuming from %s: step %d, policy version %d", self.resumed_from, self.step, self.version)
             if self.step >= self.config.steps:
                 log.info("the checkpoint is already at step %d of %d: nothing to train", self.step, self.config.steps)
                 return
+        elif self._earlier_incarnation():  # killed before its first checkpoint: it may have published versions
+            log.info("an earlier trainer of this run left no checkpoint in %s: starting again from step 0",
+                     self.run_dir)
+            resume = True
+        if resume:
             await self._publish_after_resume()
-            truncate_metrics(self.run_dir / METRICS_FILENAME, self.step)
+            held = truncate_metrics(self.run_dir / METRICS_FILENAME, self.step, self._evaluates(self.step))
         sync = self.config.trainer.mode == "sync"
         async with anyio.create_task_group() as tg:
             self._tg = tg
             if not sync:
                 tg.start_soon(self._feed)
             if self._maybe_evaluate():  # the weights before the first step: a line of their own
-                self._held = {"step": self.step, "policy_version": self.version, "time": time.time()}
+                # (resumed: the step's old line, its evaluation to be replaced by this one's)
+                self._held = held or {"step": self.step, "policy_version": self.version, "time": time.time()}
             # disable=None: no bar when stderr is a log file (the launcher prints a line per step instead)
             with tqdm(total=self.config.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                       file=sys.stderr, disable=None) as bar:
@@ -250,11 +263,15 @@ class Trainer:
 
     # ---- evaluation -----------------------------------------------------------------------------
 
+    def _evaluates(self, step: int) -> bool:
+        """Whether the weights of ``step`` are evaluated: every ``eval.every`` steps (step 0, the
+        weights before the first step, included) and after the last."""
+        return self.evaluator is not None and (step % self.config.eval.every == 0 or step == self.config.steps)
+
     def _maybe_evaluate(self) -> bool:
         """Start evaluating the current weights before the first step, every ``eval.every`` steps and
         after the last; whether one started."""
-        every = self.config.eval.every
-        if self.evaluator is None or not (self.step % every == 0 or self.step == self.config.steps):
+        if not self._evaluates(self.step):
             return False
         assert self._tg is not None, "evaluations run inside run()"
         self.evaluator.start(self._tg, self.step, self.version)
@@ -277,8 +294,19 @@ class Trainer:
         with open(self.run_dir / METRICS_FILENAME, "a", encoding="utf-8") as f:
             f.write(json.dumps(metrics) + "\n")
 
+    def _earlier_incarnation(self) -> bool:
+        """Whether an earlier trainer of this run left progress in the run directory (metrics lines, or
+        a trainer restart the launcher recorded) — without a checkpoint, it may still have published
+        versions the generators serve."""
+        metrics = self.run_dir / METRICS_FILENAME
+        if metrics.is_file() and metrics.stat().st_size > 0:
+            return True
+        by_role = read_restarts(self.run_dir)["restarts_by_role"]
+        return isinstance(by_role, dict) and by_role.get("trainer", 0) > 0
+
     async def _publish_after_resume(self) -> None:
-        """Publish the restored weights above every version a generator may serve (timeline step 2)."""
+        """Publish the restored (or, with no checkpoint, initial) weights above every version a
+        generator may serve (timeline step 2)."""
         while not self.client.coordinator.generators:
             self._check_generators()
             with anyio.move_on_after(self._check_s):
@@ -289,8 +317,8 @@ class Trainer:
             await self.client.wait_for_generators(len(self.client.coordinator.generators))
         saved, reported = self.version, self._reported_version()
         self.version = max(saved, reported) + 1
-        log.info("publishing the restored weights as policy version %d (saved %d, generators report %d)",
-                 self.version, saved, reported)
+        log.info("publishing the %s weights as policy version %d (saved %d, generators report %d)",
+                 "restored" if self.resumed_from is not None else "initial", self.version, saved, reported)
         await self._publish()
         await self._wait_acks()
 
