@@ -108,9 +108,10 @@ def resolve_ranks(rank: int | None, world_size: int | None, master: str | None, 
     if found.local_rank < 0:
         raise RankError(f"local rank {found.local_rank} ({found.source}), expected an integer >= 0")
     if found.world_size != configured:
-        raise RankError(f"trainer.world_size = {configured} in the config, but {found.world_size} ranks were "
-                        f"started ({found.source}); set trainer.world_size = {found.world_size} or start "
-                        f"{configured} ranks")
+        started = f"{found.world_size} rank{'s were' if found.world_size != 1 else ' was'} started"
+        raise RankError(f"trainer.world_size = {configured} in the config, but {started} ({found.source}); set "
+                        f"trainer.world_size = {found.world_size} or start {configured} "
+                        f"rank{'s' if configured != 1 else ''}")
     return None if found.world_size == 1 else found
 
 
