@@ -471,5 +471,5 @@ async def test_sigterm_while_waiting_for_welcome_stops_it(tiny_checkpoint, tmp_p
             proc = stack.enter_context(generator_process(trainer.endpoint, model, log, "--trainer-timeout-s", "600"))
             await trainer.expect(Hello)  # never answered with Welcome
             proc.send_signal(signal.SIGTERM)
-            assert await wait_exit(proc) == 0  # HANG_S, far below the 600 s handshake timeout
+            assert await wait_exit(proc) == 0, log.read_text()  # HANG_S, far below the 600 s handshake timeout
     assert "received SIGTERM" in log.read_text()

@@ -47,6 +47,17 @@ class _StoppedWhileStarting(BaseException):
         self.signal_name = signal.Signals(signum).name
 
 
+def _stop_in(e: BaseException) -> _StoppedWhileStarting | None:
+    """The start-up stop ``e`` is, or holds (task groups wrap it in exception groups); else None."""
+    if isinstance(e, _StoppedWhileStarting):
+        return e
+    if isinstance(e, BaseExceptionGroup):
+        for inner in e.exceptions:
+            if (found := _stop_in(inner)) is not None:
+                return found
+    return None
+
+
 def run_stoppable(run: Callable[[], int], log: logging.Logger, what: str, actor_id: str) -> int:
     """Run a peer's whole process, ``run()`` (load the model, connect, serve), so that a SIGTERM or
     SIGINT arriving before its connection watches signals itself — while the model loads — ends it
@@ -59,8 +70,11 @@ def run_stoppable(run: Callable[[], int], log: logging.Logger, what: str, actor_
     previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         return run()
-    except _StoppedWhileStarting as e:
-        log.info("%s %s exits with code %d: received %s while starting", what, actor_id, EXIT_OK, e.signal_name)
+    except BaseException as e:
+        stop = _stop_in(e)  # the signal may land in the event loop before the role watches signals itself
+        if stop is None:
+            raise
+        log.info("%s %s exits with code %d: received %s while starting", what, actor_id, EXIT_OK, stop.signal_name)
         return EXIT_OK
     finally:
         for s, handler in previous.items():

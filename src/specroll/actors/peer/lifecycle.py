@@ -180,7 +180,7 @@ class PeerConnection(Generic[M]):
                 tg.start_soon(self._send_loop)
                 tg.start_soon(self.trainer.watchdog, self._trainer_lost)
                 tg.start_soon(self.trainer.watch_connection, self.channel.socket)
-                tg.start_soon(self._watch_signals)
+                await tg.start(self._watch_signals)  # watched before the Hello: a stop is never half-seen
                 await self._handshake()
                 tg.start_soon(self._tick, role)
                 await role.serve()
@@ -246,8 +246,9 @@ class PeerConnection(Generic[M]):
         self.put(Hello(protocol_version=PROTOCOL_VERSION, role=self.role, actor_id=self.actor_id,
                        capabilities=self.capabilities))
 
-    async def _watch_signals(self) -> None:
+    async def _watch_signals(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            task_status.started()
             async for signum in signals:
                 name = signal.Signals(signum).name
                 if not self.graceful_signals:
