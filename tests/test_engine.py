@@ -63,13 +63,13 @@ def test_prefix_sharing_prefills_a_group_once_and_keeps_greedy(tiny_checkpoint):
     batch, groups = [prompt] * 4, ["g"] * 4
     shared = make_engine(path, enable_prefix_caching=True)
     computed = []
-    original_forward = shared._forward
+    original_prepare = shared.runner.prepare
 
-    def counting_forward(scheduled, drafts):
+    def counting_prepare(scheduled, drafts):
         computed.append(sum(s.num_new_tokens for s in scheduled))
-        return original_forward(scheduled, drafts)
+        return original_prepare(scheduled, drafts)
 
-    shared._forward = counting_forward
+    shared.runner.prepare = counting_prepare
     out_shared = generate(shared, batch, groups=groups)
     out_plain = generate(make_engine(path, enable_prefix_caching=False), batch, groups=groups)
     assert out_shared == out_plain

@@ -26,6 +26,7 @@ from specroll.engine.flashinfer_attention import FlashInferAttention
 from specroll.engine.flashinfer_sampling import FlashInferSampler
 from specroll.engine.model import CausalLM
 from specroll.engine.model_runner import ModelRunner
+from specroll.engine.phases import PhaseClock
 from specroll.engine.sampler import sample
 from specroll.engine.scheduler import ScheduledSequence, Scheduler
 from specroll.engine.sequence import Completion, Sequence, SequenceStatus, StepOutput
@@ -90,6 +91,8 @@ class Engine:
         if proposer is not None:
             self.set_proposer(proposer)
         self._arrivals = itertools.count()
+        self.phases = PhaseClock(self.device)
+        """Per-phase step timing (``phases.py``); off until ``phases.enabled = True``."""
 
     @property
     def model(self) -> CausalLM:
@@ -246,15 +249,23 @@ class Engine:
         are verified losslessly (``spec/verify.py``); K/V slots of rejected drafts are rolled back.
         """
         start_time = time.perf_counter()
+        clock = self.phases
+        clock.start()
         k = self._choose_draft_length()
         scheduled = self.scheduler.schedule(self.weight_version, lookahead=k)
         if not scheduled:
             return []
+        clock.mark("schedule")
         stats = SpeculativeStats(num_steps=1, k=k)
         drafts, draft_probs = self._propose(scheduled, k)
+        clock.mark("propose")
         stats.draft_time_s = time.perf_counter() - start_time
         starts = [s.seq.num_computed_tokens for s in scheduled]
-        logits, features = self._forward(scheduled, drafts)  # logits [rows, V]: 1 + drafts per sampling sequence
+        inputs = self.runner.prepare(scheduled, drafts)
+        clock.mark("metadata")
+        # logits [rows, V]: 1 + drafts per sampling sequence, where the sampler reads them
+        logits, features = self.runner.forward(inputs, to_cpu=self._gpu_sampler is None)
+        clock.mark("forward")
         for s in scheduled:  # the forward wrote their K/V; rejected drafts are rolled back in _verify
             s.seq.num_computed_tokens += s.num_new_tokens + len(drafts.get(s.seq, ()))
         samplers = [s.seq for s in scheduled if s.samples]
@@ -262,6 +273,7 @@ class Engine:
             emitted = self._verify(logits, samplers, drafts, draft_probs, k, stats)
         else:
             emitted = self._sample(logits, samplers)
+        clock.mark("sample")
         stats.verify_time_s = time.perf_counter() - start_time - stats.draft_time_s
         outputs = self._emit(scheduled, samplers, emitted)
         if features is not None:
@@ -269,6 +281,8 @@ class Engine:
             observe_features(self.proposer, scheduled, drafts, starts, features)
         stats.num_emitted = sum(len(out.new_token_ids) for out in outputs)
         self._record_step(scheduled, stats, time.perf_counter() - start_time)
+        clock.mark("emit")
+        clock.end_step()
         return outputs
 
     def _choose_draft_length(self) -> int:
@@ -287,12 +301,6 @@ class Engine:
             return {}, {}
         assert self.proposer is not None  # k > 0 only with a proposer
         return propose_drafts(self.proposer, scheduled, k, self.model_config.vocab_size)
-
-    def _forward(
-        self, scheduled: list[ScheduledSequence], drafts: dict[Sequence, list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The runner's forward (``ModelRunner.run``), with the logits where the sampler reads them."""
-        return self.runner.run(scheduled, drafts, to_cpu=self._gpu_sampler is None)
 
     def _verify(
         self, logits: torch.Tensor, samplers: list[Sequence], drafts: dict[Sequence, list[int]],

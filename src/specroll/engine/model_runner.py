@@ -11,6 +11,7 @@ verifier's. The split follows nano-vllm's ``model_runner.py``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +23,18 @@ from specroll.engine.model import CausalLM
 from specroll.engine.model_config import expected_weight_shapes
 from specroll.engine.scheduler import ScheduledSequence
 from specroll.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's batch as the model reads it, on the model's device."""
+
+    input_ids: torch.Tensor
+    """int64 ``[T]``: every sequence's new tokens then its drafts, concatenated."""
+    positions: torch.Tensor
+    """int64 ``[T]``: their positions."""
+    logits_rows: torch.Tensor
+    """int64 ``[R]``: the input rows whose logits are sampled or verified."""
 
 
 class ModelRunner:
@@ -82,14 +95,30 @@ class ModelRunner:
     def run(
         self, scheduled: list[ScheduledSequence], drafts: dict[Sequence, list[int]], *, to_cpu: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward over the step's batch: each scheduled sequence's new tokens, then its drafts.
+        """:meth:`prepare` then :meth:`forward`: one forward over the step's batch."""
+        return self.forward(self.prepare(scheduled, drafts), to_cpu=to_cpu)
 
-        Writes the K/V of every input row (drafts included) to the cache; does not advance any
-        sequence's ``num_computed_tokens``.
+    def prepare(self, scheduled: list[ScheduledSequence], drafts: dict[Sequence, list[int]]) -> StepInputs:
+        """The step's inputs: each scheduled sequence's new tokens, then its drafts; attention is
+        planned for them (the backend holds the plan until the next ``prepare``).
 
         Args:
             scheduled: the step's batch.
             drafts: drafted token ids of the sequences that carry drafts.
+        """
+        input_ids, logits_rows, meta = self._prepare(scheduled, drafts)
+        self.backend.plan(meta)
+        return StepInputs(
+            torch.tensor(input_ids, device=self.device), meta.positions().to(self.device),
+            torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+        )
+
+    def forward(self, inputs: StepInputs, *, to_cpu: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the prepared batch: writes the K/V of every input row (drafts included) to the cache;
+        does not advance any sequence's ``num_computed_tokens``.
+
+        Args:
+            inputs: from :meth:`prepare`, for this step.
             to_cpu: return the logits on the CPU (the torch sampler), else on the model's device.
 
         Returns:
@@ -98,14 +127,9 @@ class ModelRunner:
             features ``[input rows, len(feature_layers) * hidden_size]`` of every input row, or None
             without ``feature_layers``.
         """
-        input_ids, logits_rows, meta = self._prepare(scheduled, drafts)
-        self.backend.plan(meta)
-        hidden, features = self.model(
-            torch.tensor(input_ids, device=self.device), meta.positions().to(self.device),
-            self.kv_caches, self.backend, self.feature_layers,
-        )
-        rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        hidden, features = self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.backend,
+                                      self.feature_layers)
+        logits = self.model.compute_logits(hidden[inputs.logits_rows])
         return (logits.cpu() if to_cpu else logits), features
 
     def _prepare(

@@ -1,0 +1,216 @@
+"""Host overhead of an engine step: a model whose matmuls cost almost nothing, so the step is overhead.
+
+The model has the default model's depth (30 decoder layers, as SmolLM2-135M) but a tiny width
+(hidden 64, 4 query heads of 16, 1 KV head, MLP 128, vocabulary 1024 by default): every op the
+engine runs per layer and per step is still there — and launched, scheduled and planned as for
+the real model — while the arithmetic is negligible. What a step costs is then what the engine
+spends around the arithmetic: Python scheduling, building the batch's metadata, planning
+attention, dispatching ~30 small ops per layer, sampling and emitting.
+
+For each batch size ``B`` (``--batch-sizes``, default 1, 16, 64) two engines run on the same
+prompts, timed alternately in rounds (``--rounds``) so a drift of the machine hits both alike:
+
+- **decode**: ``B`` requests decode one token per step (temperature 1, the rollout case);
+- **verify**: the same, with a proposer that drafts ``k`` (``--k``, default 4) tokens for every
+  sequence each step, so each step is a ``k + 1``-token verify per sequence. The drafts are
+  tokens the model rarely picks (the proposer is a stand-in: the step's cost, not its yield, is
+  measured), so the context grows by about one token a step in both modes.
+
+It prints the median step time of each, the per-phase breakdown (``engine/phases.py``: schedule,
+propose, metadata, forward, sample/verify, emit; means per step) and the ratio verify / decode.
+On a CUDA device (``--device cuda``) the phase timer synchronises at each boundary; the step time
+is measured without it.
+
+Usage::
+
+    python benchmarks/bench_overhead.py --json bench_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from common import int_list
+
+from specroll.actors.cli import positive_int
+
+if TYPE_CHECKING:
+
+    from specroll.engine.checkpoint import Checkpoint
+    from specroll.engine.engine import Engine
+    from specroll.engine.spec.proposer import DraftInput, Proposal
+
+PROMPT_LEN = 32
+"""Prompt tokens per request: a few pages, so attention reads a short, realistic page table."""
+WARMUP_STEPS = 3
+"""Steps run, untimed, after every prompt is prefilled."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Per-step host overhead of decode and k-token verify steps, "
+                                            "on a 30-layer model of negligible width.")
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 16, 64],
+                   help="comma-separated batch sizes (default: 1,16,64)")
+    p.add_argument("--steps", type=positive_int, default=40, help="timed steps per round (default: %(default)s)")
+    p.add_argument("--rounds", type=positive_int, default=3,
+                   help="decode/verify rounds, alternated (default: %(default)s)")
+    p.add_argument("--k", type=positive_int, default=4,
+                   help="drafts per sequence in verify steps (default: %(default)s)")
+    p.add_argument("--vocab", type=positive_int, default=1024, help="vocabulary size (default: %(default)s)")
+    p.add_argument("--layers", type=positive_int, default=30, help="decoder layers (default: %(default)s)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="weights and KV cache (default: %(default)s: on a CPU, torch's bf16 matmul costs "
+                        "~20 us a call at this width, a fixed dispatch cost that would swamp the rest)")
+    p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here as JSON")
+    return p.parse_args(argv)
+
+
+def tiny_deep_checkpoint(vocab: int, layers: int) -> Checkpoint:
+    """The benchmark's model: random weights, ``layers`` decoder layers of width 64."""
+    import torch
+    from tiny_model import write_tiny_tokenizer
+
+    from specroll.engine.checkpoint import Checkpoint
+    from specroll.engine.model_config import ModelConfig, expected_weight_shapes
+    from specroll.engine.tokenizer import Tokenizer
+
+    config = ModelConfig(architecture="llama", vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                         num_layers=layers, num_heads=4, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=True,
+                         eos_token_ids=(2,))
+    generator = torch.Generator().manual_seed(0)
+    weights = {name: torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=generator) * 0.2
+               for name, shape in expected_weight_shapes(config).items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_tiny_tokenizer(Path(tmp))
+        tokenizer = Tokenizer.from_hf_dir(tmp)
+    return Checkpoint(config, weights, tokenizer, "bench_overhead")
+
+
+class RareDrafts:
+    """Drafts ``k`` fixed tokens for every sequence: a proposer whose cost is nil, so a verify step
+    costs what verification costs."""
+
+    feature_layers: tuple[int, ...] = ()
+
+    def attach(self, target: object) -> None:
+        pass
+
+    def propose(self, batch: list[DraftInput], k: int) -> Proposal:
+        import torch
+
+        from specroll.engine.spec.proposer import Proposal
+
+        tokens = torch.arange(3, 3 + k, dtype=torch.long).expand(len(batch), k)  # [B, k]
+        return Proposal(tokens, torch.full((len(batch),), k, dtype=torch.long), None)
+
+    def observe(self, updates: object) -> None:
+        pass
+
+    def finish(self, request_id: str) -> None:
+        pass
+
+
+def start_engine(checkpoint: Checkpoint, args: argparse.Namespace, batch: int, k: int | None) -> Engine:
+    """An engine with ``batch`` requests prefilled and warmed up; ``k``: drafts per step (None: none)."""
+    import torch
+
+    from specroll.engine.config import EngineConfig
+    from specroll.engine.engine import Engine
+    from specroll.protocol.sampling import SamplingParams
+
+    per_step = 1 + (k or 0)
+    max_tokens = (WARMUP_STEPS + args.rounds * args.steps + 2) * per_step
+    config = EngineConfig(model="bench_overhead", device=args.device, dtype=args.dtype, max_num_seqs=batch,
+                          kv_cache_memory_gb=0.5, num_draft_tokens=k or 1, max_model_len=4096)
+    engine = Engine(config, checkpoint=checkpoint, proposer=RareDrafts() if k else None)
+    seeded = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, checkpoint.config.vocab_size, (batch, PROMPT_LEN), generator=seeded)  # [B, P]
+    for i, prompt in enumerate(prompts.tolist()):
+        engine.add_request(prompt, SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=i),
+                           request_id=f"r{i}")
+    while any(not engine.output_so_far(r)[0] for r in engine.live_request_ids()):
+        engine.step()
+    for _ in range(WARMUP_STEPS):
+        engine.step()
+    return engine
+
+
+def time_steps(engine: Engine, steps: int) -> list[float]:
+    """Wall seconds of ``steps`` steps, the phase clock off (no syncs beyond the engine's own)."""
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def time_phases(engine: Engine, steps: int) -> dict[str, float]:
+    """Mean milliseconds per step of each phase over ``steps`` more steps."""
+    engine.phases.reset()
+    engine.phases.enabled = True
+    for _ in range(steps):
+        engine.step()
+    engine.phases.enabled = False
+    return dict(engine.phases.totals.per_step_ms())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
+    checkpoint = tiny_deep_checkpoint(args.vocab, args.layers)
+    c = checkpoint.config
+    print(f"{c.num_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}, {args.dtype} on {args.device}, "
+          f"{torch.get_num_threads()} torch threads, k = {args.k}", flush=True)
+    results: dict[str, dict[str, object]] = {}
+    for batch in args.batch_sizes:
+        engines = {"decode": start_engine(checkpoint, args, batch, None),
+                   "verify": start_engine(checkpoint, args, batch, args.k)}
+        times: dict[str, list[float]] = {mode: [] for mode in engines}
+        for _ in range(args.rounds):
+            for mode, engine in engines.items():
+                times[mode] += time_steps(engine, args.steps)
+        row: dict[str, object] = {}
+        for mode, engine in engines.items():
+            row[mode] = {"step_ms": 1e3 * statistics.median(times[mode]),
+                         "phases_ms": time_phases(engine, max(1, args.steps // 2))}
+        row["verify_over_decode"] = row["verify"]["step_ms"] / row["decode"]["step_ms"]  # type: ignore[index]
+        results[str(batch)] = row
+        del engines
+
+    phase_names = list(results[str(args.batch_sizes[0])]["decode"]["phases_ms"])  # type: ignore[index]
+    print(f"\n{'B':>3} {'mode':>6} {'step ms':>8} | " + " ".join(f"{p:>9}" for p in phase_names))
+    for batch, row in results.items():
+        for mode in ("decode", "verify"):
+            r = row[mode]
+            print(f"{batch:>3} {mode:>6} {r['step_ms']:>8.2f} | "  # type: ignore[index]
+                  + " ".join(f"{r['phases_ms'][p]:>9.3f}" for p in phase_names))  # type: ignore[index]
+        print(f"{batch:>3} verify / decode = {row['verify_over_decode']:.2f}x")
+    load_after = os.getloadavg()[0]
+    print(f"1-min load average {load_before:.2f} before, {load_after:.2f} after ({os.cpu_count()} CPUs)")
+    if args.json is not None:
+        report = {"layers": c.num_layers, "hidden": c.hidden_size, "vocab": c.vocab_size, "dtype": args.dtype,
+                  "device": args.device, "threads": torch.get_num_threads(), "k": args.k,
+                  "load_average": [load_before, load_after], "batch": results}
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"-> {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
