@@ -138,6 +138,19 @@ def test_lengths_at_page_boundaries(page_size: int, phase: str) -> None:
     check_step(seqs, 6, 3, page_size, num_pages)
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (6, 2), (9, 3), (4, 1)])
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_uniform_batches_equal_dense(num_heads: int, num_kv_heads: int, q_len: int) -> None:
+    # Every sequence with the same q_len (a decode step, a verify step with k drafts each) takes
+    # the one-call path; lengths around page boundaries and one sequence a single page long.
+    page_size = 4
+    kv_lens = [q_len, 7, 8, 9, 16, 17, 30]
+    gen = torch.Generator().manual_seed(num_heads * 10 + q_len)
+    tables, num_pages = shuffled_tables(gen, kv_lens, page_size)
+    seqs = [random_seq(gen, q_len, n, t, num_kv_heads) for n, t in zip(kv_lens, tables, strict=True)]
+    check_step(seqs, num_heads, num_kv_heads, page_size, num_pages)
+
+
 def test_block_tables_may_be_longer_than_needed() -> None:
     # A table holds pages reserved for tokens not yet computed; only ceil(L / page_size) are read.
     gen = torch.Generator().manual_seed(5)

@@ -19,6 +19,10 @@ from torch import nn
 
 from specroll.engine.attention import AttentionBackend
 from specroll.engine.model_config import ModelConfig, expected_weight_shapes
+from specroll.engine.paged_forward import LayerWeights, paged_layer
+from specroll.engine.rope import RotaryEmbedding, apply_rope
+
+__all__ = ["CausalLM", "DecoderLayer", "RMSNorm", "RotaryEmbedding", "apply_rope"]
 
 
 class RMSNorm(nn.Module):
@@ -33,31 +37,6 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-class RotaryEmbedding:
-    """RoPE in the rotate-half convention (Su et al. 2021; Hugging Face's ``rotate_half``).
-
-    ``inv_freq[i] = theta^(-2i/D)``; position p rotates the pair (x_i, x_{i+D/2}) by
-    ``p * inv_freq[i]``. Computed in float32 as Hugging Face does, so logits match it.
-    """
-
-    def __init__(self, head_dim: int, theta: float) -> None:
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-        self.inv_freq = 1.0 / (theta**exponents)  # [D/2] float32
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos``, ``sin``: ``[T, 1, D]`` for int64 ``positions`` ``[T]``, on ``positions``' device."""
-        inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, H, D]`` by the angles in ``cos``/``sin`` ``[T, 1, D]``."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -70,26 +49,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.project(x, cos, sin)
-        o = backend.forward(q, k, v, kv_cache)  # [T, H, D]
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
-
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v for ``x`` ``[..., T, hidden]``: ``[..., T, H, D]``, ``[..., T, H_kv, D]`` twice.
 
         q/k normed (Qwen3) then rotated by ``cos``/``sin`` (broadcastable to ``[..., T, 1, D]``);
-        shared by the paged inference path and the dense training path (:meth:`forward_dense`).
+        the dense training path (:meth:`forward_dense`); the paged path inlines the same maths
+        (``paged_forward.paged_layer``).
         """
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))  # [..., T, H, D]
@@ -145,8 +112,8 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """The layer over the paged KV cache (``paged_forward.paged_layer``): ``[T, hidden]`` in and out."""
+        return paged_layer(x, LayerWeights.of(self), cos, sin, kv_cache, backend)
 
     def forward_dense(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor
@@ -250,6 +217,18 @@ class CausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False
         )
+        self._layer_weights: list[LayerWeights] | None = None
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # to(), to_empty(), cuda() ... make new parameter tensors: fetch the layer weights again.
+        self._layer_weights = None
+        return super()._apply(fn, recurse)
+
+    def layer_weights(self) -> list[LayerWeights]:
+        """Each decoder layer's weights for the paged path (fetched once; in-place updates show)."""
+        if self._layer_weights is None:
+            self._layer_weights = [LayerWeights.of(layer) for layer in self.model.layers]
+        return self._layer_weights
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
@@ -314,10 +293,10 @@ class CausalLM(nn.Module):
         taps: dict[int, torch.Tensor] = {}
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+        for i, (weights, kv_cache) in enumerate(zip(self.layer_weights(), kv_caches, strict=True)):
             if i in feature_layers:
                 taps[i] = x
-            x = layer(x, cos, sin, kv_cache, backend)
+            x = paged_layer(x, weights, cos, sin, kv_cache, backend)
         hidden = self.model.norm(x)
         if not feature_layers:
             return hidden, None

@@ -2,9 +2,12 @@
 
 ``plan`` turns FlashInfer's batch description into gather indices once per step; ``forward``
 then, for each layer, scatters the new K/V into the pages and runs
-``scaled_dot_product_attention`` on K/V gathered from them. Decodes share one batched call and
-sequences with a few new tokens (speculative verifies) another, padded to their longest query;
-long prefills run one by one so that a long prompt never pads the whole batch.
+``scaled_dot_product_attention`` on K/V gathered from them. A batch whose sequences all have the
+same few new tokens (every decode step, and every verify step with k drafts each) takes one
+call on whole pages gathered in the batch's order, with no reordering of rows. Otherwise decodes
+share one batched call and sequences with a few new tokens (speculative verifies) another, padded
+to their longest query; long prefills run one by one so that a long prompt never pads the whole
+batch.
 """
 
 from __future__ import annotations
@@ -26,6 +29,16 @@ class _PaddedGroup:
     valid: torch.Tensor  # [S, q_max] bool: the slot holds a real query
     page_table: torch.Tensor  # [S, max_pages] int64: each sequence's pages (padded with page 0)
     mask: torch.Tensor | None  # [S, 1, q_max, max_pages * page_size] bool, True = attend; None = all
+
+
+@dataclass(frozen=True)
+class _Uniform:
+    """Every sequence has ``q_len`` new tokens: rows are ``[B, q_len]`` in batch order."""
+
+    q_len: int
+    pages: torch.Tensor  # [B * max_pages] int64: each sequence's pages, padded with page 0
+    mask: torch.Tensor | None  # q_len 1: [B, 1, 1, max_pages * page_size] bool, True = attend; None = all
+    bias: torch.Tensor | None  # q_len > 1: [B * H_kv, group * q_len, max_pages * page_size] float32, 0 or -inf
 
 
 @dataclass(frozen=True)
@@ -57,8 +70,14 @@ class TorchAttention:
         q_lens, kv_lens = meta.q_lens(), meta.kv_lens()
         positions = meta.positions()  # [T]
         seq_of_row = torch.repeat_interleave(torch.arange(meta.num_seqs), q_lens)
-        self.k_slots = _k_slot(meta, seq_of_row, positions).to(self.device)  # [T]
+        k_slots = _k_slot(meta, seq_of_row, positions)  # [T]
+        self.k_slots, self.v_slots = k_slots.to(self.device), (k_slots + meta.page_size).to(self.device)
         self.num_tokens = meta.num_tokens
+        q_max = int(q_lens.max())
+        self.uniform: _Uniform | None = None
+        if q_max <= SHORT_QUERY and bool((q_lens == q_max).all()):
+            self.uniform = self._plan_uniform(meta, q_max, q_lens, kv_lens)
+            return
         # Decodes and verifies are padded separately: one sequence verifying k + 1 tokens must not
         # pad every decode in the batch to k + 1 queries.
         self.short: list[tuple[_PaddedGroup, torch.Tensor]] = []  # (group, its token rows [n])
@@ -76,6 +95,22 @@ class TorchAttention:
                 mask = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
             on_device = None if mask is None else mask.to(self.device)
             self.prefills.append(_Prefill(slice(starts[b], starts[b] + q_len), k_slots.to(self.device), on_device))
+
+    def _plan_uniform(
+        self, meta: AttentionMetadata, q_len: int, q_lens: torch.Tensor, kv_lens: torch.Tensor
+    ) -> _Uniform:
+        group = self._plan_padded(meta, torch.arange(meta.num_seqs), q_lens, kv_lens)
+        pages = group.page_table.flatten()
+        if q_len == 1:
+            return _Uniform(1, pages, group.mask, None)
+        assert group.mask is not None  # q_len > 1 always masks (causal within the new tokens)
+        b, _, _, kv_cols = group.mask.shape
+        bias = torch.zeros(group.mask.shape).masked_fill_(~group.mask.cpu(), float("-inf"))  # [B, 1, q_len, kv_cols]
+        # the score rows of one K/V head are (query head of its group, query): the mask repeats per head
+        heads_per_kv = self.num_heads // self.num_kv_heads
+        bias = bias[:, :, None].expand(b, self.num_kv_heads, heads_per_kv, q_len, kv_cols)
+        bias = bias.reshape(b * self.num_kv_heads, heads_per_kv * q_len, kv_cols)
+        return _Uniform(q_len, pages, None, bias.to(self.device))
 
     def _plan_padded(
         self, meta: AttentionMetadata, seqs: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor
@@ -107,7 +142,9 @@ class TorchAttention:
         ps = self.page_size
         flat = kv_cache.view(-1, self.num_kv_heads, self.head_dim)  # [P * 2 * ps, H_kv, D]
         flat.index_copy_(0, self.k_slots, k.to(flat.dtype))
-        flat.index_copy_(0, self.k_slots + ps, v.to(flat.dtype))
+        flat.index_copy_(0, self.v_slots, v.to(flat.dtype))
+        if self.uniform is not None:
+            return self._forward_uniform(q, kv_cache, self.uniform)
         # The attention maths runs in float32: torch's CPU kernels for bf16/fp16 with a mask are
         # several times slower, and the gathered copies are made anyway.
         qf = q.float()
@@ -129,3 +166,29 @@ class TorchAttention:
             )
             out[p.rows] = o.transpose(0, 1)
         return out.to(q.dtype)
+
+    def _forward_uniform(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _Uniform) -> torch.Tensor:
+        """Attention when every sequence has ``plan.q_len`` new tokens: one call on whole pages
+        gathered in batch order, no row reordering; float32 maths, as the general path.
+
+        Decodes run ``scaled_dot_product_attention``. Verifies (q_len > 1) run softmax(q·Kᵀ·scale +
+        bias)·V as two batched matmuls per K/V head, the query heads of a K/V head (GQA) stacked
+        as rows of one matrix: on this shape torch's CPU flash kernel is 3-5x slower.
+        """
+        b, q_len, hkv, d = q.shape[0] // plan.q_len, plan.q_len, self.num_kv_heads, self.head_dim
+        kv_cols = plan.pages.numel() // b * self.page_size
+        # [B * max_pages, ps, H_kv, D] → [B, H_kv, kv_cols, D]
+        k = kv_cache[:, 0].index_select(0, plan.pages).view(b, kv_cols, hkv, d).transpose(1, 2).float()
+        v = kv_cache[:, 1].index_select(0, plan.pages).view(b, kv_cols, hkv, d).transpose(1, 2).float()
+        if plan.bias is None:
+            qg = q.view(b, 1, self.num_heads, d).transpose(1, 2).float()  # [B, H, 1, D]
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.mask, scale=self.scale, enable_gqa=True)
+            return o.view(q.shape).to(q.dtype)  # [B, H, 1, D] is [T, H, D]
+        group = self.num_heads // hkv
+        # queries of K/V head j: heads j·group .. (j+1)·group − 1, each at its q_len rows
+        qg = q.view(b, q_len, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b * hkv, group * q_len, d).float()
+        k, v = k.reshape(b * hkv, kv_cols, d), v.reshape(b * hkv, kv_cols, d)
+        scores = torch.baddbmm(plan.bias, qg, k.transpose(1, 2), alpha=self.scale)  # [B·H_kv, group·q_len, kv_cols]
+        o = torch.bmm(scores.softmax(-1), v)  # [B·H_kv, group·q_len, D]
+        o = o.view(b, hkv, group, q_len, d).permute(0, 3, 1, 2, 4).reshape(q.shape)  # [T, H, D]
+        return o.to(q.dtype)

@@ -1,0 +1,99 @@
+"""One decoder layer over the paged KV cache, as a flat sequence of torch calls: the inference hot path.
+
+The model's modules (``model.py``) own the parameters and serve training; inference runs this
+function over each layer's weights, fetched once (:class:`LayerWeights`), so a step pays for
+its ~20 tensor ops per layer and not for module dispatch, attribute lookups and splits around
+them. The maths is the modules' own (``DecoderLayer.forward_dense`` computes the same with a
+dense mask): pre-norm attention with RoPE and GQA, residual, pre-norm SwiGLU, residual.
+RoPE rotates q and k in one call (they are adjacent in the fused q/k/v output) unless the model
+norms them per head first (Qwen3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from specroll.engine.attention import AttentionBackend
+from specroll.engine.rope import apply_rope
+
+if TYPE_CHECKING:
+    from specroll.engine.model import DecoderLayer
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's parameters (the tensors themselves: in-place weight updates show) and sizes."""
+
+    input_norm: torch.Tensor
+    """``[hidden]``."""
+    qkv: torch.Tensor
+    """``[(H + 2·H_kv)·D, hidden]``: rows q, k, v."""
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    """``[D]`` (Qwen3), else None; with ``k_norm``."""
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    """``[hidden, H·D]``."""
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    """``[2·I, hidden]``: rows gate, up."""
+    down: torch.Tensor
+    """``[hidden, I]``."""
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+
+    @classmethod
+    def of(cls, layer: DecoderLayer) -> LayerWeights:
+        attn, mlp = layer.self_attn, layer.mlp
+        return cls(
+            layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
+            None if attn.q_norm is None else attn.q_norm.weight, None if attn.k_norm is None else attn.k_norm.weight,
+            attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+            layer.input_layernorm.eps, attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size,
+        )
+
+
+def paged_layer(
+    x: torch.Tensor,
+    w: LayerWeights,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    backend: AttentionBackend,
+) -> torch.Tensor:
+    """One decoder layer for the step's new tokens, appending their K/V to ``kv_cache``.
+
+    Args:
+        x: ``[T, hidden]`` residual stream entering the layer.
+        w: the layer's weights.
+        cos, sin: ``[T, 1, D]`` from ``RotaryEmbedding.cos_sin``.
+        kv_cache: the layer's cache ``[num_pages, 2, page_size, H_kv, D]``.
+        backend: attention backend planned for this step.
+
+    Returns:
+        ``[T, hidden]`` the residual stream leaving the layer.
+    """
+    t, heads, kv_heads, d = x.shape[0], w.num_heads, w.num_kv_heads, w.head_dim
+    hidden = x.shape[-1]
+    qkv = F.linear(F.rms_norm(x, (hidden,), w.input_norm, w.eps), w.qkv, w.qkv_bias)  # [T, (H + 2 H_kv) D]
+    qk_size = (heads + kv_heads) * d
+    if w.q_norm is None or w.k_norm is None:
+        qk = apply_rope(qkv[:, :qk_size].view(t, heads + kv_heads, d), cos, sin)  # [T, H + H_kv, D]
+        q, k = qk[:, :heads], qk[:, heads:]
+    else:  # Qwen3: each head's q and k normed before RoPE
+        q = F.rms_norm(qkv[:, : heads * d].view(t, heads, d), (d,), w.q_norm, w.eps)
+        k = F.rms_norm(qkv[:, heads * d : qk_size].view(t, kv_heads, d), (d,), w.k_norm, w.eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    v = qkv[:, qk_size:].view(t, kv_heads, d)  # [T, H_kv, D]
+    o = backend.forward(q, k, v, kv_cache)  # [T, H, D]
+    x = x + F.linear(o.reshape(t, heads * d), w.o)
+    gate_up = F.linear(F.rms_norm(x, (hidden,), w.post_norm, w.eps), w.gate_up)  # [T, 2 I]
+    i = w.intermediate_size
+    return x + F.linear(F.silu(gate_up[:, :i]) * gate_up[:, i:], w.down)
