@@ -8,8 +8,8 @@ backend consumes exactly this description (FlashInfer docs, "Page Table Layout")
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,10 @@ class AttentionMetadata:
         kv_indices: int32 ``[kv_indptr[-1]]``; page ids, concatenated.
         kv_last_page_len: int32 ``[B]``; tokens on each sequence's last page, in ``[1, page_size]``.
         page_size: tokens per page.
+
+    The derived views (:meth:`q_lens`, :meth:`positions`, ...) are computed from these once, or
+    handed in by :func:`build_metadata`, which has them as Python lists already: a step's metadata
+    costs a few tensor constructions, not a few dozen small tensor ops.
     """
 
     qo_indptr: torch.Tensor
@@ -31,6 +35,8 @@ class AttentionMetadata:
     kv_indices: torch.Tensor
     kv_last_page_len: torch.Tensor
     page_size: int
+    _lists: _Lists | None = field(default=None, compare=False, repr=False)
+    _cache: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -40,21 +46,49 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return int(self.qo_indptr[-1])
 
+    def lengths(self) -> tuple[list[int], list[int]]:
+        """``(q_lens, kv_lens)`` as Python lists (no tensor read when built by :func:`build_metadata`)."""
+        lists = self._lists
+        if lists is None:
+            lists = _Lists(self.q_lens().tolist(), self.kv_lens().tolist())
+            object.__setattr__(self, "_lists", lists)
+        return lists.q_lens, lists.kv_lens
+
     def q_lens(self) -> torch.Tensor:
         """int64 ``[B]``: new tokens per sequence."""
-        return (self.qo_indptr[1:] - self.qo_indptr[:-1]).long()
+        return self._derived("q_lens", lambda: (self.qo_indptr[1:] - self.qo_indptr[:-1]).long())
 
     def kv_lens(self) -> torch.Tensor:
         """int64 ``[B]``: K/V length per sequence after the append."""
-        num_pages = (self.kv_indptr[1:] - self.kv_indptr[:-1]).long()
-        return (num_pages - 1) * self.page_size + self.kv_last_page_len.long()
+        def compute() -> torch.Tensor:
+            num_pages = (self.kv_indptr[1:] - self.kv_indptr[:-1]).long()
+            return (num_pages - 1) * self.page_size + self.kv_last_page_len.long()
+        return self._derived("kv_lens", compute)
+
+    def batch_indices(self) -> torch.Tensor:
+        """int64 ``[T]``: the sequence of each new token."""
+        seqs = torch.arange(self.num_seqs)
+        return self._derived("batch_indices", lambda: torch.repeat_interleave(seqs, self.q_lens()))
 
     def positions(self) -> torch.Tensor:
         """int64 ``[T]``: position of each new token (row j of b is ``kv_len - q_len + j``)."""
-        q_lens = self.q_lens()
-        seq_of_row = torch.repeat_interleave(torch.arange(self.num_seqs), q_lens)
-        row_in_seq = torch.arange(self.num_tokens) - self.qo_indptr[:-1].long()[seq_of_row]
-        return (self.kv_lens() - q_lens)[seq_of_row] + row_in_seq
+        def compute() -> torch.Tensor:
+            seq_of_row = self.batch_indices()
+            row_in_seq = torch.arange(self.num_tokens) - self.qo_indptr[:-1].long()[seq_of_row]
+            return (self.kv_lens() - self.q_lens())[seq_of_row] + row_in_seq
+        return self._derived("positions", compute)
+
+    def _derived(self, name: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        value = self._cache.get(name)
+        if value is None:
+            value = self._cache[name] = compute()
+        return value
+
+
+@dataclass(frozen=True)
+class _Lists:
+    q_lens: list[int]
+    kv_lens: list[int]
 
 
 def build_metadata(
@@ -73,8 +107,8 @@ def build_metadata(
     """
     if not len(q_lens) == len(kv_lens) == len(block_tables):
         raise ValueError(f"{len(q_lens)} q_lens, {len(kv_lens)} kv_lens, {len(block_tables)} block tables")
-    qo_indptr, kv_indptr, indices, last = [0], [0], [], []
-    for q_len, kv_len, table in zip(q_lens, kv_lens, block_tables, strict=True):
+    qo_indptr, kv_indptr, indices, last, positions, batch = [0], [0], [], [], [], []
+    for b, (q_len, kv_len, table) in enumerate(zip(q_lens, kv_lens, block_tables, strict=True)):
         num_pages = -(-kv_len // page_size)
         if not 1 <= q_len <= kv_len or num_pages > len(table):
             raise ValueError(f"q_len={q_len}, kv_len={kv_len} with {len(table)} pages of {page_size}")
@@ -82,5 +116,11 @@ def build_metadata(
         kv_indptr.append(kv_indptr[-1] + num_pages)
         indices.extend(table[:num_pages])
         last.append(kv_len - (num_pages - 1) * page_size)
+        positions.extend(range(kv_len - q_len, kv_len))
+        batch.extend([b] * q_len)
     as_int32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-    return AttentionMetadata(as_int32(qo_indptr), as_int32(kv_indptr), as_int32(indices), as_int32(last), page_size)
+    lists = _Lists(list(q_lens), list(kv_lens))
+    cache = {"q_lens": torch.tensor(lists.q_lens), "kv_lens": torch.tensor(lists.kv_lens),
+             "positions": torch.tensor(positions), "batch_indices": torch.tensor(batch)}
+    return AttentionMetadata(as_int32(qo_indptr), as_int32(kv_indptr), as_int32(indices), as_int32(last), page_size,
+                             lists, cache)

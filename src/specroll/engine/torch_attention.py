@@ -66,20 +66,17 @@ class TorchAttention:
         self.scale = head_dim**-0.5
 
     def plan(self, meta: AttentionMetadata) -> None:
-        self.page_size = meta.page_size
+        ps = self.page_size = meta.page_size
         q_lens, kv_lens = meta.q_lens(), meta.kv_lens()
-        positions = meta.positions()  # [T]
-        seq_of_row = torch.repeat_interleave(torch.arange(meta.num_seqs), q_lens)
-        k_slots = _k_slot(meta, seq_of_row, positions)  # [T]
-        self.k_slots, self.v_slots = k_slots.to(self.device), (k_slots + meta.page_size).to(self.device)
+        positions, seq_of_row = meta.positions(), meta.batch_indices()  # [T], [T]
+        k_slots = _k_slot(meta, seq_of_row, positions)  # [T] flat K row of each new token (its V row is ps later)
+        self.k_slots, self.v_slots = k_slots.to(self.device), (k_slots + ps).to(self.device)
         self.num_tokens = meta.num_tokens
-        q_max = int(q_lens.max())
+        q_list, kv_list = meta.lengths()
         self.uniform: _Uniform | None = None
-        if q_max <= SHORT_QUERY and bool((q_lens == q_max).all()):
-            self.uniform = self._plan_uniform(meta, q_max, q_lens, kv_lens)
+        if max(q_list) <= SHORT_QUERY and min(q_list) == max(q_list):
+            self.uniform = self._plan_uniform(meta, q_list[0], kv_list)
             return
-        # Decodes and verifies are padded separately: one sequence verifying k + 1 tokens must not
-        # pad every decode in the batch to k + 1 queries.
         self.short: list[tuple[_PaddedGroup, torch.Tensor]] = []  # (group, its token rows [n])
         for short in ((q_lens == 1).nonzero().flatten(), ((q_lens > 1) & (q_lens <= SHORT_QUERY)).nonzero().flatten()):
             if short.numel():
@@ -96,19 +93,28 @@ class TorchAttention:
             on_device = None if mask is None else mask.to(self.device)
             self.prefills.append(_Prefill(slice(starts[b], starts[b] + q_len), k_slots.to(self.device), on_device))
 
-    def _plan_uniform(
-        self, meta: AttentionMetadata, q_len: int, q_lens: torch.Tensor, kv_lens: torch.Tensor
-    ) -> _Uniform:
-        group = self._plan_padded(meta, torch.arange(meta.num_seqs), q_lens, kv_lens)
-        pages = group.page_table.flatten()
+    def _plan_uniform(self, meta: AttentionMetadata, q_len: int, kv_list: list[int]) -> _Uniform:
+        ps, b = meta.page_size, meta.num_seqs
+        num_pages = [-(-kv // ps) for kv in kv_list]
+        max_pages = max(num_pages)
+        starts = meta.kv_indptr.tolist()
+        indices = meta.kv_indices.tolist()
+        pages = torch.tensor([p for start, n in zip(starts, num_pages, strict=False)  # [B * max_pages], padded
+                              for p in (*indices[start : start + n], *[0] * (max_pages - n))], device=self.device)
+        kv_cols = max_pages * ps
         if q_len == 1:
-            return _Uniform(1, pages, group.mask, None)
-        assert group.mask is not None  # q_len > 1 always masks (causal within the new tokens)
-        b, _, _, kv_cols = group.mask.shape
-        bias = torch.zeros(group.mask.shape).masked_fill_(~group.mask.cpu(), float("-inf"))  # [B, 1, q_len, kv_cols]
+            mask = None
+            if min(kv_list) < kv_cols:  # columns past a sequence's length are masked
+                mask = (torch.arange(kv_cols)[None, :] < meta.kv_lens()[:, None]).view(b, 1, 1, kv_cols)
+                mask = mask.to(self.device)
+            return _Uniform(1, pages, mask, None)
+        # query j of b sees positions <= kv_len - q_len + j (bottom-right causal; never past kv_len)
+        last_visible = meta.kv_lens()[:, None] - q_len + torch.arange(q_len)[None, :]  # [B, q_len]
+        visible = torch.arange(kv_cols)[None, None, :] <= last_visible[:, :, None]  # [B, q_len, kv_cols]
+        bias = torch.where(visible, 0.0, float("-inf"))
         # the score rows of one K/V head are (query head of its group, query): the mask repeats per head
         heads_per_kv = self.num_heads // self.num_kv_heads
-        bias = bias[:, :, None].expand(b, self.num_kv_heads, heads_per_kv, q_len, kv_cols)
+        bias = bias[:, None, None].expand(b, self.num_kv_heads, heads_per_kv, q_len, kv_cols)
         bias = bias.reshape(b * self.num_kv_heads, heads_per_kv * q_len, kv_cols)
         return _Uniform(q_len, pages, None, bias.to(self.device))
 

@@ -142,21 +142,27 @@ def verify_drafts(
     params = [s.sampling for s, d in zip(seqs, drafts, strict=True) for _ in range(len(d) + 1)]
     logprobs = processed_logprobs(logits, params)  # [R, V]
     b, vocab = len(seqs), logits.shape[-1]
-    target = torch.zeros(b, k + 1, vocab, dtype=torch.float64)
-    draft_ids = torch.zeros(b, k, dtype=torch.long)
-    accept_u = torch.zeros(b, k, dtype=torch.float64)
-    sample_u = torch.zeros(b, dtype=torch.float64)
-    row = 0
-    for i, (seq, d) in enumerate(zip(seqs, drafts, strict=True)):
-        target[i, : len(d) + 1] = logprobs[row : row + len(d) + 1].double().exp()
-        draft_ids[i, : len(d)] = torch.tensor(d, dtype=torch.long)
-        if not seq.sampling.greedy:
-            # One uniform per draft and one for the emitted token: a sequence without drafts draws
-            # exactly what plain sampling draws, so it emits the same token.
-            u = torch.rand(len(d) + 1, dtype=torch.float64, generator=seq.generator)
-            accept_u[i, : len(d)], sample_u[i] = u[: len(d)], u[len(d)]
-        row += len(d) + 1
-    num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.long)
+    num_drafts_list = [len(d) for d in drafts]
+    # Row of (sequence i, position j) in the logits: sequence i's rows follow the earlier ones'.
+    # Positions past a sequence's drafts point at its last row; verification never reads them.
+    starts, row = [], 0
+    for n in num_drafts_list:
+        starts.append(row)
+        row += n + 1
+    num_drafts = torch.tensor(num_drafts_list, dtype=torch.long)  # [B]
+    j = torch.arange(k + 1)[None, :]  # [1, K+1]
+    rows = torch.tensor(starts, dtype=torch.long)[:, None] + torch.minimum(j, num_drafts[:, None])  # [B, K+1]
+    target = logprobs.index_select(0, rows.flatten().to(logprobs.device)).double().exp().view(b, k + 1, vocab)
+    draft_ids = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.long).view(b, k)  # [B, K]
+    # One uniform per draft and one for the emitted token, from each request's own generator: a
+    # sequence without drafts draws exactly what plain sampling draws, so it emits the same token.
+    # Greedy rows draw nothing (their uniforms are unused zeros).
+    zeros = torch.zeros(k + 1, dtype=torch.float64)
+    uniforms = torch.cat([
+        zeros[: n + 1] if seq.sampling.greedy else torch.rand(n + 1, dtype=torch.float64, generator=seq.generator)
+        for seq, n in zip(seqs, num_drafts_list, strict=True)
+    ])[rows]  # [B, K+1], in the same row order as the logits
+    sample_u = uniforms.gather(1, num_drafts[:, None]).squeeze(1)  # [B]: the one after the drafts
     greedy = torch.tensor([s.sampling.greedy for s in seqs], dtype=torch.bool)
     q = None
     if any(probs is not None for probs in draft_probs):
@@ -166,13 +172,11 @@ def verify_drafts(
                 q[i, torch.arange(len(d)), torch.tensor(d, dtype=torch.long)] = 1.0
             else:
                 q[i, : len(d)] = probs[: len(d)].double()
-    result = chain_rejection_sample(target, draft_ids, num_drafts, q, accept_u, sample_u, greedy)
+    result = chain_rejection_sample(target, draft_ids, num_drafts, q, uniforms[:, :k], sample_u, greedy)
+    # each emitted token's behavior logprob: token j of row i was scored at logits row rows[i, j]
+    emitted = result.token_ids.clamp(min=0)  # [B, K+1]; -1 padding read as token 0, then dropped
+    lps = logprobs[rows.to(logprobs.device), emitted.to(logprobs.device)].tolist()  # [B, K+1]
     out = []
-    row = 0
-    for i, d in enumerate(drafts):
-        n = int(result.num_accepted[i])
-        tokens = result.token_ids[i, : n + 1].tolist()
-        lps = [float(logprobs[row + j, t]) for j, t in enumerate(tokens)]
-        out.append((tokens, lps, n))
-        row += len(d) + 1
+    for token_row, lp_row, n in zip(result.token_ids.tolist(), lps, result.num_accepted.tolist(), strict=True):
+        out.append((token_row[: n + 1], lp_row[: n + 1], n))
     return out
