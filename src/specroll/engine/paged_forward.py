@@ -83,17 +83,17 @@ def paged_layer(
     t, heads, kv_heads, d = x.shape[0], w.num_heads, w.num_kv_heads, w.head_dim
     hidden = x.shape[-1]
     qkv = F.linear(F.rms_norm(x, (hidden,), w.input_norm, w.eps), w.qkv, w.qkv_bias)  # [T, (H + 2 H_kv) D]
-    qk_size = (heads + kv_heads) * d
+    heads_qk = heads + kv_heads
+    qkv = qkv.view(t, heads_qk + kv_heads, d)  # [T, H + 2 H_kv, D]: q heads, k heads, v heads
     if w.q_norm is None or w.k_norm is None:
-        qk = apply_rope(qkv[:, :qk_size].view(t, heads + kv_heads, d), cos, sin)  # [T, H + H_kv, D]
+        qk = apply_rope(qkv[:, :heads_qk], cos, sin)  # [T, H + H_kv, D]
         q, k = qk[:, :heads], qk[:, heads:]
     else:  # Qwen3: each head's q and k normed before RoPE
-        q = F.rms_norm(qkv[:, : heads * d].view(t, heads, d), (d,), w.q_norm, w.eps)
-        k = F.rms_norm(qkv[:, heads * d : qk_size].view(t, kv_heads, d), (d,), w.k_norm, w.eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    v = qkv[:, qk_size:].view(t, kv_heads, d)  # [T, H_kv, D]
+        q = apply_rope(F.rms_norm(qkv[:, :heads], (d,), w.q_norm, w.eps), cos, sin)
+        k = apply_rope(F.rms_norm(qkv[:, heads:heads_qk], (d,), w.k_norm, w.eps), cos, sin)
+    v = qkv[:, heads_qk:]  # [T, H_kv, D]
     o = backend.forward(q, k, v, kv_cache)  # [T, H, D]
-    x = x + F.linear(o.reshape(t, heads * d), w.o)
+    x = x + F.linear(o.view(t, heads * d) if o.is_contiguous() else o.reshape(t, heads * d), w.o)
     gate_up = F.linear(F.rms_norm(x, (hidden,), w.post_norm, w.eps), w.gate_up)  # [T, 2 I]
     i = w.intermediate_size
     return x + F.linear(F.silu(gate_up[:, :i]) * gate_up[:, i:], w.down)

@@ -86,9 +86,14 @@ def sample(
         processed distribution; see :func:`processed_logprobs`).
     """
     logprobs = processed_logprobs(logits, params)  # [B, V]
-    tokens = logprobs.argmax(dim=-1)  # greedy rows keep the argmax
     sampled = [i for i, p in enumerate(params) if p.temperature > 0]
-    if sampled:
-        u = torch.cat([torch.rand(1, dtype=torch.float64, generator=generators[i]) for i in sampled])  # [S]
-        tokens[sampled] = draw_inverse_cdf(logprobs[sampled].double().exp(), u)
+    # exp in float32 (relative error ~1e-7), the CDF in float64: as the verifier draws (spec/verify.py)
+    if sampled and len(sampled) == len(params):  # the rollout case: no greedy row, no row selection
+        u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in generators])  # [B]
+        tokens = draw_inverse_cdf(logprobs.exp().double(), u)
+    else:
+        tokens = logprobs.argmax(dim=-1)  # greedy rows keep the argmax
+        if sampled:
+            u = torch.cat([torch.rand(1, dtype=torch.float64, generator=generators[i]) for i in sampled])  # [S]
+            tokens[sampled] = draw_inverse_cdf(logprobs[sampled].exp().double(), u)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)

@@ -3,8 +3,8 @@
 ``plan`` turns FlashInfer's batch description into gather indices once per step; ``forward``
 then, for each layer, scatters the new K/V into the pages and runs
 ``scaled_dot_product_attention`` on K/V gathered from them. A batch whose sequences all have the
-same few new tokens (every decode step, and every verify step with k drafts each) takes one
-call on whole pages gathered in the batch's order, with no reordering of rows. Otherwise decodes
+same few new tokens (every decode step, and every verify step with k drafts each) takes two
+batched matmuls on whole pages gathered in the batch's order, with no reordering of rows. Otherwise decodes
 share one batched call and sequences with a few new tokens (speculative verifies) another, padded
 to their longest query; long prefills run one by one so that a long prompt never pads the whole
 batch.
@@ -37,8 +37,7 @@ class _Uniform:
 
     q_len: int
     pages: torch.Tensor  # [B * max_pages] int64: each sequence's pages, padded with page 0
-    mask: torch.Tensor | None  # q_len 1: [B, 1, 1, max_pages * page_size] bool, True = attend; None = all
-    bias: torch.Tensor | None  # q_len > 1: [B * H_kv, group * q_len, max_pages * page_size] float32, 0 or -inf
+    bias: torch.Tensor  # [B * H_kv, group * q_len or 1, max_pages * page_size] float32: 0 = attend, -inf = not
 
 
 @dataclass(frozen=True)
@@ -55,6 +54,10 @@ def _k_slot(meta: AttentionMetadata, seq: torch.Tensor, pos: torch.Tensor) -> to
     return page * (2 * ps) + pos % ps
 
 
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
 class TorchAttention:
     """Paged attention with torch ops; see :class:`~specroll.engine.attention.AttentionBackend`."""
 
@@ -64,6 +67,7 @@ class TorchAttention:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        self._cache_views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def plan(self, meta: AttentionMetadata) -> None:
         ps = self.page_size = meta.page_size
@@ -102,21 +106,16 @@ class TorchAttention:
         pages = torch.tensor([p for start, n in zip(starts, num_pages, strict=False)  # [B * max_pages], padded
                               for p in (*indices[start : start + n], *[0] * (max_pages - n))], device=self.device)
         kv_cols = max_pages * ps
-        if q_len == 1:
-            mask = None
-            if min(kv_list) < kv_cols:  # columns past a sequence's length are masked
-                mask = (torch.arange(kv_cols)[None, :] < meta.kv_lens()[:, None]).view(b, 1, 1, kv_cols)
-                mask = mask.to(self.device)
-            return _Uniform(1, pages, mask, None)
         # query j of b sees positions <= kv_len - q_len + j (bottom-right causal; never past kv_len)
         last_visible = meta.kv_lens()[:, None] - q_len + torch.arange(q_len)[None, :]  # [B, q_len]
         visible = torch.arange(kv_cols)[None, None, :] <= last_visible[:, :, None]  # [B, q_len, kv_cols]
         bias = torch.where(visible, 0.0, float("-inf"))
-        # the score rows of one K/V head are (query head of its group, query): the mask repeats per head
-        heads_per_kv = self.num_heads // self.num_kv_heads
+        # the score rows of one K/V head are (query head of its group, query): the mask repeats per
+        # head, or broadcasts over the group's rows when there is one query
+        heads_per_kv = self.num_heads // self.num_kv_heads if q_len > 1 else 1
         bias = bias[:, None, None].expand(b, self.num_kv_heads, heads_per_kv, q_len, kv_cols)
         bias = bias.reshape(b * self.num_kv_heads, heads_per_kv * q_len, kv_cols)
-        return _Uniform(q_len, pages, None, bias.to(self.device))
+        return _Uniform(q_len, pages, bias.to(self.device))
 
     def _plan_padded(
         self, meta: AttentionMetadata, seqs: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor
@@ -146,11 +145,11 @@ class TorchAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor
     ) -> torch.Tensor:
         ps = self.page_size
-        flat = kv_cache.view(-1, self.num_kv_heads, self.head_dim)  # [P * 2 * ps, H_kv, D]
-        flat.index_copy_(0, self.k_slots, k.to(flat.dtype))
-        flat.index_copy_(0, self.v_slots, v.to(flat.dtype))
+        flat, k_pages, v_pages = self._views(kv_cache)
+        flat.index_copy_(0, self.k_slots, k if k.dtype == flat.dtype else k.to(flat.dtype))
+        flat.index_copy_(0, self.v_slots, v if v.dtype == flat.dtype else v.to(flat.dtype))
         if self.uniform is not None:
-            return self._forward_uniform(q, kv_cache, self.uniform)
+            return self._forward_uniform(q, k_pages, v_pages, self.uniform)
         # The attention maths runs in float32: torch's CPU kernels for bf16/fp16 with a mask are
         # several times slower, and the gathered copies are made anyway.
         qf = q.float()
@@ -173,28 +172,40 @@ class TorchAttention:
             out[p.rows] = o.transpose(0, 1)
         return out.to(q.dtype)
 
-    def _forward_uniform(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _Uniform) -> torch.Tensor:
-        """Attention when every sequence has ``plan.q_len`` new tokens: one call on whole pages
-        gathered in batch order, no row reordering; float32 maths, as the general path.
+    def _views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``kv_cache`` as ``[P·2·ps, H_kv, D]`` rows and its K and V pages ``[P, ps, H_kv, D]``; made
+        once per cache (keyed by its address, which the views keep from being reused)."""
+        views = self._cache_views.get(kv_cache.data_ptr())
+        if views is None:
+            flat = kv_cache.view(-1, self.num_kv_heads, self.head_dim)
+            views = self._cache_views[kv_cache.data_ptr()] = (flat, kv_cache[:, 0], kv_cache[:, 1])
+        return views
 
-        Decodes run ``scaled_dot_product_attention``. Verifies (q_len > 1) run softmax(q·Kᵀ·scale +
-        bias)·V as two batched matmuls per K/V head, the query heads of a K/V head (GQA) stacked
-        as rows of one matrix: on this shape torch's CPU flash kernel is 3-5x slower.
+    def _forward_uniform(
+        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: _Uniform
+    ) -> torch.Tensor:
+        """Attention when every sequence has ``plan.q_len`` new tokens (every decode step, every
+        verify of k drafts each): softmax(q·Kᵀ·scale + bias)·V as two batched matmuls per K/V head,
+        the query heads of a K/V head (GQA) stacked as the rows of one matrix, on whole pages
+        gathered in batch order; float32 maths, as the general path. On these shapes torch's CPU
+        flash kernel (``scaled_dot_product_attention``) is 1.3-2.5x slower from 4 sequences up, and
+        3-5x on verifies.
         """
         b, q_len, hkv, d = q.shape[0] // plan.q_len, plan.q_len, self.num_kv_heads, self.head_dim
-        kv_cols = plan.pages.numel() // b * self.page_size
-        # [B * max_pages, ps, H_kv, D] → [B, H_kv, kv_cols, D]
-        k = kv_cache[:, 0].index_select(0, plan.pages).view(b, kv_cols, hkv, d).transpose(1, 2).float()
-        v = kv_cache[:, 1].index_select(0, plan.pages).view(b, kv_cols, hkv, d).transpose(1, 2).float()
-        if plan.bias is None:
-            qg = q.view(b, 1, self.num_heads, d).transpose(1, 2).float()  # [B, H, 1, D]
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.mask, scale=self.scale, enable_gqa=True)
-            return o.view(q.shape).to(q.dtype)  # [B, H, 1, D] is [T, H, D]
         group = self.num_heads // hkv
+        kv_cols = plan.pages.numel() // b * self.page_size
+        # [B * max_pages, ps, H_kv, D] → [B * H_kv, kv_cols, D] (a view when H_kv = 1)
+        k = k_pages.index_select(0, plan.pages).view(b, kv_cols, hkv, d).transpose(1, 2).reshape(b * hkv, kv_cols, d)
+        v = v_pages.index_select(0, plan.pages).view(b, kv_cols, hkv, d).transpose(1, 2).reshape(b * hkv, kv_cols, d)
         # queries of K/V head j: heads j·group .. (j+1)·group − 1, each at its q_len rows
-        qg = q.view(b, q_len, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b * hkv, group * q_len, d).float()
-        k, v = k.reshape(b * hkv, kv_cols, d), v.reshape(b * hkv, kv_cols, d)
-        scores = torch.baddbmm(plan.bias, qg, k.transpose(1, 2), alpha=self.scale)  # [B·H_kv, group·q_len, kv_cols]
-        o = torch.bmm(scores.softmax(-1), v)  # [B·H_kv, group·q_len, D]
-        o = o.view(b, hkv, group, q_len, d).permute(0, 3, 1, 2, 4).reshape(q.shape)  # [T, H, D]
-        return o.to(q.dtype)
+        if q_len == 1:
+            qg = q.reshape(b * hkv, group, d)  # [T, H, D] → [B·H_kv, group, D]
+        else:
+            qg = q.view(b, q_len, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b * hkv, group * q_len, d)
+        scores = torch.baddbmm(plan.bias, _float32(qg), _float32(k).transpose(1, 2), alpha=self.scale)
+        o = torch.bmm(scores.softmax(-1), _float32(v))  # [B·H_kv, group·q_len, D]
+        if q_len == 1:
+            o = o.view(q.shape)
+        else:
+            o = o.view(b, hkv, group, q_len, d).permute(0, 3, 1, 2, 4).reshape(q.shape)  # [T, H, D]
+        return o if o.dtype == q.dtype else o.to(q.dtype)

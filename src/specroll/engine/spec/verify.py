@@ -89,7 +89,9 @@ def chain_rejection_sample(
     else:
         q_draft = draft_probs.double().gather(-1, d[..., None]).squeeze(-1)
     accept = accept_uniform * q_draft < p_draft  # u < p/q: accept with probability min(1, p/q)
-    accept = torch.where(greedy[:, None], d == p[:, :k].argmax(-1), accept)
+    any_greedy = bool(greedy.any())
+    if any_greedy:
+        accept = torch.where(greedy[:, None], d == p[:, :k].argmax(-1), accept)
     accept &= torch.arange(k)[None, :] < num_drafts[:, None]
     num_accepted = accept.long().cumprod(-1).sum(-1)  # [B] length of the accepted prefix
 
@@ -108,7 +110,9 @@ def chain_rejection_sample(
         # p == q leaves nothing to resample from; rejection then had probability 0, keep p.
         empty = r.sum(-1) <= 0
         residual[rows] = torch.where(empty[:, None], residual[rows], r)
-    extra = torch.where(greedy, p_j.argmax(-1), draw_inverse_cdf(residual, sample_uniform))
+    extra = draw_inverse_cdf(residual, sample_uniform)
+    if any_greedy:
+        extra = torch.where(greedy, p_j.argmax(-1), extra)
 
     pos = torch.arange(k_plus_1)[None, :]
     padded_drafts = torch.cat([d, torch.full((b, 1), -1, dtype=torch.long)], dim=-1)
@@ -152,7 +156,8 @@ def verify_drafts(
     num_drafts = torch.tensor(num_drafts_list, dtype=torch.long)  # [B]
     j = torch.arange(k + 1)[None, :]  # [1, K+1]
     rows = torch.tensor(starts, dtype=torch.long)[:, None] + torch.minimum(j, num_drafts[:, None])  # [B, K+1]
-    target = logprobs.index_select(0, rows.flatten().to(logprobs.device)).double().exp().view(b, k + 1, vocab)
+    # exp in float32 (relative error ~1e-7; the accept tests and the CDF then run in float64)
+    target = logprobs.index_select(0, rows.flatten().to(logprobs.device)).exp().view(b, k + 1, vocab)
     draft_ids = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.long).view(b, k)  # [B, K]
     # One uniform per draft and one for the emitted token, from each request's own generator: a
     # sequence without drafts draws exactly what plain sampling draws, so it emits the same token.
