@@ -22,8 +22,13 @@ from specroll.engine.torch_attention import TorchAttention
 class AttentionBackend(Protocol):
     """Paged attention over a ragged batch."""
 
-    def plan(self, meta: AttentionMetadata) -> None:
-        """Prepare this step's indices; called once per step, before any layer runs."""
+    def plan(self, meta: AttentionMetadata, graph: tuple[int, int] | None = None) -> None:
+        """Prepare this step's indices; called once per step, before any layer runs.
+
+        ``graph``: ``(bucket, q_len)`` when the step replays a CUDA graph (``step_graphs.py``) and
+        ``meta`` is padded to ``bucket`` sequences of ``q_len`` tokens; a backend that captures
+        plans into that bucket's fixed buffers, one that does not plans as for any step.
+        """
         ...
 
     def forward(

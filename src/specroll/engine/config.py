@@ -12,6 +12,7 @@ from specroll.engine.registry import DEFAULT_MODEL
 BackendName = Literal["auto", "torch", "flashinfer"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 DraftLength = Literal["fixed", "adaptive"]
+CudaGraphs = Literal["off", "on", "emulate"]
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -53,9 +54,18 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     bandit on measured tokens/s per batch-size bucket (0 = plain decoding when drafting doesn't
     pay). Greedy output is the same either way; sampled output keeps the target's distribution but,
     as k then depends on timing, is not reproducible run to run."""
+    cuda_graphs: CudaGraphs = "off"
+    """``on``: replay decode steps and K-draft verify steps as CUDA graphs, one per batch-size bucket,
+    captured on first use (``step_graphs.py``; needs ``device`` cuda and the flashinfer backend);
+    other steps run eagerly. ``emulate``: the same buckets, padding and static inputs without
+    capturing, on any device (to check that path where no GPU is). ``off``: every step eager."""
+    cuda_graph_batch_sizes: tuple[int, ...] = ()
+    """Batch sizes graphs are captured for; ``()`` takes 1, 2, 4, 8 and every multiple of 16 up to
+    ``max_num_seqs`` (always a bucket)."""
 
     def __post_init__(self) -> None:
-        for name, kind in (("backend", BackendName), ("dtype", DTypeName), ("draft_length", DraftLength)):
+        for name, kind in (("backend", BackendName), ("dtype", DTypeName), ("draft_length", DraftLength),
+                           ("cuda_graphs", CudaGraphs)):
             allowed = typing.get_args(kind)
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}, expected one of {', '.join(map(repr, allowed))}")
@@ -73,5 +83,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"max_model_len={self.max_model_len}, expected a positive integer or None")
         if self.num_draft_tokens <= 0:
             raise ValueError(f"num_draft_tokens={self.num_draft_tokens}, expected a positive integer")
+        bad_sizes = [size for size in self.cuda_graph_batch_sizes if size <= 0]
+        if bad_sizes:
+            raise ValueError(f"cuda_graph_batch_sizes={list(self.cuda_graph_batch_sizes)}: expected positive "
+                             f"integers, got {bad_sizes}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads={self.num_threads}, expected a positive integer or None")

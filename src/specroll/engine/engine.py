@@ -64,6 +64,10 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.device = check_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.cuda_graphs == "on" and (self.device.type != "cuda" or config.backend == "torch"):
+            raise ValueError(f"cuda_graphs='on' needs device 'cuda' and the flashinfer backend; got device "
+                             f"{config.device!r}, backend {config.backend!r} ('emulate' runs the graph path "
+                             "eagerly on any device)")
         if config.backend == "flashinfer":  # fail before spending time loading the model
             problem = flashinfer_problem(self.device, self.dtype, head_dim=None)
             if problem is not None:

@@ -15,6 +15,7 @@ FlashInfer docs: "KV-Cache Layout in FlashInfer" and the wrappers' docstrings (f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -68,6 +69,18 @@ def plan_arguments(meta: AttentionMetadata) -> FlashInferPlan:
     )
 
 
+@dataclass(frozen=True)
+class _GraphWrapper:
+    """One CUDA-graph bucket's wrapper and the fixed device buffers its captured kernels read."""
+
+    run: Any  # flashinfer.BatchDecodeWithPagedKVCacheWrapper or BatchPrefillWithPagedKVCacheWrapper
+    kv_indptr: torch.Tensor  # int32 [bucket + 1]
+    kv_indices: torch.Tensor  # int32 [bucket * max_pages_per_seq]
+    kv_last_page_len: torch.Tensor  # int32 [bucket]
+    batch_indices: torch.Tensor  # int32 [bucket * q_len]
+    positions: torch.Tensor  # int32 [bucket * q_len]
+
+
 class FlashInferAttention:
     """Paged attention with FlashInfer kernels; see :class:`~specroll.engine.attention.AttentionBackend`.
 
@@ -110,16 +123,35 @@ class FlashInferAttention:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.device, self.dtype = device, dtype
         workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)  # decode wants it zeroed
+        self._workspace, self._kernel_backend = workspace, kernel_backend
+        self._tensor_core_decode = num_heads // num_kv_heads not in _DECODE_GROUP_SIZES
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=kernel_backend)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_tensor_cores=num_heads // num_kv_heads not in _DECODE_GROUP_SIZES
+            workspace, "NHD", use_tensor_cores=self._tensor_core_decode
         )
         self._wrapper: object = self._prefill
         self._append: tuple[torch.Tensor, ...] = ()
+        self._graph_pages_per_seq = 0
+        self._graph_wrappers: dict[tuple[int, int], _GraphWrapper] = {}
 
-    def plan(self, meta: AttentionMetadata) -> None:
-        """Plan the step's kernels (host work, once per step) and stage the append indices."""
+    def enable_graphs(self, max_pages_per_seq: int) -> None:
+        """Serve CUDA-graph steps (``plan(meta, graph)``): their fixed page-table buffers hold
+        ``max_pages_per_seq`` pages per sequence of a bucket."""
+        self._graph_pages_per_seq = max_pages_per_seq
+
+    def plan(self, meta: AttentionMetadata, graph: tuple[int, int] | None = None) -> None:
+        """Plan the step's kernels (host work, once per step) and stage the append indices.
+
+        Args:
+            meta: the step's batch.
+            graph: ``(bucket, q_len)`` of a CUDA-graph step (``meta`` padded to ``bucket`` sequences of
+                ``q_len`` tokens): the step then runs on that bucket's wrapper, whose buffers keep
+                fixed addresses, planned here before every replay (FlashInfer's CUDA-graph mode).
+        """
         args = plan_arguments(meta)
+        if graph is not None:
+            self._plan_graph(args, meta.page_size, graph)
+            return
         to_device = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
         kv_indices = to_device(args.kv_indices)
         self._append = (
@@ -137,13 +169,58 @@ class FlashInferAttention:
                                self.num_kv_heads, self.head_dim, meta.page_size, causal=True, **common)
             self._wrapper = self._prefill
 
+    def _plan_graph(self, args: FlashInferPlan, page_size: int, key: tuple[int, int]) -> None:
+        bucket, q_len = key
+        assert self._graph_pages_per_seq > 0, "enable_graphs() first"
+        wrapper = self._graph_wrappers.get(key)
+        if wrapper is None:
+            wrapper = self._graph_wrappers[key] = self._make_graph_wrapper(bucket, q_len)
+        if args.kv_indices.numel() > wrapper.kv_indices.numel():
+            raise ValueError(f"a graph step of {bucket} sequences uses {args.kv_indices.numel()} pages, more than "
+                             f"the {wrapper.kv_indices.numel()} its buffers hold")
+        wrapper.batch_indices.copy_(args.batch_indices, non_blocking=True)
+        wrapper.positions.copy_(args.positions, non_blocking=True)
+        common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.head_dim**-0.5)
+        # plan() copies the page table into the wrapper's fixed buffers, which the append reads too
+        if q_len == 1:
+            wrapper.run.plan(args.kv_indptr, args.kv_indices, args.kv_last_page_len, self.num_heads,
+                             self.num_kv_heads, self.head_dim, page_size, **common)
+        else:
+            wrapper.run.plan(args.qo_indptr, args.kv_indptr, args.kv_indices, args.kv_last_page_len,
+                             self.num_heads, self.num_kv_heads, self.head_dim, page_size, causal=True, **common)
+        self._wrapper = wrapper.run
+        self._append = (wrapper.batch_indices, wrapper.positions, wrapper.kv_indices, wrapper.kv_indptr,
+                        wrapper.kv_last_page_len)
+
+    def _make_graph_wrapper(self, bucket: int, q_len: int) -> _GraphWrapper:
+        """A wrapper in CUDA-graph mode for ``bucket`` sequences of ``q_len`` tokens, with its buffers
+        (the team's FlashInfer notes, "CUDA graphs with the FlashInfer wrappers")."""
+        int32 = dict(dtype=torch.int32, device=self.device)
+        kv_indptr, kv_last = torch.zeros(bucket + 1, **int32), torch.zeros(bucket, **int32)
+        kv_indices = torch.zeros(bucket * self._graph_pages_per_seq, **int32)
+        if q_len == 1:
+            run: object = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._tensor_core_decode,
+                paged_kv_indptr_buffer=kv_indptr, paged_kv_indices_buffer=kv_indices,
+                paged_kv_last_page_len_buffer=kv_last,
+            )
+        else:
+            qo_indptr = torch.arange(bucket + 1, **int32) * q_len
+            run = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=qo_indptr, paged_kv_indptr_buf=kv_indptr,
+                paged_kv_indices_buf=kv_indices, paged_kv_last_page_len_buf=kv_last, backend=self._kernel_backend,
+            )
+        rows = torch.zeros(bucket * q_len, **int32)
+        return _GraphWrapper(run, kv_indptr, kv_indices, kv_last, rows, rows.clone())
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor
     ) -> torch.Tensor:
         batch_indices, positions, kv_indices, kv_indptr, last_page_len = self._append
-        # The append kernel reinterprets K/V as the cache dtype without checking: cast first.
+        # The append kernel reinterprets K/V as the cache dtype without checking: cast first. K and
+        # V are views of the fused q/k/v output with different strides: give it contiguous rows.
         self._flashinfer.append_paged_kv_cache(
-            k.to(kv_cache.dtype), v.to(kv_cache.dtype), batch_indices, positions, kv_cache,
+            k.to(kv_cache.dtype).contiguous(), v.to(kv_cache.dtype).contiguous(), batch_indices, positions, kv_cache,
             kv_indices, kv_indptr, last_page_len, kv_layout="NHD",
         )
         return self._wrapper.run(q.to(self.dtype).contiguous(), kv_cache)  # type: ignore[attr-defined]

@@ -15,14 +15,16 @@ from dataclasses import dataclass
 
 import torch
 
-from specroll.engine.attention import allocate_kv_cache, kv_bytes_per_page, select_backend
-from specroll.engine.batch import AttentionMetadata, build_metadata
+from specroll.engine.attention import allocate_kv_cache, flashinfer_problem, kv_bytes_per_page, select_backend
+from specroll.engine.batch import build_metadata
 from specroll.engine.checkpoint import Checkpoint
 from specroll.engine.config import EngineConfig
+from specroll.engine.flashinfer_attention import FlashInferAttention
 from specroll.engine.model import CausalLM
 from specroll.engine.model_config import expected_weight_shapes
 from specroll.engine.scheduler import ScheduledSequence
 from specroll.engine.sequence import Sequence
+from specroll.engine.step_graphs import StepGraphs, bucket_sizes, pad_uniform_step
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,9 @@ class StepInputs:
     """int64 ``[T]``: their positions."""
     logits_rows: torch.Tensor
     """int64 ``[R]``: the input rows whose logits are sampled or verified."""
+    graph: tuple[int, int] | None = None
+    """``(bucket, q_len)`` when the step replays a graph (``step_graphs.py``): the ids and positions
+    are then padded to ``bucket · q_len`` rows; None: an eager step."""
 
 
 class ModelRunner:
@@ -70,8 +75,25 @@ class ModelRunner:
                 f"{config.page_size} tokens, fewer than one {self.max_model_len}-token request needs; "
                 "raise kv_cache_memory_gb or lower max_model_len"
             )
-        self.kv_caches = allocate_kv_cache(model_config, self.num_pages, config.page_size, dtype, device)
+        # Graph padding writes to scratch pages of its own at the end of the cache, which no
+        # request is given: the page count the block manager hands out leaves them out.
+        self.graphs: StepGraphs | None = None
+        self.scratch_pages: list[int] = []
+        total_pages = self.num_pages
+        if config.cuda_graphs != "off":
+            num_scratch = -(-(config.num_draft_tokens + 1) // config.page_size)
+            self.num_pages -= num_scratch
+            self.scratch_pages = list(range(self.num_pages, total_pages))
+            sizes = bucket_sizes(config.max_num_seqs, config.cuda_graph_batch_sizes)
+            graph_device = device if config.cuda_graphs == "on" else torch.device("cpu")
+            self.graphs = StepGraphs(sizes, (1, config.num_draft_tokens + 1), graph_device)
+        self.kv_caches = allocate_kv_cache(model_config, total_pages, config.page_size, dtype, device)
         self.backend = select_backend(config.backend, model_config, device, dtype)
+        if config.cuda_graphs == "on":
+            if not isinstance(self.backend, FlashInferAttention):
+                why = flashinfer_problem(device, dtype, model_config.head_dim)
+                raise ValueError(f"cuda_graphs='on' needs the flashinfer backend, which {why}")
+            self.backend.enable_graphs(max_pages_per_seq=-(-self.max_model_len // config.page_size))
         self.feature_layers: tuple[int, ...] = ()
         """Layers whose features each forward taps for the proposer (``CausalLM.forward``); ``()``: none."""
 
@@ -106,12 +128,26 @@ class ModelRunner:
             scheduled: the step's batch.
             drafts: drafted token ids of the sequences that carry drafts.
         """
-        input_ids, logits_rows, meta = self._prepare(scheduled, drafts)
-        self.backend.plan(meta)
+        input_ids, logits_rows, q_lens, kv_lens = self._prepare(scheduled, drafts)
+        tables = [s.seq.block_table for s in scheduled]
+        graph = self._graph_of(q_lens)
+        if graph is not None:
+            padded = pad_uniform_step(input_ids, graph[1], kv_lens, tables, graph[0], self.scratch_pages)
+            input_ids, q_lens, kv_lens, tables = padded.input_ids, padded.q_lens, padded.kv_lens, padded.block_tables
+        meta = build_metadata(q_lens, kv_lens, tables, self.page_size)
+        self.backend.plan(meta, graph)
         return StepInputs(
             torch.tensor(input_ids, device=self.device), meta.positions().to(self.device),
-            torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+            torch.tensor(logits_rows, dtype=torch.long, device=self.device), graph,
         )
+
+    def _graph_of(self, q_lens: list[int]) -> tuple[int, int] | None:
+        """``(bucket, q_len)`` when this step replays a graph: every sequence has the same graphed
+        ``q_len`` and the batch fits a bucket; else None (an eager step)."""
+        if self.graphs is None or min(q_lens) != max(q_lens):
+            return None
+        bucket = self.graphs.bucket(len(q_lens), q_lens[0])
+        return None if bucket is None else (bucket, q_lens[0])
 
     def forward(self, inputs: StepInputs, *, to_cpu: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the prepared batch: writes the K/V of every input row (drafts included) to the cache;
@@ -127,16 +163,27 @@ class ModelRunner:
             features ``[input rows, len(feature_layers) * hidden_size]`` of every input row, or None
             without ``feature_layers``.
         """
-        hidden, features = self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.backend,
-                                      self.feature_layers)
-        logits = self.model.compute_logits(hidden[inputs.logits_rows])
+        if inputs.graph is None:
+            hidden, features = self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.backend,
+                                          self.feature_layers)
+            logits = self.model.compute_logits(hidden[inputs.logits_rows])
+        else:
+            assert self.graphs is not None  # a graph step is prepared only with graphs on
+            bucket, q_len = inputs.graph
+            all_logits, features = self.graphs.run(bucket, q_len, inputs.input_ids, inputs.positions, self._graph_step)
+            logits = all_logits[inputs.logits_rows]  # the real rows come first; padding rows are dropped
         return (logits.cpu() if to_cpu else logits), features
+
+    def _graph_step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The graphed computation: the forward and the LM head over every (padded) row."""
+        hidden, features = self.model(input_ids, positions, self.kv_caches, self.backend, self.feature_layers)
+        return self.model.compute_logits(hidden), features
 
     def _prepare(
         self, scheduled: list[ScheduledSequence], drafts: dict[Sequence, list[int]]
-    ) -> tuple[list[int], list[int], AttentionMetadata]:
-        """The step's input token ids, the input rows whose logits are needed, and the batch's
-        attention metadata (positions follow from it)."""
+    ) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The step's input token ids, the input rows whose logits are needed, and each sequence's
+        new tokens (q_len) and K/V length after the step."""
         input_ids: list[int] = []
         logits_rows: list[int] = []
         q_lens: list[int] = []
@@ -149,10 +196,5 @@ class ModelRunner:
             assert start + q_lens[-1] <= self.max_model_len, f"{s.seq.request_id} would pass the context"
             if s.samples:  # the last new token's row and each draft's row
                 logits_rows.extend(range(len(input_ids) - len(extra) - 1, len(input_ids)))
-        meta = build_metadata(
-            q_lens,
-            [s.seq.num_computed_tokens + q for s, q in zip(scheduled, q_lens, strict=True)],
-            [s.seq.block_table for s in scheduled],
-            self.page_size,
-        )
-        return input_ids, logits_rows, meta
+        kv_lens = [s.seq.num_computed_tokens + q for s, q in zip(scheduled, q_lens, strict=True)]
+        return input_ids, logits_rows, q_lens, kv_lens

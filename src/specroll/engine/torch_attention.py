@@ -69,7 +69,9 @@ class TorchAttention:
         self.scale = head_dim**-0.5
         self._cache_views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def plan(self, meta: AttentionMetadata) -> None:
+    def plan(self, meta: AttentionMetadata, graph: tuple[int, int] | None = None) -> None:
+        """Gather indices for ``meta`` (``graph`` is ignored: this backend is never captured; its
+        graph steps run eagerly over the padded batch)."""
         ps = self.page_size = meta.page_size
         q_lens, kv_lens = meta.q_lens(), meta.kv_lens()
         positions, seq_of_row = meta.positions(), meta.batch_indices()  # [T], [T]
