@@ -8,6 +8,10 @@ prompt tokens, 128 sampled response tokens at temperature 1, EOS ignored) and co
 tokens of pure decode steps over those steps' wall-clock time, after a warm-up run per backend
 (whose time, FlashInfer's JIT compilation included, is reported as ``warmup_s``).
 
+``flashinfer-graphs`` is FlashInfer with decode and verify steps replayed as CUDA graphs
+(``cuda_graphs = "on"``); with both FlashInfer columns the ratio graphs / eager is printed, for
+decoding at each batch size and for speculative decoding at batch 1.
+
 Speculative decoding at batch 1 replays the greedy rollout of the prompt as drafts (k = 4,
 ``ReplayProposer``), iterated until the speculative run reproduces the rollout it replays: every
 draft is then accepted, so the ratio is what verification allows when the drafter is perfect and
@@ -36,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--batch-sizes", type=int_list, default=[1, 16, 64], help="batch sizes (default 1,16,64)")
     parser.add_argument("--backends", type=_backends, default=["torch", "flashinfer"],
-                        help="comma-separated backends to compare: torch, flashinfer (default both)")
+                        help="comma-separated backends to compare: torch, flashinfer, flashinfer-graphs "
+                             "(FlashInfer with CUDA graphs) (default torch,flashinfer)")
     parser.add_argument("--prompt-tokens", type=_positive, default=128)
     parser.add_argument("--max-tokens", type=_positive, default=128)
     parser.add_argument("--repeats", type=_positive, default=3, help="timed runs per figure; the median is kept")
@@ -58,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.device == "cpu" or args.device.startswith("cuda")):
         print(f"--device {args.device!r}: expected cuda, cuda:N or cpu", file=sys.stderr)
         return 2
-    if "flashinfer" in args.backends and not args.device.startswith("cuda"):
-        print("--backends flashinfer needs --device cuda", file=sys.stderr)
+    if any(b.startswith("flashinfer") for b in args.backends) and not args.device.startswith("cuda"):
+        print("--backends flashinfer and flashinfer-graphs need --device cuda", file=sys.stderr)
         return 2
     if not args.kv_cache_gb > 0:
         print(f"--kv-cache-gb {args.kv_cache_gb}: expected a positive number", file=sys.stderr)
@@ -97,8 +102,16 @@ def main(argv: list[str] | None = None) -> int:
         tps = results["decode_tokens_per_s"]
         results["flashinfer_over_torch"] = {b: round(tps["flashinfer"][b] / tps["torch"][b], 2)
                                             for b in args.batch_sizes}
-    fast = "flashinfer" if "flashinfer" in backends else backends[0]
-    results["speculative_batch1"] = _speculative(checkpoint, fast, args)
+    if set(backends) >= {"flashinfer", "flashinfer-graphs"}:
+        tps = results["decode_tokens_per_s"]
+        results["graphs_over_eager"] = {b: round(tps["flashinfer-graphs"][b] / tps["flashinfer"][b], 2)
+                                        for b in args.batch_sizes}
+    fast = [b for b in backends if b.startswith("flashinfer")] or backends[:1]
+    results["speculative_batch1"] = {b: _speculative(checkpoint, b, args) for b in fast}
+    if len(fast) == 2:
+        spec = results["speculative_batch1"]
+        results["speculative_graphs_over_eager"] = round(
+            spec["flashinfer-graphs"]["speculative_tokens_per_s"] / spec["flashinfer"]["speculative_tokens_per_s"], 2)
     print(json.dumps(results, indent=2))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
@@ -113,8 +126,9 @@ def _positive(text: str) -> int:
 
 def _backends(text: str) -> list[str]:
     names = text.split(",")
-    if not names or any(n not in ("torch", "flashinfer") for n in names) or len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected distinct names from torch, flashinfer (comma-separated)")
+    known = ("torch", "flashinfer", "flashinfer-graphs")
+    if not names or any(n not in known for n in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected distinct names from {', '.join(known)} (comma-separated)")
     return names
 
 
@@ -122,8 +136,10 @@ def _engine(checkpoint, backend: str, device: str, max_num_seqs: int, kv_cache_g
     from specroll.engine.config import EngineConfig
     from specroll.engine.engine import Engine
 
-    config = EngineConfig(model="random", backend=backend, device=device, dtype="bfloat16",
-                          kv_cache_memory_gb=kv_cache_gb, max_num_seqs=max_num_seqs, max_num_batched_tokens=16384)
+    graphs = backend == "flashinfer-graphs"
+    config = EngineConfig(model="random", backend="flashinfer" if graphs else backend, device=device,
+                          dtype="bfloat16", kv_cache_memory_gb=kv_cache_gb, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=16384, cuda_graphs="on" if graphs else "off")
     return Engine(config, checkpoint=checkpoint, proposer=proposer)
 
 
@@ -185,7 +201,7 @@ def _speculative(checkpoint, backend: str, args: argparse.Namespace) -> dict:
     }
     figures["ratio"] = round(figures["speculative_tokens_per_s"] / figures["plain_tokens_per_s"], 2)
     print(f"speculative B=1 ({backend}): {figures}", flush=True)
-    if args.profile:
+    if args.profile and backend == "flashinfer":
         _profile(args.profile, {"plain": plain, "speculative": spec}, prompts, args.max_tokens)
     return figures
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The project's one GPU check: FlashInfer against the torch reference, and the backend benchmark.
+# The project's one GPU check: FlashInfer against the torch reference (and CUDA-graph steps against
+# eager ones), and the benchmark of FlashInfer eager against FlashInfer with CUDA graphs.
 #
 # For a machine with one CUDA GPU, Python 3.12 with PyTorch preinstalled, and no network. The
 # wheels specroll needs beyond that travel next to the checkout, in .whl/ (or $SPECROLL_WHEELS);
@@ -84,9 +85,9 @@ if grep -q "skipped" "$out/gpu_tests.log"; then  # a skipped GPU test here means
     echo "gpu_check: some GPU tests were skipped" | tee -a "$out/gpu_tests.log"; tests_rc=1
 fi
 
-stamp "benchmark"
-(cd benchmarks && timeout 150 python3 bench_backends.py --json "$out/gpu_bench.json" \
-    --profile "$out/gpu_profile.txt") 2>&1 | tee "$out/gpu_bench.log"
+stamp "benchmark: FlashInfer eager vs CUDA graphs (decode B = 1/16/64, speculative B = 1)"
+(cd benchmarks && timeout 180 python3 bench_backends.py --backends flashinfer,flashinfer-graphs --repeats 2 \
+    --json "$out/gpu_bench.json" --profile "$out/gpu_profile.txt") 2>&1 | tee "$out/gpu_bench.log"
 bench_rc=${PIPESTATUS[0]}
 
 stamp "done: jit rc=$jit_rc, tests rc=$tests_rc, benchmark rc=$bench_rc" | tee -a "$out/gpu.txt"
