@@ -13,6 +13,13 @@ identical prompt token ids. Both sample with temperature 1, no top-k and no top-
   dequantization of the GGUF file (``load_gguf_checkpoint``), loaded into a model class built from
   specroll's :class:`ModelConfig`, so both sides have the same architecture hyper-parameters.
 
+- **llama.cpp** (a reference column, when ``llama-cpp-python`` is installed and the model is a GGUF
+  file): the same GGUF through ``llama_cpp.Llama.generate`` with the same sampling (T = 1, no top-k,
+  top-p or min-p filter, no repetition penalty), one prompt after another — its Python API runs
+  one sequence at a time, so at batch B it is the same sequential run. llama.cpp computes with the
+  file's quantized weights (Q4_1 for the default model: ~5 bits a weight), where specroll and
+  transformers dequantize them to the benchmark's dtype: it reads 3-4x fewer bytes per token.
+
 The figure compared is **useful tokens per second**: generated tokens up to and including each
 response's first EOS, divided by the wall-clock time of generation (prefill included, model
 loading excluded). Counting the raw output width would flatter ``generate()``: a finished row of
@@ -272,6 +279,41 @@ def run_hf(model: PreTrainedModel, prompts: list[list[int]], batch_size: int, ma
     return useful, elapsed
 
 
+def run_llama_cpp(path: Path, prompts: list[list[int]], max_new_tokens: int, eos_token_ids: list[int], seed: int,
+                  threads: int) -> tuple[int, float]:
+    """``llama_cpp.Llama.generate`` over ``prompts`` one at a time; returns (useful tokens, seconds).
+    A response ends at its first EOS (counted) or after ``max_new_tokens``."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=2048, n_threads=threads, n_threads_batch=threads, seed=seed,
+                verbose=False)
+    eos = set(eos_token_ids)
+
+    def one(prompt: list[int]) -> int:
+        n = 0
+        for token in llm.generate(prompt, temp=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+            n += 1
+            if token in eos or n >= max_new_tokens:
+                break
+        return n
+
+    one(prompts[0][:8])  # warm-up: first-call costs
+    start = time.perf_counter()
+    useful = sum(one(prompt) for prompt in prompts)
+    return useful, time.perf_counter() - start
+
+
+def llama_cpp_problem(source: Path) -> str | None:
+    """Why the llama.cpp column cannot run here, or None."""
+    if source.suffix != ".gguf":
+        return f"{source} is not a GGUF file"
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return "llama-cpp-python is not installed (pip install llama-cpp-python)"
+    return None
+
+
 # ---- main ----------------------------------------------------------------------------------
 
 
@@ -309,8 +351,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{floor * 1e3:.2f} ms; specroll decode step {step * 1e3:.2f} ms "
           f"(median of {args.decode_steps}) = {step / floor:.2f} x floor", flush=True)
 
-    hf_model = build_hf_model(checkpoint, resolve_model(args.model), dtype)
+    source = resolve_model(args.model)
+    hf_model = build_hf_model(checkpoint, source, dtype)
     run_hf(hf_model, prompts[:1], 1, 4, eos_token_ids, args.seed)  # warm-up: first-call costs
+    no_llama_cpp = llama_cpp_problem(source)
+    if no_llama_cpp is not None:
+        print(f"llama.cpp column skipped: {no_llama_cpp}", flush=True)
 
     results: dict[str, dict[str, float | int]] = {}
     for batch_size, num_prompts in zip(args.batch_sizes, args.num_prompts, strict=True):
@@ -326,14 +372,21 @@ def main(argv: list[str] | None = None) -> int:
             "specroll_tokens": s_tokens, "hf_tokens": h_tokens, "specroll_s": s_seconds, "hf_s": h_seconds,
             "num_prompts": num_prompts,
         }
+        if no_llama_cpp is None:
+            l_tokens, l_seconds = run_llama_cpp(source, batch_prompts, args.max_new_tokens, eos_token_ids, args.seed,
+                                                threads)
+            results[str(batch_size)].update(llama_cpp_tok_s=l_tokens / l_seconds, llama_cpp_tokens=l_tokens,
+                                            llama_cpp_s=l_seconds, ratio_llama_cpp=s_rate / (l_tokens / l_seconds))
 
     print()
     print(f"{'batch':>5} {'prompts':>7} | {'specroll tok':>12} {'s':>7} {'tok/s':>7} | "
-          f"{'hf tok':>7} {'s':>7} {'tok/s':>7} | {'ratio':>6}")
+          f"{'hf tok':>7} {'s':>7} {'tok/s':>7} | {'ratio':>6} | {'llama.cpp tok/s':>15} {'ratio':>6}")
     for batch_size, r in results.items():
+        llama = (f"{r['llama_cpp_tok_s']:>15.1f} {r['ratio_llama_cpp']:>5.2f}x" if "llama_cpp_tok_s" in r
+                 else f"{'-':>15} {'-':>6}")
         print(f"{batch_size:>5} {r['num_prompts']:>7} | {r['specroll_tokens']:>12} {r['specroll_s']:>7.1f} "
               f"{r['specroll_tok_s']:>7.1f} | {r['hf_tokens']:>7} {r['hf_s']:>7.1f} {r['hf_tok_s']:>7.1f} | "
-              f"{r['ratio']:>5.2f}x")
+              f"{r['ratio']:>5.2f}x | {llama}")
     print(f"decode step {step * 1e3:.2f} ms / floor {floor * 1e3:.2f} ms = {step / floor:.2f}  "
           f"(weights {weights / 1e6:.1f} MB at {bandwidth / 1e9:.2f} GB/s)")
 
