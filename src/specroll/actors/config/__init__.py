@@ -6,11 +6,11 @@ from specroll.actors.config.dump import CONFIG_FILENAME, dump_config, toml_value
 from specroll.actors.config.errors import ConfigError
 from specroll.actors.config.launch_section import LaunchConfig
 from specroll.actors.config.load import load_config
+from specroll.actors.config.network_section import NetworkConfig
 from specroll.actors.config.schema import (
     DrafterConfig,
     GeneratorConfig,
     ModelSection,
-    NetworkConfig,
     RunConfig,
     TaskConfig,
     TrainerConfig,
