@@ -255,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``specroll`` console script; returns the process exit code."""
     args = build_parser().parse_args(argv)
     if args.command == "launch":
-        from specroll.actors.launch.launch import TRAINER_MODULE, run_launch
+        from specroll.actors.launch.entry import TRAINER_MODULE, run_launch
 
         overrides = [*args.overrides, *([f"cluster.backend={args.cluster}"] if args.cluster else [])]
         return run_launch(args.config, overrides, trainer_module=args.trainer_module or TRAINER_MODULE,

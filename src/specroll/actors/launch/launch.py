@@ -67,14 +67,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from specroll.actors.config import ConfigError, load_config
 from specroll.actors.exit_codes import EXIT_OK, EXIT_PEER_LOST, EXIT_REFUSED
 from specroll.actors.files import write_text_atomic
-from specroll.actors.launch.cpu_budget import available_cores, budget_line, with_cpu_budget
 from specroll.actors.launch.errors import LaunchError
 from specroll.actors.launch.gpu_plan import gpu_env
 from specroll.actors.launch.metrics_tail import MetricsTail, format_metrics, record_warnings
-from specroll.actors.launch.preflight import LOCK_FILENAME, preflight, take_lock
 from specroll.actors.launch.rank_roles import (
     TRAINER_ROLE,
     free_master,
@@ -83,8 +80,8 @@ from specroll.actors.launch.rank_roles import (
     rank_role,
     with_master,
 )
-from specroll.actors.launch.ray_cluster import RayCluster, check_supported, import_ray, resources_line, with_ray_threads
-from specroll.actors.launch.role_fork import Forker, fork_supported, prepare
+from specroll.actors.launch.ray_cluster import RayCluster
+from specroll.actors.launch.role_fork import Forker
 from specroll.actors.launch.role_process import (
     RoleProcess,
     describe_exit,
@@ -104,7 +101,6 @@ __all__ = [
     "PIDS_FILENAME",
     "TRAINER_MODULE",
     "Launcher",
-    "run_launch",
 ]
 
 TRAINER_MODULE = "specroll.actors.trainer"
@@ -487,54 +483,3 @@ class Launcher:
                     self.say(f"{p.name} (pid {p.pid}) survived SIGKILL for 30 s (uninterruptible sleep?)")
                     continue
                 p.reaped = True
-
-
-def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = TRAINER_MODULE,
-               startup_timeout_s: float = 300.0, grace_s: float = 15.0) -> int:
-    """``specroll launch``: validate the config (one error line and exit 2, nothing started), run."""
-
-    try:
-        config = load_config(config_path, overrides)  # every role reads this same config: checked once here
-    except ConfigError as e:
-        print(f"specroll launch: error: {e}", file=sys.stderr)
-        return EXIT_REFUSED
-    on_ray = config.cluster.backend == "ray"
-    if on_ray:
-        try:
-            check_supported(config)
-            import_ray()
-        except LaunchError as e:
-            print(f"specroll launch: error: {e}", file=sys.stderr)
-            return e.code
-    forker = None
-    if config.launch.fork_roles and fork_supported() and not on_ray:  # before the preflight touches a tensor
-        forker = prepare([trainer_module, GENERATOR_MODULE, DRAFTER_MODULE])
-    try:
-        done = preflight(config)
-    except LaunchError as e:
-        print(f"specroll launch: error: {e}", file=sys.stderr)
-        return EXIT_REFUSED
-    if done is not None:
-        print(f"specroll launch: {done}", file=sys.stderr)
-        return 0
-    lock = Path(config.run_dir) / LOCK_FILENAME
-    try:
-        take_lock(lock)
-    except LaunchError as e:
-        print(f"specroll launch: error: {e}", file=sys.stderr)
-        return EXIT_REFUSED
-    cores = available_cores()
-    config = with_ray_threads(config) if on_ray else with_cpu_budget(config, cores)
-    try:
-        launcher = Launcher(config, trainer_module=trainer_module, startup_timeout_s=startup_timeout_s,
-                            grace_s=grace_s, forker=forker)
-        if on_ray:
-            launcher.cluster = RayCluster(config, launcher.say, Path(config.run_dir) / ENDPOINT_FILENAME)
-        launcher.say(resources_line(config) if on_ray else budget_line(config, cores))
-        for warning in config.warnings():
-            launcher.say(f"warning: {warning}")
-        return launcher.run()
-    finally:
-        lock.unlink(missing_ok=True)
-
-
