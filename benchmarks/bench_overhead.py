@@ -74,7 +74,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here as JSON")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.json is not None and not args.json.parent.is_dir():
+        p.error(f"--json {args.json}: no directory {args.json.parent}")
+    import torch
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"--device {args.device!r}: expected a torch device such as cpu, cuda or cuda:1")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: this machine has no CUDA device")
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device {args.device!r}: expected cpu or cuda")
+    return args
 
 
 def tiny_deep_checkpoint(vocab: int, layers: int) -> Checkpoint:
@@ -196,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         del engines
 
     phase_names = list(results[str(args.batch_sizes[0])]["decode"]["phases_ms"])  # type: ignore[index]
-    print(f"\n{'B':>3} {'mode':>6} {'step ms':>8} | " + " ".join(f"{p:>9}" for p in phase_names))
+    print(f"\n{'B':>3} {'mode':>6} {'step ms':>8} | phase means over that round, ms (a slow step weighs in them)")
+    print(f"{'':>3} {'':>6} {'':>8} | " + " ".join(f"{p:>9}" for p in phase_names))
     for batch, row in results.items():
         for mode in ("decode", "verify"):
             r = row[mode]

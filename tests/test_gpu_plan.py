@@ -75,3 +75,23 @@ def test_a_cuda_role_on_a_host_without_cuda_is_refused_before_anything_starts(tm
     assert proc.returncode == 2, proc.stderr
     assert f"{key.split('=')[0]}='cuda', but this host has no CUDA device" in proc.stderr, proc.stderr
     assert "started" not in proc.stderr and not (run_dir / "logs").exists()
+
+
+@pytest.mark.parametrize(("sets", "expected"), [
+    (["generator.engine.cuda_graphs=on"],
+     "cuda_graphs='on' needs device 'cuda' and the flashinfer backend; got device 'cpu'"),
+    (["generator.engine.cuda_graphs=emulate", "generator.engine.cuda_graph_batch_sizes=[128]"],
+     "cuda_graph_batch_sizes=[128]: expected sizes at most max_num_seqs"),
+])
+def test_cuda_graph_settings_that_cannot_run_are_refused_before_anything_starts(
+    tmp_path: Path, sets: list[str], expected: str
+) -> None:
+    run_dir = tmp_path / "run"
+    config = tmp_path / "run.toml"
+    config.write_text(f"run_dir = {json.dumps(str(run_dir))}\n")
+    args = [a for key in sets for a in ("--set", key)]
+    proc = subprocess.run([sys.executable, "-m", "specroll.actors.cli", "launch", str(config), *args],
+                          capture_output=True, text=True, timeout=WAIT_S)
+    assert proc.returncode == 2, proc.stderr
+    assert expected in proc.stderr, proc.stderr
+    assert "started" not in proc.stderr and not run_dir.exists()

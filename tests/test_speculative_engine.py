@@ -295,3 +295,18 @@ def test_pages_filled_by_accepted_drafts_are_shared_through_the_prefix_cache(tin
     seq = engine._requests["b"]
     engine.scheduler.schedule(engine.weight_version)
     assert seq.num_computed_tokens == (len(follow) - 1) // PAGE * PAGE
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_sibling_admitted_with_its_whole_prompt_cached_drafts_only_into_its_pages(tiny_checkpoint, k):
+    # page_size 1: the second sample of a group takes every prompt page but the last token's from
+    # the prefix cache and is admitted holding exactly one free slot; drafting k tokens into it
+    # would pass its pages (the step refused such a batch: "q_len=2, kv_len=39 with 38 pages of 1").
+    path = tiny_checkpoint("llama")
+    prompts = repetitive_prompts([23]) * 2  # one group: the same prompt twice
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    plain = run(make_engine(path, False, page_size=1), prompts, greedy, groups=True)
+    spec_engine = make_engine(path, True, page_size=1, num_draft_tokens=k)
+    spec = run(spec_engine, prompts, greedy, groups=True)
+    assert {r: c.token_ids for r, c in spec.items()} == {r: c.token_ids for r, c in plain.items()}
+    assert spec_engine.spec_stats.num_drafted > 0

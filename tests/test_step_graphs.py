@@ -3,6 +3,8 @@ with ``cuda_graphs = "emulate"`` (the graph path without capturing) against eage
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -139,11 +141,26 @@ def test_steps_outside_the_buckets_run_eagerly(tiny_checkpoint):
 
 
 def test_cuda_graphs_need_cuda_and_a_known_mode(tiny_checkpoint):
-    path = tiny_checkpoint("llama")
     with pytest.raises(ValueError, match="cuda_graphs='on' needs device 'cuda' and the flashinfer backend; got "
                                          "device 'cpu'"):
-        make_engine(path, "on")
+        EngineConfig(cuda_graphs="on")
     with pytest.raises(ValueError, match="cuda_graphs='yes', expected one of 'off', 'on', 'emulate'"):
         EngineConfig(cuda_graphs="yes")
-    with pytest.raises(ValueError, match=r"cuda_graph_batch_sizes=\[0\]: expected positive integers"):
-        EngineConfig(cuda_graph_batch_sizes=(0,))
+    for sizes, bad in (((0,), "[0]"), ((2.5, 4), "[2.5]"), (("4",), "['4']"), ((True, 4), "[True]")):
+        with pytest.raises(ValueError, match=rf"expected positive integers, got {re.escape(bad)}"):
+            EngineConfig(cuda_graph_batch_sizes=sizes)
+    with pytest.raises(ValueError, match=r"cuda_graph_batch_sizes=\[2, 128\]: expected sizes at most max_num_seqs = 8"):
+        EngineConfig(cuda_graph_batch_sizes=(2, 128), max_num_seqs=8)
+
+
+def test_scratch_pages_count_against_the_cache_before_any_request(tiny_checkpoint):
+    # Exactly the pages one full-length request needs: without graphs it serves; with them one page
+    # is scratch, so the engine refuses to start rather than hang on a request it can never fit.
+    path = tiny_checkpoint("llama")
+    pages = 256 // PAGE
+    page_bytes = 2 * 2 * PAGE * 2 * 16 * 4  # K and V, 2 layers, 2 K/V heads of 16, float32
+    eager = make_engine(path, "off", kv_cache_memory_gb=pages * page_bytes / 2**30)
+    assert eager.block_manager.num_pages == pages
+    with pytest.raises(ValueError, match=r"holds 32 pages of 8 tokens \(1 of them kept as the CUDA-graph "
+                                         r"padding's scratch\), fewer than one 256-token request needs"):
+        make_engine(path, "emulate", kv_cache_memory_gb=pages * page_bytes / 2**30)

@@ -83,9 +83,16 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"max_model_len={self.max_model_len}, expected a positive integer or None")
         if self.num_draft_tokens <= 0:
             raise ValueError(f"num_draft_tokens={self.num_draft_tokens}, expected a positive integer")
-        bad_sizes = [size for size in self.cuda_graph_batch_sizes if size <= 0]
+        sizes = list(self.cuda_graph_batch_sizes)
+        bad_sizes = [s for s in sizes if type(s) is not int or s <= 0]  # a bool is not a size
         if bad_sizes:
-            raise ValueError(f"cuda_graph_batch_sizes={list(self.cuda_graph_batch_sizes)}: expected positive "
-                             f"integers, got {bad_sizes}")
+            raise ValueError(f"cuda_graph_batch_sizes={sizes}: expected positive integers, got {bad_sizes}")
+        if any(s > self.max_num_seqs for s in sizes):
+            raise ValueError(f"cuda_graph_batch_sizes={sizes}: expected sizes at most max_num_seqs = "
+                             f"{self.max_num_seqs} (a larger batch never runs)")
+        if self.cuda_graphs == "on" and (not self.device.startswith("cuda") or self.backend == "torch"):
+            raise ValueError(f"cuda_graphs='on' needs device 'cuda' and the flashinfer backend; got device "
+                             f"{self.device!r}, backend {self.backend!r} ('emulate' runs the graph path "
+                             "eagerly on any device)")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads={self.num_threads}, expected a positive integer or None")

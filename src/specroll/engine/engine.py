@@ -64,10 +64,6 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.device = check_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if config.cuda_graphs == "on" and (self.device.type != "cuda" or config.backend == "torch"):
-            raise ValueError(f"cuda_graphs='on' needs device 'cuda' and the flashinfer backend; got device "
-                             f"{config.device!r}, backend {config.backend!r} ('emulate' runs the graph path "
-                             "eagerly on any device)")
         if config.backend == "flashinfer":  # fail before spending time loading the model
             problem = flashinfer_problem(self.device, self.dtype, head_dim=None)
             if problem is not None:
@@ -304,7 +300,7 @@ class Engine:
         if not k:
             return {}, {}
         assert self.proposer is not None  # k > 0 only with a proposer
-        return propose_drafts(self.proposer, scheduled, k, self.model_config.vocab_size)
+        return propose_drafts(self.proposer, scheduled, k, self.model_config.vocab_size, self.config.page_size)
 
     def _verify(
         self, logits: torch.Tensor, samplers: list[Sequence], drafts: dict[Sequence, list[int]],

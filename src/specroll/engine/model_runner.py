@@ -68,25 +68,25 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
         page_bytes = kv_bytes_per_page(model_config, config.page_size, dtype)
-        self.num_pages = int(config.kv_cache_memory_gb * 2**30) // page_bytes
-        if self.num_pages * config.page_size < self.max_model_len:
-            raise ValueError(
-                f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds {self.num_pages} pages of "
-                f"{config.page_size} tokens, fewer than one {self.max_model_len}-token request needs; "
-                "raise kv_cache_memory_gb or lower max_model_len"
-            )
+        total_pages = int(config.kv_cache_memory_gb * 2**30) // page_bytes
         # Graph padding writes to scratch pages of its own at the end of the cache, which no
         # request is given: the page count the block manager hands out leaves them out.
+        num_scratch = -(-(config.num_draft_tokens + 1) // config.page_size) if config.cuda_graphs != "off" else 0
+        self.num_pages = total_pages - num_scratch
+        """Pages requests may use (the cache holds ``scratch_pages`` besides)."""
+        if self.num_pages * config.page_size < self.max_model_len:
+            scratch = f" ({num_scratch} of them kept as the CUDA-graph padding's scratch)" if num_scratch else ""
+            raise ValueError(
+                f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds {total_pages} pages of "
+                f"{config.page_size} tokens{scratch}, fewer than one {self.max_model_len}-token request needs; "
+                "raise kv_cache_memory_gb or lower max_model_len"
+            )
+        self.scratch_pages = list(range(self.num_pages, total_pages))
         self.graphs: StepGraphs | None = None
-        self.scratch_pages: list[int] = []
-        total_pages = self.num_pages
         if config.cuda_graphs != "off":
-            num_scratch = -(-(config.num_draft_tokens + 1) // config.page_size)
-            self.num_pages -= num_scratch
-            self.scratch_pages = list(range(self.num_pages, total_pages))
             sizes = bucket_sizes(config.max_num_seqs, config.cuda_graph_batch_sizes)
-            graph_device = device if config.cuda_graphs == "on" else torch.device("cpu")
-            self.graphs = StepGraphs(sizes, (1, config.num_draft_tokens + 1), graph_device)
+            self.graphs = StepGraphs(sizes, (1, config.num_draft_tokens + 1), device,
+                                     capture=config.cuda_graphs == "on")
         self.kv_caches = allocate_kv_cache(model_config, total_pages, config.page_size, dtype, device)
         self.backend = select_backend(config.backend, model_config, device, dtype)
         if config.cuda_graphs == "on":
@@ -135,7 +135,8 @@ class ModelRunner:
             padded = pad_uniform_step(input_ids, graph[1], kv_lens, tables, graph[0], self.scratch_pages)
             input_ids, q_lens, kv_lens, tables = padded.input_ids, padded.q_lens, padded.kv_lens, padded.block_tables
         meta = build_metadata(q_lens, kv_lens, tables, self.page_size)
-        self.backend.plan(meta, graph)
+        # only a captured step plans into a bucket's fixed buffers; an emulated one plans as any step
+        self.backend.plan(meta, graph if self.graphs is not None and self.graphs.capture else None)
         return StepInputs(
             torch.tensor(input_ids, device=self.device), meta.positions().to(self.device),
             torch.tensor(logits_rows, dtype=torch.long, device=self.device), graph,

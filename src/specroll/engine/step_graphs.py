@@ -161,10 +161,21 @@ class StepGraphs:
     Args:
         sizes: the batch-size buckets (:func:`bucket_sizes`).
         query_lens: the ``q_len`` values graphed (1 for decode, ``K + 1`` for verify).
-        device: where the static inputs live; CUDA captures graphs, anything else replays eagerly.
+        device: where the static inputs live (the model's device).
+        capture: capture CUDA graphs (``device`` must be CUDA); False replays eagerly
+            (:class:`EagerReplay`: ``cuda_graphs = "emulate"``).
+
+    Raises:
+        ValueError: no bucket (every configured size above ``max_num_seqs``), or capture off CUDA.
     """
 
-    def __init__(self, sizes: Sequence[int], query_lens: Sequence[int], device: torch.device) -> None:
+    def __init__(self, sizes: Sequence[int], query_lens: Sequence[int], device: torch.device,
+                 capture: bool = False) -> None:
+        if not sizes:
+            raise ValueError("no CUDA-graph bucket: expected at least one batch size")
+        if capture and device.type != "cuda":
+            raise ValueError(f"CUDA graphs are captured on a CUDA device, not {device}")
+        self.capture = capture
         self.sizes = tuple(sizes)
         self.query_lens = frozenset(query_lens)
         self.device = device
@@ -174,7 +185,7 @@ class StepGraphs:
         self._replays: dict[tuple[int, int], Replay] = {}
         self.num_replays = 0
         """Steps run through a graph so far."""
-        self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
 
     def bucket(self, batch: int, q_len: int) -> int | None:
         """The bucket a uniform step of ``batch`` sequences × ``q_len`` tokens replays in, or None."""
@@ -195,7 +206,7 @@ class StepGraphs:
         replay = self._replays.get((bucket, q_len))
         if replay is None:
             body = lambda: step(ids, pos)  # noqa: E731
-            replay = CudaGraphReplay(body, self._pool) if self.device.type == "cuda" else EagerReplay(body)
+            replay = CudaGraphReplay(body, self._pool) if self.capture else EagerReplay(body)
             self._replays[(bucket, q_len)] = replay
         self.num_replays += 1
         return replay()

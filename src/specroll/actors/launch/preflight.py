@@ -93,6 +93,15 @@ def _check_cuda(config: RunConfig) -> None:
     if not torch.cuda.is_available():
         raise LaunchError(f"{', '.join(keys)}, but this host has no CUDA device (torch {torch.__version__}); "
                           "expected 'cpu' here, or a CUDA machine")
+    engine = config.generator.engine
+    if engine.cuda_graphs == "on":  # graphs replay FlashInfer's kernels: without them every start would fail
+        from specroll.engine.attention import flashinfer_problem
+
+        dtype = {"float32": torch.float32, "float16": torch.float16}.get(engine.dtype, torch.bfloat16)
+        problem = flashinfer_problem(torch.device(engine.device), dtype, head_dim=None)
+        if problem is not None:
+            raise LaunchError(f"generator.engine.cuda_graphs='on' needs the flashinfer backend, which {problem}; "
+                              "expected cuda_graphs = 'off' here")
 
 
 def _task_key(config: RunConfig, error: Exception) -> str:

@@ -13,10 +13,12 @@ from specroll.engine.spec.proposer import DraftInput, FeatureUpdate, Proposal, P
 
 
 def propose_drafts(
-    proposer: Proposer, scheduled: list[ScheduledSequence], k: int, vocab_size: int
+    proposer: Proposer, scheduled: list[ScheduledSequence], k: int, vocab_size: int, page_size: int
 ) -> tuple[dict[Sequence, list[int]], dict[Sequence, torch.Tensor]]:
     """Drafts (and their q, when sampled) for the sequences that decode this step, capped by
-    :func:`~specroll.engine.spec.proposer.draft_cap` so a request never passes its length limit."""
+    :func:`~specroll.engine.spec.proposer.draft_cap` so a request never passes its length limit,
+    and by the K/V slots its pages hold past the step's token (a request admitted this step with all
+    but its last prompt token from the prefix cache has pages for that token only)."""
     decoding = [s.seq for s in scheduled if s.samples and s.num_new_tokens == 1]
     if not decoding:
         return {}, {}
@@ -29,7 +31,8 @@ def propose_drafts(
     for b, (seq, row, n) in enumerate(
         zip(decoding, proposal.token_ids.tolist(), valid.tolist(), strict=True)
     ):
-        n = min(n, draft_cap(seq.max_len, seq.num_tokens, k))
+        room = len(seq.block_table) * page_size - seq.num_computed_tokens - 1
+        n = min(n, draft_cap(seq.max_len, seq.num_tokens, k), room)
         if n > 0:
             drafts[seq] = row[:n]
             if proposal.probs is not None:
