@@ -160,11 +160,15 @@ def test_launch_runs_three_steps_and_leaves_nothing(tmp_path: Path, tiny_checkpo
     assert code == 0, err
     assert set(started_pids(run_dir)) == {"trainer", "generator-0", "generator-1"}
     assert_nothing_left(run_dir, before)
+    # A batch whose every token came out too stale is skipped and drawn again (a line marked
+    # "skipped", not a step): on a loaded machine generation can run that far ahead.
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if r.get("skipped") is not True]
     assert [r["step"] for r in records] == [0, 1, 2, 3]  # step 0: the evaluation before training
     assert [r["step"] for r in records if "eval_accuracy" in r] == [0, 2, 3]
     assert all(r["eval_step"] == r["step"] for r in records if "eval_accuracy" in r)
-    assert [line.split(":")[0] for line in out.splitlines()] == ["step 0", "step 1", "step 2", "step 3"]
+    lines = [line.split(":")[0] for line in out.splitlines() if " skipped (" not in line.split(":")[0]]
+    assert lines == ["step 0", "step 1", "step 2", "step 3"]
     assert "eval_accuracy=" in out.splitlines()[0]
     assert (run_dir / "config.toml").exists() and (run_dir / "trainer.endpoint").exists()
     logs = [(run_dir / "logs" / f"generator-{i}.log").read_text() for i in range(2)]
