@@ -113,7 +113,17 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """The layer over the paged KV cache (``paged_forward.paged_layer``): ``[T, hidden]`` in and out."""
-        return paged_layer(x, LayerWeights.of(self), cos, sin, kv_cache, backend)
+        return paged_layer(x, self.weights(), cos, sin, kv_cache, backend)
+
+    def weights(self) -> LayerWeights:
+        """The layer's parameters for the paged path (the tensors themselves)."""
+        attn, mlp = self.self_attn, self.mlp
+        return LayerWeights(
+            self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
+            None if attn.q_norm is None else attn.q_norm.weight, None if attn.k_norm is None else attn.k_norm.weight,
+            attn.o_proj.weight, self.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+            self.input_layernorm.eps, attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size,
+        )
 
     def forward_dense(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor
@@ -227,7 +237,7 @@ class CausalLM(nn.Module):
     def layer_weights(self) -> list[LayerWeights]:
         """Each decoder layer's weights for the paged path (fetched once; in-place updates show)."""
         if self._layer_weights is None:
-            self._layer_weights = [LayerWeights.of(layer) for layer in self.model.layers]
+            self._layer_weights = [layer.weights() for layer in self.model.layers]
         return self._layer_weights
 
     @torch.no_grad()

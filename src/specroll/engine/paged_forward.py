@@ -12,7 +12,6 @@ norms them per head first (Qwen3).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,13 +19,11 @@ import torch.nn.functional as F
 from specroll.engine.attention import AttentionBackend
 from specroll.engine.rope import apply_rope
 
-if TYPE_CHECKING:
-    from specroll.engine.model import DecoderLayer
-
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer's parameters (the tensors themselves: in-place weight updates show) and sizes."""
+    """One decoder layer's parameters (the tensors themselves: in-place weight updates show) and sizes
+    (``model.DecoderLayer.weights`` gathers them)."""
 
     input_norm: torch.Tensor
     """``[hidden]``."""
@@ -48,16 +45,6 @@ class LayerWeights:
     num_kv_heads: int
     head_dim: int
     intermediate_size: int
-
-    @classmethod
-    def of(cls, layer: DecoderLayer) -> LayerWeights:
-        attn, mlp = layer.self_attn, layer.mlp
-        return cls(
-            layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
-            None if attn.q_norm is None else attn.q_norm.weight, None if attn.k_norm is None else attn.k_norm.weight,
-            attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
-            layer.input_layernorm.eps, attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size,
-        )
 
 
 def paged_layer(
