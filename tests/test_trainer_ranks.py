@@ -39,6 +39,13 @@ from specroll.engine.model import CausalLM, fuse_weights, unfuse_weights
 from specroll.protocol.trainer_ranks import BatchShape, Restore, TrainStep, decode_command, encode_command
 
 TOLERANCE = 1e-5
+LAUNCHED_WEIGHT_TOLERANCE = 2e-4
+"""Two launched runs sample the same tokens, but their behavior logprobs differ at ~1e-6: how the
+requests were batched at each engine step depends on timing (a uniform decode step and a mixed one
+run different attention kernels), so the TIS ratios differ by as much, and Adam's normalised update
+turns that noise on a parameter whose gradient is ~0 into a move of up to ~lr (1e-3) — 6e-5 seen on
+a loaded machine. Exact 2-rank = 1-rank training on identical batches is checked to TOLERANCE in
+``test_two_ranks_train_like_one_and_checkpoints_resume_across_rank_counts``."""
 
 
 # ---- ranks from flags and environment, commands, names ---------------------------------------
@@ -228,7 +235,7 @@ def test_a_launched_two_rank_trainer_trains_to_the_one_rank_weights(tmp_path: Pa
         assert a["loss"] == pytest.approx(b["loss"], abs=TOLERANCE)
     assert sum(abs(m["loss"]) > 1e-3 for m in one) >= 2  # most steps trained on a reward signal
     weights = {w: _tensors(runs[w] / "checkpoint" / "model.safetensors") for w in runs}
-    assert max(float((weights[2][k] - weights[1][k]).abs().max()) for k in weights[1]) <= TOLERANCE
+    assert max(float((weights[2][k] - weights[1][k]).abs().max()) for k in weights[1]) <= LAUNCHED_WEIGHT_TOLERANCE
     initial = load_checkpoint(model).weights
     assert max(float((weights[1][k] - t).abs().max()) for k, t in initial.items()) > 100 * TOLERANCE
 
