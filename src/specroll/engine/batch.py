@@ -67,8 +67,8 @@ class AttentionMetadata:
 
     def batch_indices(self) -> torch.Tensor:
         """int64 ``[T]``: the sequence of each new token."""
-        seqs = torch.arange(self.num_seqs)
-        return self._derived("batch_indices", lambda: torch.repeat_interleave(seqs, self.q_lens()))
+        return self._derived("batch_indices",
+                             lambda: torch.repeat_interleave(torch.arange(self.num_seqs), self.q_lens()))
 
     def positions(self) -> torch.Tensor:
         """int64 ``[T]``: position of each new token (row j of b is ``kv_len - q_len + j``)."""
