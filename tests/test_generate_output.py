@@ -55,3 +55,28 @@ def test_failed_run_removes_the_folders_it_made(tmp_path, capsys):
     assert main(_args(tmp_path / "no-such-model", out)) == 2
     assert "no-such-model" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_parent_folder_removed_by_a_concurrent_run_is_made_again(tmp_path, monkeypatch):
+    # Two runs writing under one new folder: the other one's failed run removes the shared parent
+    # between our finding it and making our own folder in it.
+    from pathlib import Path
+
+    from specroll.actors.jobs.generate import _AtomicOutput
+
+    shared = tmp_path / "out"
+    shared.mkdir()
+    out = shared / "ours" / "rollouts.jsonl"
+    mkdir = Path.mkdir
+    removed = []
+
+    def racing_mkdir(self: Path, *args, **kwargs) -> None:
+        if self == out.parent and not removed:
+            shared.rmdir()
+            removed.append(shared)
+        mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", racing_mkdir)
+    with _AtomicOutput(out) as output:
+        output.commit([])
+    assert removed and out.read_bytes() == b""

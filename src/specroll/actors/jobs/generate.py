@@ -179,6 +179,9 @@ def _encode_prompt(tok: Tokenizer, question: str) -> list[int]:
         raise GenerateError(str(exc)) from None
 
 
+_MKDIR_ATTEMPTS = 5
+
+
 class _AtomicOutput:
     """The output file, written all at once: a temporary file beside it is created before any work
     (so an unwritable path fails at once) and renamed over it on success; on failure the temporary
@@ -188,24 +191,36 @@ class _AtomicOutput:
 
     def __enter__(self) -> _AtomicOutput:
         self._made: list[Path] = []  # folders this run created, deepest first
+        # Another run sharing a parent folder may remove it (its own failed run's folder) between
+        # our finding it and making a child in it: a vanished parent is looked for again, a few times.
+        for attempt in range(_MKDIR_ATTEMPTS):
+            try:
+                fd, tmp = self._make_temporary()
+                break
+            except FileNotFoundError as exc:
+                self._remove_made()
+                if attempt == _MKDIR_ATTEMPTS - 1:
+                    raise GenerateError(f"--out {self.path}: cannot write there ({exc.strerror})") from None
+            except OSError as exc:
+                self._remove_made()
+                raise GenerateError(f"--out {self.path}: cannot write there ({exc.strerror})") from None
+        self._file, self._tmp = os.fdopen(fd, "wb"), Path(tmp)
+        return self
+
+    def _make_temporary(self) -> tuple[int, str]:
+        self._made = []
         missing = []
         parent = self.path.parent
         while not parent.exists():
             missing.append(parent)
             parent = parent.parent
-        try:
-            for folder in reversed(missing):
-                try:
-                    folder.mkdir()
-                except FileExistsError:  # made meanwhile by someone else: not ours to remove
-                    continue
-                self._made.insert(0, folder)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        except OSError as exc:
-            self._remove_made()
-            raise GenerateError(f"--out {self.path}: cannot write there ({exc.strerror})") from None
-        self._file, self._tmp = os.fdopen(fd, "wb"), Path(tmp)
-        return self
+        for folder in reversed(missing):
+            try:
+                folder.mkdir()
+            except FileExistsError:  # made meanwhile by someone else: not ours to remove
+                continue
+            self._made.insert(0, folder)
+        return tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
 
     def commit(self, records: list[RolloutRecord]) -> None:
         encoder = msgspec.json.Encoder()
