@@ -65,9 +65,9 @@ def test_prefix_sharing_prefills_a_group_once_and_keeps_greedy(tiny_checkpoint):
     computed = []
     original_prepare = shared.runner.prepare
 
-    def counting_prepare(scheduled, drafts):
+    def counting_prepare(scheduled, drafts, *rest):
         computed.append(sum(s.num_new_tokens for s in scheduled))
-        return original_prepare(scheduled, drafts)
+        return original_prepare(scheduled, drafts, *rest)
 
     shared.runner.prepare = counting_prepare
     out_shared = generate(shared, batch, groups=groups)

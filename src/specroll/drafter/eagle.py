@@ -20,6 +20,7 @@ is, and hands them to the requests that skipped those positions.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -36,6 +37,7 @@ from specroll.engine.block_manager import BlockManager, PageKey, page_keys
 from specroll.engine.model import CausalLM
 from specroll.engine.sampler import draw_inverse_cdf, processed_logprobs
 from specroll.engine.spec.proposer import DraftInput, FeatureUpdate, Proposal
+from specroll.engine.spec.tree import DraftTree, TreeShape
 from specroll.engine.torch_attention import TorchAttention
 
 
@@ -243,6 +245,108 @@ class EagleProposer:
             self.block_manager.truncate(state, state.num_computed_tokens)  # type: ignore[arg-type]
         num_drafts[rows] = k
         return Proposal(drafts, num_drafts, probs)
+
+    @torch.inference_mode()
+    def propose_tree(self, batch: Sequence[DraftInput], shape: TreeShape) -> list[DraftTree]:
+        """A draft tree per sequence, EAGLE-2's dynamic tree (Li et al. 2024, arXiv 2406.16858 §4.1):
+        the catch-up pass gives the first position's q; each further depth is one batched head pass
+        over the ``width`` likeliest nodes of the depth before (by the product of q along their
+        path), each attending to the head's K/V and its own ancestors (tree attention); every
+        expanded node gets its ``width`` likeliest children; the ``nodes`` likeliest nodes overall
+        form the tree (ancestor-closed: a child is never likelier than its parent).
+
+        q is processed as the request samples (temperature → top-k → top-p), so no node is a token
+        the target could not emit; greedy requests rank by the head's own logits. A sequence whose
+        features are incomplete or for which the head's K/V is full gets an empty tree.
+        """
+        assert self._target is not None, "attach() the proposer to the target first"
+        width, depth = shape.width, shape.depth
+        trees = [DraftTree([], []) for _ in batch]
+        rows = [b for b, seq in enumerate(batch) if self._ready(seq, (depth - 1) * width + 1)]
+        if not rows:
+            return trees
+        states = [self._states[batch[b].request_id] for b in rows]
+        params = [batch[b].sampling for b in rows]
+        r_count = len(rows)
+        last = self._catch_up([batch[b] for b in rows], states)  # [R, H]
+        logq = self._draft_logprobs(last, params)  # [R, Vd]
+        # candidates per row: (score, depth, parent candidate index or -1, draft id, q)
+        top_q, top_id = logq.topk(min(width, logq.shape[-1]), dim=-1)  # [R, W]
+        cands: list[list[tuple[float, int, int, int, float]]] = [
+            [(s_, 1, -1, t, s_) for s_, t in zip(qs, ts, strict=True) if s_ > float("-inf")]
+            for qs, ts in zip(top_q.tolist(), top_id.tolist(), strict=True)
+        ]
+        frontier = [list(range(len(c))) for c in cands]  # candidate indices expanded next
+        rows_of: list[dict[int, int]] = [{} for _ in rows]  # expanded candidate → its head row in the tree rows
+        hidden_of: list[dict[int, torch.Tensor]] = [{-1: last[r]} for r in range(r_count)]
+        for d in range(1, depth):
+            live = [r for r in range(r_count) if frontier[r]]
+            if not live:
+                break
+            embeds_ids, feats, positions, q_lens, kv_lens, masks = [], [], [], [], [], {}
+            for j, r in enumerate(live):
+                state = states[r]
+                base = len(rows_of[r])  # tree rows already appended for this row
+                for i, c in enumerate(frontier[r]):
+                    _, _, parent, token, _ = cands[r][c]
+                    embeds_ids.append(token)
+                    feats.append(hidden_of[r][parent])
+                    rows_of[r][c] = base + i
+                n = len(frontier[r])
+                total = base + n
+                mask = torch.zeros(n, total, dtype=torch.bool)
+                for i, c in enumerate(frontier[r]):
+                    a = c
+                    while a >= 0:
+                        mask[i, rows_of[r][a]] = True
+                        a = cands[r][a][2]
+                masks[j] = mask
+                positions.extend([state.num_computed_tokens + d - 1] * n)
+                q_lens.append(n)
+                kv_lens.append(state.num_computed_tokens + total)
+            meta = build_metadata(q_lens, kv_lens, [states[r].block_table for r in live], self.page_size, masks)
+            self.backend.plan(meta)
+            device = self._head_weight.device
+            token_ids = self._d2t[torch.tensor(embeds_ids)].to(device)
+            embeds = F.embedding(token_ids, self._target.model.embed_tokens.weight)
+            out = self.head(embeds, torch.stack(feats), torch.tensor(positions, device=device), self.kv_cache,
+                            self.backend, from_target=False)  # [rows, H]
+            logq = self._draft_logprobs(out, [params[r] for r in live for _ in frontier[r]])
+            top_q, top_id = logq.topk(min(width, logq.shape[-1]), dim=-1)  # [rows, W]
+            i = 0
+            for r in live:
+                new = []
+                for c in frontier[r]:
+                    hidden_of[r][c] = out[i]
+                    parent_score = cands[r][c][0]
+                    for s_, t in zip(top_q[i].tolist(), top_id[i].tolist(), strict=True):
+                        if s_ > float("-inf"):
+                            new.append(len(cands[r]))
+                            cands[r].append((parent_score + s_, d + 1, c, t, s_))
+                    i += 1
+                new.sort(key=lambda c: -cands[r][c][0])
+                frontier[r] = new[:width] if d + 1 < depth else []
+        for state in states:  # drop the K/V of the tree rows: real features replace it next step
+            self.block_manager.truncate(state, state.num_computed_tokens)  # type: ignore[arg-type]
+        d2t = self._d2t.tolist()
+        for r, b in enumerate(rows):
+            order = sorted(range(len(cands[r])), key=lambda c: (-cands[r][c][0], cands[r][c][1], c))[: shape.nodes]
+            index: dict[int, int] = {}
+            keep = []
+            for c in sorted(order, key=lambda c: (cands[r][c][1], -cands[r][c][0], c)):  # by depth: parents first
+                if cands[r][c][2] < 0 or cands[r][c][2] in index:
+                    index[c] = len(keep)
+                    keep.append(c)
+            trees[b] = DraftTree([d2t[cands[r][c][3]] for c in keep],
+                                 [index.get(cands[r][c][2], -1) for c in keep],
+                                 [math.exp(cands[r][c][4]) for c in keep])
+        return trees
+
+    def _draft_logprobs(self, hidden: torch.Tensor, params: list) -> torch.Tensor:
+        """float32 ``[R, draft_vocab]`` log q of each row, processed as its request samples (greedy
+        rows: the head's log-softmax), on the CPU."""
+        logits = self.head.draft_logits(hidden, self._head_weight).cpu()
+        return processed_logprobs(logits, params)
 
     def _ready(self, seq: DraftInput, k: int) -> bool:
         """Features known up to the last verified position, something to catch up on, and pages for it."""

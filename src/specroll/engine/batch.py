@@ -37,6 +37,10 @@ class AttentionMetadata:
     page_size: int
     _lists: _Lists | None = field(default=None, compare=False, repr=False)
     _cache: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    tree_masks: dict[int, torch.Tensor] | None = field(default=None, compare=False)
+    """Sequences whose new tokens attend as a tree (``spec/tree.py``): sequence b → bool
+    ``[q_len, M]``, which of the last M K/V positions each of its new tokens sees (the positions
+    before those it sees all, as the causal mask lets it). ``None``: every sequence is causal."""
 
     @property
     def num_seqs(self) -> int:
@@ -92,7 +96,8 @@ class _Lists:
 
 
 def build_metadata(
-    q_lens: Sequence[int], kv_lens: Sequence[int], block_tables: Sequence[Sequence[int]], page_size: int
+    q_lens: Sequence[int], kv_lens: Sequence[int], block_tables: Sequence[Sequence[int]], page_size: int,
+    tree_masks: dict[int, torch.Tensor] | None = None,
 ) -> AttentionMetadata:
     """Describe a batch in FlashInfer's form.
 
@@ -101,9 +106,11 @@ def build_metadata(
         kv_lens: K/V length per sequence after the append (≥ q_len).
         block_tables: each sequence's pages; only the first ``ceil(kv_len / page_size)`` are used.
         page_size: tokens per page.
+        tree_masks: see :attr:`AttentionMetadata.tree_masks`.
 
     Raises:
-        ValueError: when lengths disagree or a block table is too short.
+        ValueError: when lengths disagree, a block table is too short or a tree mask does not fit
+            its sequence.
     """
     if not len(q_lens) == len(kv_lens) == len(block_tables):
         raise ValueError(f"{len(q_lens)} q_lens, {len(kv_lens)} kv_lens, {len(block_tables)} block tables")
@@ -122,5 +129,20 @@ def build_metadata(
     lists = _Lists(list(q_lens), list(kv_lens))
     cache = {"q_lens": torch.tensor(lists.q_lens), "kv_lens": torch.tensor(lists.kv_lens),
              "positions": torch.tensor(positions), "batch_indices": torch.tensor(batch)}
+    for b, mask in (tree_masks or {}).items():
+        if not (0 <= b < len(q_lens) and mask.dtype == torch.bool and mask.dim() == 2
+                and mask.shape[0] == q_lens[b] and q_lens[b] <= mask.shape[1] <= kv_lens[b]):
+            raise ValueError(f"tree mask of sequence {b}: {mask.dtype} {tuple(mask.shape)}, expected bool "
+                             f"[q_len, M] with q_len <= M <= kv_len")
     return AttentionMetadata(as_int32(qo_indptr), as_int32(kv_indptr), as_int32(indices), as_int32(last), page_size,
-                             lists, cache)
+                             lists, cache, tree_masks or None)
+
+
+def dense_mask(q_len: int, kv_len: int, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """bool ``[q_len, kv_len]``, True = attend: the bottom-right causal mask (row j sees positions
+    ≤ ``kv_len − q_len + j``), and within the last M columns only what ``tree_mask`` ``[q_len, M]``
+    lets each row see (:attr:`AttentionMetadata.tree_masks`)."""
+    mask = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
+    if tree_mask is not None:
+        mask[:, kv_len - tree_mask.shape[1]:] &= tree_mask
+    return mask

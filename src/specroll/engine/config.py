@@ -8,10 +8,11 @@ from typing import Literal
 import msgspec
 
 from specroll.engine.registry import DEFAULT_MODEL
+from specroll.engine.spec.tree import TreeShape
 
 BackendName = Literal["auto", "torch", "flashinfer"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
-DraftLength = Literal["fixed", "adaptive"]
+DraftLength = Literal["fixed", "adaptive", "tree"]
 CudaGraphs = Literal["off", "on", "emulate"]
 
 
@@ -50,10 +51,16 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_draft_tokens: int = 4
     """Most draft tokens per sequence and step when the engine has a proposer (K)."""
     draft_length: DraftLength = "fixed"
-    """``fixed``: draft K tokens every step. ``adaptive``: choose k in [0, K] each step with a
-    bandit on measured tokens/s per batch-size bucket (0 = plain decoding when drafting doesn't
-    pay). Greedy output is the same either way; sampled output keeps the target's distribution but,
-    as k then depends on timing, is not reproducible run to run."""
+    """``fixed``: draft a chain of K tokens every step. ``tree``: draft a tree of the first of
+    ``draft_trees`` every step (a proposer that drafts trees: ``spec/tree.py``). ``adaptive``:
+    choose each step among chains of k in [0, K] and, when the proposer drafts trees, the
+    ``draft_trees`` shapes, with a bandit on measured tokens/s per batch-size bucket (0 = plain
+    decoding when drafting doesn't pay). Greedy output is the same either way; sampled output keeps
+    the target's distribution but, as the choice then depends on timing, is not reproducible run to run."""
+    draft_trees: tuple[str, ...] = ("4x4:12", "6x4:16")
+    """Draft-tree shapes ``DEPTHxWIDTH:NODES`` (:class:`~specroll.engine.spec.tree.TreeShape`): the
+    drafter expands the WIDTH likeliest nodes of each depth by their WIDTH likeliest children, DEPTH
+    levels deep, and keeps the NODES likeliest (at most 64)."""
     cuda_graphs: CudaGraphs = "off"
     """``on``: replay decode steps and K-draft verify steps as CUDA graphs, one per batch-size bucket,
     captured on first use (``step_graphs.py``; needs ``device`` cuda and the flashinfer backend);
@@ -62,6 +69,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cuda_graph_batch_sizes: tuple[int, ...] = ()
     """Batch sizes graphs are captured for; ``()`` takes 1, 2, 4, 8 and every multiple of 16 up to
     ``max_num_seqs`` (always a bucket)."""
+
+    @property
+    def tree_shapes(self) -> tuple[TreeShape, ...]:
+        """``draft_trees`` parsed."""
+        return tuple(TreeShape.parse(text) for text in self.draft_trees)
 
     def __post_init__(self) -> None:
         for name, kind in (("backend", BackendName), ("dtype", DTypeName), ("draft_length", DraftLength),
@@ -83,6 +95,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"max_model_len={self.max_model_len}, expected a positive integer or None")
         if self.num_draft_tokens <= 0:
             raise ValueError(f"num_draft_tokens={self.num_draft_tokens}, expected a positive integer")
+        if self.draft_length == "tree" and not self.draft_trees:
+            raise ValueError("draft_length='tree' needs at least one draft_trees shape, got none")
+        for text in self.draft_trees:
+            if not isinstance(text, str):
+                raise ValueError(f"draft_trees: {text!r}, expected strings 'DEPTHxWIDTH:NODES' such as '5x4:16'")
+            TreeShape.parse(text)  # raises naming the shape
         sizes = list(self.cuda_graph_batch_sizes)
         bad_sizes = [s for s in sizes if type(s) is not int or s <= 0]  # a bool is not a size
         if bad_sizes:

@@ -30,10 +30,11 @@ from specroll.engine.phases import PhaseClock
 from specroll.engine.sampler import sample
 from specroll.engine.scheduler import ScheduledSequence, Scheduler
 from specroll.engine.sequence import Completion, Sequence, SequenceStatus, StepOutput
-from specroll.engine.spec.draft_length import DraftLengthBandit
-from specroll.engine.spec.drafts import observe_features, propose_drafts
-from specroll.engine.spec.proposer import Proposer
+from specroll.engine.spec.draft_length import Arm, DraftLengthBandit
+from specroll.engine.spec.drafts import observe_features, propose_drafts, propose_trees
+from specroll.engine.spec.proposer import Proposer, drafts_trees
 from specroll.engine.spec.stats import SpeculativeStats
+from specroll.engine.spec.tree import DraftTree, TreeShape, verify_trees
 from specroll.engine.spec.verify import verify_drafts
 from specroll.protocol.messages import FinishReason
 from specroll.protocol.sampling import SamplingParams
@@ -87,6 +88,7 @@ class Engine:
         self.last_step_stats = SpeculativeStats()
         """The last step's counters (k chosen, drafted, accepted, draft and verify time)."""
         self._bandit: DraftLengthBandit | None = None
+        self._tree: TreeShape | None = None
         self.proposer: Proposer | None = None
         if proposer is not None:
             self.set_proposer(proposer)
@@ -137,8 +139,15 @@ class Engine:
         if self.runner.feature_layers:
             self.block_manager.forget_cached()
         self._bandit = None
+        trees = self.config.tree_shapes if proposer is not None and drafts_trees(proposer) else ()
         if proposer is not None and self.config.draft_length == "adaptive":
-            self._bandit = DraftLengthBandit(self.config.num_draft_tokens, seed=self.config.seed)
+            self._bandit = DraftLengthBandit(self.config.num_draft_tokens, trees=trees, seed=self.config.seed)
+        self._tree = None
+        if proposer is not None and self.config.draft_length == "tree":
+            if not trees:
+                raise ValueError(f"draft_length='tree' needs a proposer that drafts trees; "
+                                 f"{type(proposer).__name__} drafts chains only")
+            self._tree = trees[0]
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -251,25 +260,37 @@ class Engine:
         start_time = time.perf_counter()
         clock = self.phases
         clock.start()
-        k = self._choose_draft_length()
-        scheduled = self.scheduler.schedule(self.weight_version, lookahead=k)
+        arm = self._choose_speculation()
+        tree_shape = arm if isinstance(arm, TreeShape) else None
+        k = tree_shape.depth if tree_shape is not None else int(arm)
+        scheduled = self.scheduler.schedule(self.weight_version, lookahead=tree_shape.nodes if tree_shape else k)
         if not scheduled:
             return []
         clock.mark("schedule")
         stats = SpeculativeStats(num_steps=1, k=k)
-        drafts, draft_probs = self._propose(scheduled, k)
+        trees: dict[Sequence, DraftTree] | None = None
+        if tree_shape is not None:
+            assert self.proposer is not None  # a tree is chosen only with a proposer
+            trees = propose_trees(self.proposer, scheduled, tree_shape, self.model_config.vocab_size,
+                                  self.config.page_size)
+            drafts, draft_probs = {seq: tree.tokens for seq, tree in trees.items()}, {}
+        else:
+            drafts, draft_probs = self._propose(scheduled, k)
         clock.mark("propose")
         stats.draft_time_s = time.perf_counter() - start_time
         starts = [s.seq.num_computed_tokens for s in scheduled]
-        inputs = self.runner.prepare(scheduled, drafts)
+        inputs = self.runner.prepare(scheduled, drafts, trees)
         clock.mark("metadata")
         # logits [rows, V]: 1 + drafts per sampling sequence, where the sampler reads them
-        logits, features = self.runner.forward(inputs, to_cpu=self._gpu_sampler is None)
+        logits, features = self.runner.forward(inputs, to_cpu=self._gpu_sampler is None and trees is None)
         clock.mark("forward")
         for s in scheduled:  # the forward wrote their K/V; rejected drafts are rolled back in _verify
             s.seq.num_computed_tokens += s.num_new_tokens + len(drafts.get(s.seq, ()))
         samplers = [s.seq for s in scheduled if s.samples]
-        if k:
+        paths: dict[Sequence, list[int]] | None = None
+        if trees is not None:
+            emitted, paths = self._verify_trees(logits, samplers, trees, stats)
+        elif k:
             emitted = self._verify(logits, samplers, drafts, draft_probs, k, stats)
         else:
             emitted = self._sample(logits, samplers)
@@ -278,19 +299,20 @@ class Engine:
         outputs = self._emit(scheduled, samplers, emitted)
         if features is not None:
             assert self.proposer is not None  # features are tapped only for a proposer
-            observe_features(self.proposer, scheduled, drafts, starts, features)
+            observe_features(self.proposer, scheduled, drafts, starts, features, paths)
         stats.num_emitted = sum(len(out.new_token_ids) for out in outputs)
-        self._record_step(scheduled, stats, time.perf_counter() - start_time)
+        self._record_step(scheduled, arm, stats, time.perf_counter() - start_time)
         clock.mark("emit")
         clock.end_step()
         return outputs
 
-    def _choose_draft_length(self) -> int:
-        """This step's k: fixed, or the bandit's pick for the live decode batch size."""
+    def _choose_speculation(self) -> Arm:
+        """This step's speculation: none without a proposer, the fixed k or tree, or the bandit's
+        pick for the live decode batch size."""
         if self.proposer is None:
             return 0
         if self._bandit is None or not self.scheduler.running:
-            return self.config.num_draft_tokens
+            return self._tree if self._tree is not None else self.config.num_draft_tokens
         return self._bandit.choose(len(self.scheduler.running))
 
     def _propose(
@@ -319,6 +341,27 @@ class Engine:
             stats.count_verify(len(d), accepted)
         return emitted
 
+    def _verify_trees(
+        self, logits: torch.Tensor, samplers: list[Sequence], trees: dict[Sequence, DraftTree],
+        stats: SpeculativeStats,
+    ) -> tuple[list[tuple[list[int], list[float], int]], dict[Sequence, list[int]]]:
+        """Walk each sampling sequence's draft tree (``spec/tree.py``), keep the accepted path's K/V
+        (moved to the slots of its positions) and roll back the rest; per sequence ``(tokens,
+        behavior logprobs, drafts accepted)``, and each tree sequence's accepted nodes."""
+        seq_trees = [trees.get(seq, DraftTree([], [])) for seq in samplers]
+        verdicts = verify_trees(logits, samplers, seq_trees)
+        paths = {}
+        for seq, tree, verdict in zip(samplers, seq_trees, verdicts, strict=True):
+            if not len(tree):
+                continue
+            root = seq.num_computed_tokens - len(tree) - 1  # the slot of the last token before the step
+            self.runner.keep_tree_path(seq, root, verdict.path)
+            seq.num_computed_tokens -= len(tree) - len(verdict.path)
+            self.block_manager.truncate(seq, seq.num_computed_tokens)
+            stats.count_verify(len(tree), len(verdict.path))
+            paths[seq] = verdict.path
+        return [(v.token_ids, v.logprobs, len(v.path)) for v in verdicts], paths
+
     def _sample(self, logits: torch.Tensor, samplers: list[Sequence]) -> list[tuple[list[int], list[float], int]]:
         """One token per sampling sequence (plain decoding), in :meth:`_verify`'s form."""
         params = [s.sampling for s in samplers]
@@ -338,12 +381,14 @@ class Engine:
                 self.block_manager.cache_full_pages(s.seq, self.weight_version)
         return [self._emit_tokens(seq, tokens, lps) for seq, (tokens, lps, _) in zip(samplers, emitted, strict=True)]
 
-    def _record_step(self, scheduled: list[ScheduledSequence], stats: SpeculativeStats, seconds: float) -> None:
+    def _record_step(
+        self, scheduled: list[ScheduledSequence], arm: Arm, stats: SpeculativeStats, seconds: float
+    ) -> None:
         self.last_step_stats = stats
         self.spec_stats.add(stats)
-        # Only pure decode steps measure a draft length: a prefill chunk's cost says nothing about k.
+        # Only pure decode steps measure a speculation: a prefill chunk's cost says nothing about it.
         if self._bandit is not None and all(s.num_new_tokens == 1 for s in scheduled):
-            self._bandit.record(stats.k, stats.num_emitted, seconds)
+            self._bandit.record(arm, stats.num_emitted, seconds)
 
     def _emit_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> StepOutput:
         """Append tokens in order until one finishes the request; report the delta."""

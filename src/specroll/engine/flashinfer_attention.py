@@ -4,8 +4,9 @@ One step is planned once (:func:`plan_arguments` builds FlashInfer's arguments f
 :class:`~specroll.engine.batch.AttentionMetadata`, a pure function tested on CPU) and run once per
 layer: ``append_paged_kv_cache`` writes the step's new K/V into the pages, then a
 ``BatchDecodeWithPagedKVCacheWrapper`` (every sequence has one new token) or a
-``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True`` (prefill chunks, speculative verifies of
-k + 1 tokens, mixed batches) attends, with the mask aligned bottom-right as the torch reference does.
+``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True`` (prefill chunks, speculative verifies
+of k + 1 tokens, mixed batches), or with a custom mask when the batch verifies draft trees, attends,
+with the mask aligned bottom-right as the torch reference does.
 FlashInfer docs: "KV-Cache Layout in FlashInfer" and the wrappers' docstrings (flashinfer-python
 0.6.18–0.7.x); the traps are listed in the team's FlashInfer notes.
 
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from specroll.engine.batch import AttentionMetadata
+from specroll.engine.batch import AttentionMetadata, dense_mask
 
 WORKSPACE_BYTES = 128 * 2**20
 """FlashInfer's float workspace (the size its docs recommend), allocated once per backend."""
@@ -67,6 +68,19 @@ def plan_arguments(meta: AttentionMetadata) -> FlashInferPlan:
         positions=meta.positions().to(int32),
         decode_only=bool((q_lens == 1).all()),
     )
+
+
+def tree_custom_mask(meta: AttentionMetadata) -> torch.Tensor | None:
+    """FlashInfer's ``custom_mask`` for a batch with tree sequences (``meta.tree_masks``), else None.
+
+    bool, flat: per sequence its ``[q_len, kv_len]`` mask row-major (query-major), sequences
+    concatenated (FlashInfer docs "Mask Layout"; with a custom mask ``causal`` is ignored, so every
+    sequence's causal mask is spelled out and tree sequences see only their ancestors)."""
+    if not meta.tree_masks:
+        return None
+    q_lens, kv_lens = meta.lengths()
+    return torch.cat([dense_mask(q, kv, meta.tree_masks.get(b)).flatten()
+                      for b, (q, kv) in enumerate(zip(q_lens, kv_lens, strict=True))])
 
 
 @dataclass(frozen=True)
@@ -165,8 +179,10 @@ class FlashInferAttention:
                               self.num_kv_heads, self.head_dim, meta.page_size, **common)
             self._wrapper = self._decode
         else:
+            mask = tree_custom_mask(meta)
             self._prefill.plan(args.qo_indptr, args.kv_indptr, kv_indices, args.kv_last_page_len, self.num_heads,
-                               self.num_kv_heads, self.head_dim, meta.page_size, causal=True, **common)
+                               self.num_kv_heads, self.head_dim, meta.page_size, causal=mask is None,
+                               custom_mask=None if mask is None else mask.to(self.device), **common)
             self._wrapper = self._prefill
 
     def _plan_graph(self, args: FlashInferPlan, page_size: int, key: tuple[int, int]) -> None:

@@ -24,6 +24,7 @@ from specroll.engine.model import CausalLM
 from specroll.engine.model_config import expected_weight_shapes
 from specroll.engine.scheduler import ScheduledSequence
 from specroll.engine.sequence import Sequence
+from specroll.engine.spec.tree import DraftTree
 from specroll.engine.step_graphs import StepGraphs, bucket_sizes, pad_uniform_step
 
 
@@ -115,32 +116,87 @@ class ModelRunner:
         self.model.load_weights(named_tensors)
 
     def run(
-        self, scheduled: list[ScheduledSequence], drafts: dict[Sequence, list[int]], *, to_cpu: bool
+        self, scheduled: list[ScheduledSequence], drafts: dict[Sequence, list[int]], *, to_cpu: bool,
+        trees: dict[Sequence, DraftTree] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`prepare` then :meth:`forward`: one forward over the step's batch."""
-        return self.forward(self.prepare(scheduled, drafts), to_cpu=to_cpu)
+        return self.forward(self.prepare(scheduled, drafts, trees), to_cpu=to_cpu)
 
-    def prepare(self, scheduled: list[ScheduledSequence], drafts: dict[Sequence, list[int]]) -> StepInputs:
+    def prepare(
+        self, scheduled: list[ScheduledSequence], drafts: dict[Sequence, list[int]],
+        trees: dict[Sequence, DraftTree] | None = None,
+    ) -> StepInputs:
         """The step's inputs: each scheduled sequence's new tokens, then its drafts; attention is
         planned for them (the backend holds the plan until the next ``prepare``).
 
         Args:
             scheduled: the step's batch.
-            drafts: drafted token ids of the sequences that carry drafts.
+            drafts: drafted token ids of the sequences that carry drafts (a chain, or a tree's
+                nodes in node order).
+            trees: the sequences whose drafts form a tree (``spec/tree.py``): their nodes sit at
+                the position of their depth and attend to their ancestors only; their K/V fills
+                the slots after the last token in node order (:meth:`keep_tree_path` compacts it).
         """
         input_ids, logits_rows, q_lens, kv_lens = self._prepare(scheduled, drafts)
         tables = [s.seq.block_table for s in scheduled]
-        graph = self._graph_of(q_lens)
+        graph = None if trees else self._graph_of(q_lens)  # tree steps run eagerly
         if graph is not None:
             padded = pad_uniform_step(input_ids, graph[1], kv_lens, tables, graph[0], self.scratch_pages)
             input_ids, q_lens, kv_lens, tables = padded.input_ids, padded.q_lens, padded.kv_lens, padded.block_tables
-        meta = build_metadata(q_lens, kv_lens, tables, self.page_size)
+        masks, positions = None, None
+        if trees:
+            masks, positions = self._tree_layout(scheduled, trees, q_lens, kv_lens)
+        meta = build_metadata(q_lens, kv_lens, tables, self.page_size, masks)
         # only a captured step plans into a bucket's fixed buffers; an emulated one plans as any step
         self.backend.plan(meta, graph if self.graphs is not None and self.graphs.capture else None)
         return StepInputs(
-            torch.tensor(input_ids, device=self.device), meta.positions().to(self.device),
+            torch.tensor(input_ids, device=self.device),
+            (meta.positions() if positions is None else positions).to(self.device),
             torch.tensor(logits_rows, dtype=torch.long, device=self.device), graph,
         )
+
+    @staticmethod
+    def _tree_layout(
+        scheduled: list[ScheduledSequence], trees: dict[Sequence, DraftTree], q_lens: list[int], kv_lens: list[int]
+    ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """Tree masks ``{b: bool [q_len, q_len]}`` over each tree sequence's new rows, and the RoPE
+        positions int64 ``[T]`` of every row (a node at ``root position + depth``)."""
+        masks, positions = {}, []
+        for b, (s, q_len, kv_len) in enumerate(zip(scheduled, q_lens, kv_lens, strict=True)):
+            tree = trees.get(s.seq)
+            start = kv_len - q_len
+            if tree is None or not len(tree):
+                positions.extend(range(start, kv_len))
+                continue
+            new = s.num_new_tokens  # the last of them is the root
+            root = start + new - 1
+            positions.extend(range(start, root + 1))
+            positions.extend(root + d for d in tree.depths())
+            ancestors = tree.ancestor_mask()  # [N+1, N+1] over (root, nodes)
+            mask = torch.ones(q_len, q_len, dtype=torch.bool).tril_()
+            mask[new - 1 :, new - 1 :] = ancestors
+            masks[b] = mask
+        return masks, torch.tensor(positions)
+
+    def keep_tree_path(self, seq: Sequence, root_position: int, path: list[int]) -> None:
+        """Move the K/V of a tree's accepted nodes (node indices ``path``, by depth) from their
+        verify slots ``root_position + 1 + node`` to ``root_position + 1 + depth − 1``, in every
+        layer's cache; the caller then rolls back the slots after the path."""
+        moves = [(root_position + 1 + node, root_position + 1 + d) for d, node in enumerate(path) if node != d]
+        if not moves:
+            return
+        ps = self.page_size
+        table = seq.block_table
+
+        def rows(slots: list[int]) -> list[int]:  # K row then V row of each slot in the flat cache
+            return [r for slot in slots for r in (table[slot // ps] * 2 * ps + slot % ps,
+                                                  table[slot // ps] * 2 * ps + ps + slot % ps)]
+
+        src = torch.tensor(rows([m[0] for m in moves]), device=self.device)
+        dst = torch.tensor(rows([m[1] for m in moves]), device=self.device)
+        for cache in self.kv_caches:
+            flat = cache.view(-1, *cache.shape[-2:])  # [P·2·ps, H_kv, D]
+            flat.index_copy_(0, dst, flat.index_select(0, src))
 
     def _graph_of(self, q_lens: list[int]) -> tuple[int, int] | None:
         """``(bucket, q_len)`` when this step replays a graph: every sequence has the same graphed
@@ -194,7 +250,7 @@ class ModelRunner:
             input_ids.extend(s.seq.token_ids[start : start + s.num_new_tokens])
             input_ids.extend(extra)
             q_lens.append(s.num_new_tokens + len(extra))
-            assert start + q_lens[-1] <= self.max_model_len, f"{s.seq.request_id} would pass the context"
+            assert start + q_lens[-1] <= self.max_model_len, f"{s.seq.request_id} would pass the context"  # slots
             if s.samples:  # the last new token's row and each draft's row
                 logits_rows.extend(range(len(input_ids) - len(extra) - 1, len(input_ids)))
         kv_lens = [s.seq.num_computed_tokens + q for s, q in zip(scheduled, q_lens, strict=True)]

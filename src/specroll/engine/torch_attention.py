@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specroll.engine.batch import AttentionMetadata
+from specroll.engine.batch import AttentionMetadata, dense_mask
 
 SHORT_QUERY = 16
 """Sequences with at most this many new tokens share one padded attention call."""
@@ -93,9 +93,10 @@ class TorchAttention:
         for b in (q_lens > SHORT_QUERY).nonzero().flatten().tolist():
             q_len, kv_len = int(q_lens[b]), int(kv_lens[b])
             k_slots = _k_slot(meta, torch.full((kv_len,), b), torch.arange(kv_len))
+            tree = None if meta.tree_masks is None else meta.tree_masks.get(b)
             mask = None
-            if q_len != kv_len:  # bottom-right causal: row i sees positions <= kv_len - q_len + i
-                mask = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
+            if q_len != kv_len or tree is not None:  # bottom-right causal: row i sees positions <= kv_len - q_len + i
+                mask = dense_mask(q_len, kv_len, tree)
             on_device = None if mask is None else mask.to(self.device)
             self.prefills.append(_Prefill(slice(starts[b], starts[b] + q_len), k_slots.to(self.device), on_device))
 
@@ -111,6 +112,8 @@ class TorchAttention:
         # query j of b sees positions <= kv_len - q_len + j (bottom-right causal; never past kv_len)
         last_visible = meta.kv_lens()[:, None] - q_len + torch.arange(q_len)[None, :]  # [B, q_len]
         visible = torch.arange(kv_cols)[None, None, :] <= last_visible[:, :, None]  # [B, q_len, kv_cols]
+        for i, tree in (meta.tree_masks or {}).items():  # a tree's nodes see only their ancestors
+            visible[i, :, kv_list[i] - tree.shape[1] : kv_list[i]] &= tree
         bias = torch.where(visible, 0.0, float("-inf"))
         # the score rows of one K/V head are (query head of its group, query): the mask repeats per
         # head, or broadcasts over the group's rows when there is one query
@@ -140,6 +143,12 @@ class TorchAttention:
         if q_max > 1 or bool((kv_lens != kv_cols).any()):
             last_visible = (kv_lens - q_lens)[:, None, None] + j[:, :, None]  # [S, q_max, 1]
             mask = ((p < kv_lens[:, None])[:, None, :] & (p[:, None, :] <= last_visible))[:, None]
+            if meta.tree_masks:
+                for s, b in enumerate(seqs.tolist()):
+                    tree = meta.tree_masks.get(b)
+                    if tree is not None:  # a tree's nodes see only their ancestors
+                        end = int(kv_lens[s])
+                        mask[s, 0, : tree.shape[0], end - tree.shape[1] : end] &= tree
         to = lambda t: None if t is None else t.to(self.device)  # noqa: E731
         return _PaddedGroup(to(rows), to(valid), to(page_table), to(mask))
 

@@ -1,10 +1,11 @@
-"""Adaptive draft length: a bucketed epsilon-greedy bandit over k in {0, 1, ..., K}.
+"""Adaptive speculation: a bucketed epsilon-greedy bandit over k in {0, 1, ..., K} and draft-tree shapes.
 
-Each engine step drafts k tokens per sequence (k = 0 is plain decoding). The best k depends on how
-well the drafter is doing and on how busy the GPU is: at batch size 1 verification is nearly free and
-long drafts pay, at large batch sizes the step is compute-bound and drafting can cost more than it
-wins. So the controller learns online, separately per live-batch-size bucket, which k gives the most
-emitted tokens per second of wall time.
+Each engine step drafts a chain of k tokens per sequence (k = 0 is plain decoding) or a draft tree
+of a given shape (``spec/tree.py``). The best arm depends on how well the drafter is doing and on
+how busy the device is: at batch size 1 verification is nearly free and long drafts or wide trees
+pay, at large batch sizes the step is compute-bound and drafting can cost more than it wins. So
+the controller learns online, separately per live-batch-size bucket, which arm gives the most
+emitted tokens per second of wall time (TLT tunes SGLang's tree parameters the same way).
 
 Algorithm (TLT, "Taming the Long-Tail", arXiv 2511.16665; reference: mit-han-lab/fastrl, SGLang
 ``eagle_mab.py``, "Bucketed Epsilon-Greedy"):
@@ -16,11 +17,13 @@ Algorithm (TLT, "Taming the Long-Tail", arXiv 2511.16665; reference: mit-han-lab
   their throughput, total tokens / total seconds, which forgets old regimes. (TLT takes the median
   of per-step rates; per-step tokens are skewed — a drafting step emits 1 token or k + 1 — and the
   median then under-rates drafting, so we estimate the rate the arm actually delivers.)
+- The arms are ordered by cost: k = 0, 1, ..., K, then the tree shapes as given.
 - An arm with fewer than ``min_trials`` steps in the bucket is tried first. In a fresh bucket the
   order follows the estimates of the bucket the controller just left (best first; a batch that
   drains from 16 to 1 moves through several buckets and should not start each from scratch);
-  without one, k = K, K-1, ..., 0. After that: with probability epsilon a uniformly random arm, else
-  the arm with the best estimate (ties go to the smaller k: less drafting work for the same rate).
+  without one, the costliest arm first. After that: with probability epsilon a uniformly random
+  arm, else the arm with the best estimate (ties go to the cheaper arm: less drafting work for the
+  same rate).
 
 Errors: ``ValueError`` naming the bad value for invalid arguments; ``RuntimeError`` for ``record``
 before any ``choose``.
@@ -30,9 +33,14 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from specroll.engine.spec.tree import TreeShape
+
 Bucket = tuple[int, int]
+Arm = int | TreeShape
+"""A step's speculation: a chain of k drafts (0 = none) or a draft tree of this shape."""
 
 
 def bucket_of(batch_size: int) -> Bucket:
@@ -48,25 +56,27 @@ def bucket_of(batch_size: int) -> Bucket:
 @dataclass
 class _BucketStats:
     steps: list[deque[tuple[int, float]]]
-    """Per arm k: the last ``window`` steps as (tokens emitted, seconds)."""
+    """Per arm (index): the last ``window`` steps as (tokens emitted, seconds)."""
     trials: list[int]
-    """Per arm k: steps recorded so far (not capped by the window)."""
+    """Per arm (index): steps recorded so far (not capped by the window)."""
     warmup_order: list[int]
-    """Arms in the order the warm-up tries them."""
+    """Arm indices in the order the warm-up tries them."""
 
-    def estimate(self, k: int) -> float | None:
-        """Throughput of arm k over its window, tokens/s; None before any step."""
-        steps = self.steps[k]
+    def estimate(self, i: int) -> float | None:
+        """Throughput of arm i over its window, tokens/s; None before any step."""
+        steps = self.steps[i]
         return sum(t for t, _ in steps) / sum(s for _, s in steps) if steps else None
 
 
 class DraftLengthBandit:
-    """Chooses the draft length k per engine step; see the module docstring for the algorithm."""
+    """Chooses each engine step's speculation — a draft length k in [0, ``max_k``] or one of
+    ``trees`` — per live-batch bucket; see the module docstring for the algorithm."""
 
     def __init__(
         self,
         max_k: int,
         *,
+        trees: Sequence[TreeShape] = (),
         epsilon: float = 0.05,
         window: int = 64,
         min_trials: int = 2,
@@ -83,7 +93,12 @@ class DraftLengthBandit:
             raise ValueError(f"min_trials must be >= 1, got {min_trials}")
         if not hysteresis >= 0.0:
             raise ValueError(f"hysteresis must be >= 0, got {hysteresis}")
+        if len(set(trees)) != len(trees) or not all(isinstance(t, TreeShape) for t in trees):
+            raise ValueError(f"trees={list(trees)}: expected distinct TreeShapes")
         self.max_k = max_k
+        self.arms: tuple[Arm, ...] = (*range(max_k + 1), *trees)
+        """Every arm, cheapest first."""
+        self._index = {arm: i for i, arm in enumerate(self.arms)}
         self.epsilon = epsilon
         self.window = window
         self.min_trials = min_trials
@@ -97,8 +112,9 @@ class DraftLengthBandit:
         """The current bucket (lo, hi), inclusive batch sizes; ``None`` before the first ``choose``."""
         return self._bucket
 
-    def choose(self, batch_size: int) -> int:
-        """The draft length k in [0, max_k] for a step whose live decoding batch has ``batch_size`` sequences.
+    def choose(self, batch_size: int) -> Arm:
+        """The speculation (k in [0, max_k], or a tree shape) for a step whose live decoding batch
+        has ``batch_size`` sequences.
 
         Raises ``ValueError`` if ``batch_size < 1``.
         """
@@ -108,39 +124,41 @@ class DraftLengthBandit:
             self._bucket = bucket_of(batch_size)
             self._stats_for(self._bucket, previous=left)
         stats = self._stats[self._bucket]
-        untried = [k for k in stats.warmup_order if stats.trials[k] < self.min_trials]
+        untried = [i for i in stats.warmup_order if stats.trials[i] < self.min_trials]
         if untried:
-            return min(untried, key=lambda k: stats.trials[k])  # round-robin in warm-up order
+            return self.arms[min(untried, key=lambda i: stats.trials[i])]  # round-robin in warm-up order
         if self._rng.random() < self.epsilon:
-            return self._rng.randrange(self.max_k + 1)
-        rates = [stats.estimate(k) or 0.0 for k in range(self.max_k + 1)]
-        return max(range(self.max_k + 1), key=lambda k: rates[k])  # max keeps the first: ties -> smaller k
+            return self.arms[self._rng.randrange(len(self.arms))]
+        rates = [stats.estimate(i) or 0.0 for i in range(len(self.arms))]
+        return self.arms[max(range(len(self.arms)), key=lambda i: rates[i])]  # max keeps the first: ties -> cheaper
 
-    def record(self, k: int, num_tokens: int, seconds: float) -> None:
-        """Credit the step that ran with draft length ``k``: ``num_tokens`` emitted in ``seconds`` of wall time.
+    def record(self, k: Arm, num_tokens: int, seconds: float) -> None:
+        """Credit the step that ran with speculation ``k``: ``num_tokens`` emitted in ``seconds`` of wall time.
 
         The reward num_tokens / seconds (tokens/s) goes to the bucket the last ``choose`` used; ``k`` may differ
-        from the k chosen (the engine may have drafted fewer). Raises ``ValueError`` for k outside [0, max_k],
-        num_tokens < 0 or seconds <= 0, and ``RuntimeError`` if ``choose`` was never called.
+        from the k chosen (the engine may have drafted fewer). Raises ``ValueError`` for k outside [0, max_k]
+        and not one of the trees, num_tokens < 0 or seconds <= 0, and ``RuntimeError`` if ``choose`` was never
+        called.
         """
         if self._bucket is None:
             raise RuntimeError("record() called before any choose(): no bucket to credit")
-        if not 0 <= k <= self.max_k:
-            raise ValueError(f"k must be in [0, {self.max_k}], got {k}")
+        i = self._index.get(k) if isinstance(k, TreeShape) or type(k) is int else None
+        if i is None:
+            raise ValueError(f"k must be in [0, {self.max_k}] or one of the trees, got {k}")
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         if not seconds > 0.0:
             raise ValueError(f"seconds must be > 0, got {seconds}")
         stats = self._stats[self._bucket]
-        stats.steps[k].append((num_tokens, seconds))
-        stats.trials[k] += 1
+        stats.steps[i].append((num_tokens, seconds))
+        stats.trials[i] += 1
 
-    def estimates(self, bucket: Bucket) -> dict[int, float | None]:
-        """Throughput (tokens/s) per arm k in ``bucket`` over its window; ``None`` for an arm not run there yet."""
+    def estimates(self, bucket: Bucket) -> dict[Arm, float | None]:
+        """Throughput (tokens/s) per arm in ``bucket`` over its window; ``None`` for an arm not run there yet."""
         stats = self._stats.get(bucket)
         if stats is None:
-            return dict.fromkeys(range(self.max_k + 1))
-        return {k: stats.estimate(k) for k in range(self.max_k + 1)}
+            return dict.fromkeys(self.arms)
+        return {arm: stats.estimate(i) for i, arm in enumerate(self.arms)}
 
     def _within(self, bucket: Bucket, batch_size: int) -> bool:
         lo, hi = bucket
@@ -148,10 +166,10 @@ class DraftLengthBandit:
 
     def _stats_for(self, bucket: Bucket, previous: Bucket | None) -> _BucketStats:
         if bucket not in self._stats:
-            arms = range(self.max_k + 1)
+            arms = range(len(self.arms))
             order = list(reversed(arms))
             if previous is not None:
                 rates = self.estimates(previous)
-                order.sort(key=lambda k: -(rates[k] or 0.0))  # stable: unknown arms keep K, ..., 0
+                order.sort(key=lambda i: -(rates[self.arms[i]] or 0.0))  # stable: unknown arms keep costliest first
             self._stats[bucket] = _BucketStats([deque(maxlen=self.window) for _ in arms], [0 for _ in arms], order)
         return self._stats[bucket]

@@ -10,6 +10,7 @@ import torch
 from specroll.engine.scheduler import ScheduledSequence
 from specroll.engine.sequence import Sequence, SequenceStatus
 from specroll.engine.spec.proposer import DraftInput, FeatureUpdate, Proposal, Proposer, draft_cap
+from specroll.engine.spec.tree import DraftTree, TreeShape, cap_tree, valid_tree
 
 
 def propose_drafts(
@@ -38,6 +39,32 @@ def propose_drafts(
             if proposal.probs is not None:
                 probs[seq] = proposal.probs[b, :n]
     return drafts, probs
+
+
+def propose_trees(
+    proposer: Proposer, scheduled: list[ScheduledSequence], shape: TreeShape, vocab_size: int, page_size: int
+) -> dict[Sequence, DraftTree]:
+    """Draft trees for the sequences that decode this step, trimmed to what verification can trust
+    (:func:`~specroll.engine.spec.tree.valid_tree`), to nodes at depth ≤
+    :func:`~specroll.engine.spec.proposer.draft_cap` (a request never passes its length limit) and
+    to the K/V slots its pages hold past the step's token (one per node)."""
+    decoding = [s.seq for s in scheduled if s.samples and s.num_new_tokens == 1]
+    if not decoding:
+        return {}
+    trees = proposer.propose_tree(  # type: ignore[attr-defined]
+        [DraftInput(seq.request_id, seq.group_id, seq.token_ids, seq.sampling, seq.max_len) for seq in decoding],
+        shape,
+    )
+    if len(trees) != len(decoding):
+        raise ValueError(f"the proposer drafted {len(trees)} trees for {len(decoding)} sequences")
+    out = {}
+    for seq, tree in zip(decoding, trees, strict=True):
+        room = len(seq.block_table) * page_size - seq.num_computed_tokens - 1
+        tree = cap_tree(valid_tree(tree, shape, vocab_size), draft_cap(seq.max_len, seq.num_tokens, shape.depth),
+                        room)
+        if len(tree):
+            out[seq] = tree
+    return out
 
 
 def valid_drafts(proposal: Proposal, batch: int, k: int, vocab_size: int) -> torch.Tensor:
@@ -70,22 +97,28 @@ def observe_features(
     drafts: dict[Sequence, list[int]],
     starts: list[int],
     features: torch.Tensor,
+    paths: dict[Sequence, list[int]] | None = None,
 ) -> None:
     """Hand the proposer the features of each live sequence's newly valid positions: its input
-    rows of this step up to the last accepted draft.
+    rows of this step up to the last accepted draft (of a tree: the rows of its accepted path).
 
     Args:
         starts: each scheduled sequence's computed tokens before the step.
         features: the target features of every input row of the step (drafts included).
+        paths: the accepted nodes of the sequences that verified a draft tree.
     """
     updates = []
     row = 0
     for s, start in zip(scheduled, starts, strict=True):
         seq = s.seq
         if seq.status is not SequenceStatus.FINISHED:
-            valid = seq.num_computed_tokens - start  # new tokens + accepted drafts
-            updates.append(FeatureUpdate(seq.request_id, seq.group_id, start, features[row : row + valid],
-                                         seq.token_ids, seq.prompt_len))
+            path = None if paths is None else paths.get(seq)
+            if path is None:
+                valid = seq.num_computed_tokens - start  # new tokens + accepted drafts
+                rows = features[row : row + valid]
+            else:
+                rows = features[[row + i for i in range(s.num_new_tokens)] + [row + s.num_new_tokens + n for n in path]]
+            updates.append(FeatureUpdate(seq.request_id, seq.group_id, start, rows, seq.token_ids, seq.prompt_len))
         row += s.num_new_tokens + len(drafts.get(seq, ()))
     if updates:
         proposer.observe(updates)

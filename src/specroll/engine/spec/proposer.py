@@ -21,6 +21,7 @@ from specroll.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from specroll.engine.model import CausalLM
+    from specroll.engine.spec.tree import DraftTree, TreeShape
 
 
 def draft_cap(max_len: int, num_tokens: int, k: int) -> int:
@@ -78,6 +79,12 @@ class FeatureUpdate:
     prompt_len: int
 
 
+def drafts_trees(proposer: object) -> bool:
+    """Whether ``proposer`` also drafts trees: it has a ``propose_tree(batch, shape)`` method
+    returning one :class:`~specroll.engine.spec.tree.DraftTree` per sequence (see :class:`TreeProposer`)."""
+    return callable(getattr(proposer, "propose_tree", None))
+
+
 class Proposer(Protocol):
     """Drafts tokens for a batch of sequences."""
 
@@ -98,4 +105,12 @@ class Proposer(Protocol):
 
     def finish(self, request_id: str) -> None:
         """The request finished or was aborted: drop its state (or keep it as history)."""
+        ...
+
+
+class TreeProposer(Proposer, Protocol):
+    """A proposer that also drafts trees (``spec/tree.py``)."""
+
+    def propose_tree(self, batch: Sequence[DraftInput], shape: TreeShape) -> list[DraftTree]:
+        """A draft tree within ``shape`` for each sequence in ``batch`` (one with no nodes: none)."""
         ...

@@ -1,0 +1,233 @@
+"""Tree speculation: a tree of drafts per sequence, verified in one target forward, lossless.
+
+A drafter proposes a small tree of tokens after each sequence's last token (several candidates
+per position where it is unsure, EAGLE-2's dynamic tree: Li et al. 2024, "EAGLE-2", arXiv
+2406.16858 §4). The target scores every node in one forward pass, each node attending to the
+sequence's K/V and to its own ancestors only (tree attention: SpecInfer, Miao et al. 2024, §4.2),
+at the position of its depth. Verification then walks the tree from the root.
+
+**Verification.** At a node with target distribution p (temperature → top-k → top-p processed, as
+plain sampling), draw ``y ~ p``; when a child of the node carries ``y`` the walk moves to it, else
+``y`` is emitted and the walk stops (at a leaf, ``y`` is the bonus token). Every emitted token is a
+draw from the target's distribution at its prefix, so the output is distributed exactly as plain
+sampling — at any temperature, for any tree the drafter builds without looking at those draws.
+
+This is recursive rejection sampling (SpecInfer Algorithm 2, "multi-step speculative sampling";
+Chen et al. 2023 Algorithm 2 for one draft) for drafts whose draft distribution is a point mass,
+as the children of a deterministic (top-k) tree are: with candidates ``c_1..c_m`` at a node, RRS
+accepts ``c_1`` with probability ``min(1, p(c_1)/1) = p(c_1)`` and on rejection replaces p by the
+residual ``norm(max(0, p − δ_{c_1}))`` = p without ``c_1``; ``c_2`` is then accepted with
+``p(c_2) / (1 − p(c_1))``, and so on, and after every rejection a token is drawn from p without
+``c_1..c_m``. Each candidate is thus taken with probability exactly ``p(c_i)``, and the token
+drawn on rejection with ``p(y)`` — one inverse-CDF draw from p followed by a lookup among the
+children realises the same distribution (and, with one uniform per emitted token from the
+request's own generator, draws exactly what plain sampling would). Acceptance at a node is the
+target mass on its children, ``Σ_i p(c_i)``, which is why several candidates pay at T = 1 where a
+single draft is accepted only with ``1 − TV(p, q)``. Greedy requests follow the argmax path.
+
+Behavior logprobs are the target's processed logprobs of each emitted token, as everywhere.
+
+After verification only the accepted path's K/V stays: the path's nodes are moved to the slots
+right after the root (their positions), and the other nodes' slots are rolled back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+
+import torch
+
+from specroll.engine.sampler import draw_inverse_cdf, processed_logprobs
+from specroll.engine.sequence import Sequence
+
+
+@dataclass(frozen=True, order=True)
+class TreeShape:
+    """How large a draft tree may grow (EAGLE-2's dynamic-tree parameters).
+
+    The drafter expands the ``width`` most likely nodes of each depth by their ``width`` most
+    likely children, to ``depth`` levels, and keeps the ``nodes`` most likely nodes overall (by the
+    product of draft probabilities along their path).
+    """
+
+    depth: int
+    """Most drafts on one path (the most tokens a step can accept)."""
+    width: int
+    """Nodes expanded per depth, and children per expanded node."""
+    nodes: int
+    """Most nodes in the tree (the K/V slots and target rows it costs per sequence)."""
+
+    def __post_init__(self) -> None:
+        for name in ("depth", "width", "nodes"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"tree shape {name}={value!r}, expected a positive integer")
+        if self.nodes > MAX_TREE_NODES:
+            raise ValueError(f"tree shape nodes={self.nodes}, expected at most {MAX_TREE_NODES}")
+        if self.depth > self.nodes:
+            raise ValueError(f"tree shape depth={self.depth} exceeds nodes={self.nodes}: a path of "
+                             f"{self.depth} drafts needs {self.depth} nodes")
+
+    def __str__(self) -> str:
+        return f"tree(depth={self.depth}, width={self.width}, nodes={self.nodes})"
+
+    @classmethod
+    def parse(cls, text: str) -> TreeShape:
+        """``"DEPTHxWIDTH:NODES"``, e.g. ``"5x4:16"``.
+
+        Raises:
+            ValueError: the text is not in that form or a number is out of range.
+        """
+        try:
+            dims, nodes = text.split(":")
+            depth, width = dims.lower().split("x")
+            return cls(int(depth), int(width), int(nodes))
+        except ValueError as exc:
+            if "tree shape" in str(exc):
+                raise
+            raise ValueError(f"tree shape {text!r}: expected DEPTHxWIDTH:NODES, e.g. '5x4:16'") from None
+
+
+MAX_TREE_NODES = 64
+"""Largest node budget: a verify row per node and sequence, and a mask of nodes² per sequence."""
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """One sequence's drafts as a tree hanging off its last token (the root, not a node).
+
+    Nodes are in topological order: a node's parent comes before it.
+    """
+
+    tokens: list[int]
+    """Token of each node."""
+    parents: list[int]
+    """Parent node index of each node; -1 for children of the root."""
+    draft_probs: list[float] | None = None
+    """The drafter's probability of each node's token at its parent (diagnostics and tests; the
+    verification never reads it)."""
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def depths(self) -> list[int]:
+        """Depth of each node (children of the root: 1)."""
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return depths
+
+    def prefix(self, n: int) -> DraftTree:
+        """The first ``n`` nodes (an ancestor-closed tree: parents come first)."""
+        probs = None if self.draft_probs is None else self.draft_probs[:n]
+        return DraftTree(self.tokens[:n], self.parents[:n], probs)
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """bool ``[N+1, N+1]`` over (root, nodes): row i sees column j iff j is i or an ancestor of i."""
+        n = len(self.tokens)
+        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        mask[:, 0] = True
+        mask[0, 0] = True
+        for i, parent in enumerate(self.parents, start=1):
+            if parent >= 0:
+                mask[i] = mask[parent + 1]
+            mask[i, i] = True
+        return mask
+
+
+def valid_tree(tree: DraftTree, shape: TreeShape, vocab_size: int) -> DraftTree:
+    """The longest prefix of ``tree`` verification can trust: nodes up to the first one with a token
+    outside the vocabulary, a parent that is not an earlier node, a depth past ``shape.depth``, a
+    token its earlier sibling already has, or past ``shape.nodes`` nodes. (A proposer is pluggable
+    code; any tree is lossless to verify, a malformed one is just cut.)"""
+    n = min(len(tree.tokens), len(tree.parents), shape.nodes)
+    depths: list[int] = []
+    seen: set[tuple[int, int]] = set()
+    for i in range(n):
+        token, parent = tree.tokens[i], tree.parents[i]
+        if not (0 <= token < vocab_size and -1 <= parent < i) or (parent, token) in seen:
+            return tree.prefix(i)
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+        if depths[-1] > shape.depth:
+            return tree.prefix(i)
+        seen.add((parent, token))
+    return tree.prefix(n)
+
+
+def cap_tree(tree: DraftTree, max_depth: int, max_nodes: int) -> DraftTree:
+    """The nodes of ``tree`` at depth ≤ ``max_depth``, at most ``max_nodes`` of them (in order)."""
+    keep, depths = [], tree.depths()
+    for i, d in enumerate(depths):
+        if len(keep) == max_nodes:
+            break
+        if d <= max_depth and (tree.parents[i] < 0 or tree.parents[i] in keep):
+            keep.append(i)
+    if len(keep) == len(tree.tokens):
+        return tree
+    new_index = {old: new for new, old in enumerate(keep)}
+    probs = None if tree.draft_probs is None else [tree.draft_probs[i] for i in keep]
+    return DraftTree([tree.tokens[i] for i in keep], [new_index.get(tree.parents[i], -1) for i in keep], probs)
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    """One sequence's verification."""
+
+    token_ids: list[int]
+    """Emitted tokens: the accepted path's tokens, then the token drawn where the walk stopped."""
+    logprobs: list[float]
+    """Their behavior logprobs (the target's processed distribution)."""
+    path: list[int]
+    """The accepted nodes, root's child first (``len(path)`` drafts accepted)."""
+
+
+def verify_trees(logits: torch.Tensor, seqs: SequenceOf[Sequence], trees: SequenceOf[DraftTree]) -> list[TreeVerdict]:
+    """Walk each sequence's tree with draws from the target (module docstring), all sequences at once.
+
+    Args:
+        logits: float32 ``[sum(len(tree) + 1), V]``: per sequence in order, the target's logits at
+            its last token (the root) and at each node, in node order.
+        seqs: the sequences (their sampling parameters and generators).
+        trees: each sequence's tree (may have no nodes: plain sampling).
+
+    Returns:
+        A :class:`TreeVerdict` per sequence. Each sampled sequence draws one uniform per emitted
+        token from its own generator (as plain sampling); greedy ones draw none.
+
+    Raises:
+        ValueError: ``logits`` does not have one row per root and node.
+    """
+    starts, row = [], 0
+    for tree in trees:
+        starts.append(row)
+        row += len(tree) + 1
+    if logits.shape[0] != row or len(seqs) != len(trees):
+        raise ValueError(f"logits has {logits.shape[0]} rows for {len(trees)} trees of {row} rows "
+                         f"and {len(seqs)} sequences")
+    children = [{(p, t): i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens, strict=True))} for tree in trees]
+    node = [-1] * len(trees)
+    verdicts = [TreeVerdict([], [], []) for _ in trees]
+    active = list(range(len(trees)))
+    while active:
+        rows = torch.tensor([starts[b] + node[b] + 1 for b in active])
+        params = [seqs[b].sampling for b in active]
+        logprobs = processed_logprobs(logits.index_select(0, rows.to(logits.device)), params).cpu()  # [A, V]
+        tokens = logprobs.argmax(-1)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled:  # exp in float32, the CDF in float64: as plain sampling draws
+            u = torch.cat([torch.rand(1, dtype=torch.float64, generator=seqs[active[i]].generator) for i in sampled])
+            tokens[sampled] = draw_inverse_cdf(logprobs[sampled].exp().double(), u)
+        chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
+        still = []
+        for b, token, logprob in zip(active, tokens.tolist(), chosen, strict=True):
+            verdict = verdicts[b]
+            verdict.token_ids.append(token)
+            verdict.logprobs.append(logprob)
+            child = children[b].get((node[b], token))
+            if child is not None:
+                verdict.path.append(child)
+                node[b] = child
+                still.append(b)
+        active = still
+    return verdicts
