@@ -424,8 +424,9 @@ def test_drafter_kv_cache_too_small_for_one_request_is_refused_at_start(model):
     from specroll.actors.generator.engine_build import build_engine
     from specroll.drafter.eagle_head import DrafterError
 
-    def config(kv_cache_gb: float) -> RunConfig:
-        engine = EngineConfig(kv_cache_memory_gb=0.01, dtype="float32", page_size=16, max_model_len=256)
+    def config(kv_cache_gb: float, trees: tuple[str, ...] = ("2x2:4",)) -> RunConfig:
+        engine = EngineConfig(kv_cache_memory_gb=0.01, dtype="float32", page_size=16, max_model_len=256,
+                              draft_trees=trees)
         return RunConfig(model=ModelSection(name=str(model)), generator=GeneratorConfig(
             speculative="eagle", engine=engine), drafter=DrafterConfig(enabled=True, kv_cache_gb=kv_cache_gb))
 
@@ -434,6 +435,9 @@ def test_drafter_kv_cache_too_small_for_one_request_is_refused_at_start(model):
                                            r"fewer than one request needs: 256 tokens .* = 259; expected "
                                            r"drafter.kv_cache_gb >= 6.5e-05"):
         build_engine(config(1e-5))
+    # a draft tree of depth 6 and width 4 steps the head through (6 - 1) * 4 rows past the last verified one
+    with pytest.raises(DrafterError, match=r"256 tokens .* \+ 20 draft positions = 276;"):
+        build_engine(config(6.5e-5, ("3x1:3", "6x4:16")))
     engine, counter = build_engine(config(6.5e-5))  # the least it names is enough
     assert counter is None  # a cold start: the first version arrives from the drafter trainer
     head = EagleHead.init(EagleConfig.for_target(engine.model_config, (2,), 64), torch.arange(64))

@@ -196,3 +196,21 @@ def test_gpu_sampler_bookkeeping_matches_the_reference(tiny_checkpoint, temperat
         expected = expected.gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
         assert torch.isfinite(expected).all()
         assert (torch.tensor(c.logprobs) - expected).abs().max().item() <= 1e-4
+
+
+def test_the_tree_custom_mask_is_flashinfers_flat_layout() -> None:
+    """FlashInfer's custom_mask: per request its [q_len, kv_len] mask row-major, requests
+    concatenated, True = attend; causal is ignored with it, so causal rows are spelled out."""
+    from specroll.engine.flashinfer_attention import tree_custom_mask
+
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root with two children
+    meta = build_metadata([1, 3, 2], [4, 5, 2], [[0], [1], [2]], 8, {1: tree})
+    flat = tree_custom_mask(meta)
+    assert flat is not None and flat.dtype == torch.bool and flat.numel() == 1 * 4 + 3 * 5 + 2 * 2
+    decode, verify, prefill = flat[:4], flat[4:19].view(3, 5), flat[19:].view(2, 2)
+    assert decode.all()
+    assert verify.tolist() == [[True, True, True, False, False],  # the root: the prefix and itself
+                               [True, True, True, True, False],   # child 1: root, itself, not its sibling
+                               [True, True, True, False, True]]   # child 2: root and itself
+    assert prefill.tolist() == [[True, False], [True, True]]  # plain causal
+    assert tree_custom_mask(build_metadata([3], [5], [[0]], 8)) is None  # no tree: FlashInfer's causal=True

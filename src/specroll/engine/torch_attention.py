@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from specroll.engine.batch import AttentionMetadata, dense_mask
 
-SHORT_QUERY = 16
+SHORT_QUERY = 32
 """Sequences with at most this many new tokens share one padded attention call."""
 
 

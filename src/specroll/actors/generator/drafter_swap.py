@@ -33,22 +33,24 @@ def check_drafter_cache(kv_cache_gb: float, engine: Engine, head: EagleConfig) -
     """``drafter.kv_cache_gb`` holds ``head``'s K/V for one request of ``engine``: its positions up to
     the context length ``engine.max_model_len`` (a prompt plus ``max_tokens``, capped by the context: a
     generator cannot know the longest prompt before it arrives, so the context bounds it, as it bounds
-    the engine's own KV cache) plus the ``num_draft_tokens - 1`` draft positions the head steps through
-    past the last verified one. Without it the head's K/V fills up and requests go undrafted, silently.
+    the engine's own KV cache) plus the draft positions the head steps through past the last verified
+    one: ``num_draft_tokens - 1`` for a chain, ``(depth - 1) · width`` rows for the largest of
+    ``draft_trees``. Without it the head's K/V fills up and requests go undrafted, silently.
 
     Raises:
         DrafterError: naming ``drafter.kv_cache_gb``, its value and the least that holds one request.
     """
-    page_size, k = engine.config.page_size, engine.config.num_draft_tokens
+    page_size = engine.config.page_size
+    extra = max([engine.config.num_draft_tokens - 1] + [(t.depth - 1) * t.width for t in engine.config.tree_shapes])
     holds = head_cache_tokens(head, kv_cache_gb, page_size, engine.dtype)
-    need = engine.max_model_len + k - 1
+    need = engine.max_model_len + extra
     if holds >= need:
         return
     page_bytes = kv_bytes_per_page(head.as_model_config(), page_size, engine.dtype)
     least_gb = math.ceil(-(-need // page_size) * page_bytes / 2**30 * 1e6) / 1e6  # whole pages, rounded up
     raise DrafterError(
         f"drafter.kv_cache_gb={kv_cache_gb:g} holds the drafter's K/V for {holds} positions, fewer than one "
-        f"request needs: {engine.max_model_len} tokens (the context, generator.engine.max_model_len) + {k - 1} "
+        f"request needs: {engine.max_model_len} tokens (the context, generator.engine.max_model_len) + {extra} "
         f"draft positions = {need}; expected drafter.kv_cache_gb >= {least_gb:g}, or a lower "
         f"generator.engine.max_model_len")
 
