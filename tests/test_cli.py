@@ -111,7 +111,10 @@ BAD: dict[str, tuple[list[str], str, bool]] = {
     "out_is_a_directory": (["--out", "{w}/out_is_dir"], r"out_is_dir", False),
     "eagle_without_drafter": (["--speculative", "eagle"], r"--speculative eagle needs --drafter", False),
     "drafter_with_suffix": (["--speculative", "suffix", "--drafter", "{w}/drafter_other"],
-                            r"--drafter .* is used only with --speculative eagle or auto", False),
+                            r"--drafter .* is used only with --speculative eagle, tree or auto", False),
+    "tree_without_drafter": (["--speculative", "tree"], r"--speculative tree needs --drafter", False),
+    "bad_tree_shape": (["--speculative", "tree", "--drafter", "{w}/drafter_other", "--draft-trees", "4x4"],
+                       r"tree shape '4x4': expected DEPTHxWIDTH:NODES", False),
     "drafter_for_another_vocabulary": (["--speculative", "eagle", "--drafter", "{w}/drafter_other"],
                                        r"drafter_other was made for a target with vocabulary 400, .*vocabulary 320",
                                        False),
@@ -150,7 +153,8 @@ def runs(work: Path) -> dict[str, Run]:
     assert made.rc == 0, made.stderr
     speculative = (("greedy_suffix", ["--speculative", "suffix"]),
                    ("greedy_eagle", ["--speculative", "eagle", "--drafter", str(drafter)]),
-                   ("greedy_auto", ["--speculative", "auto", "--drafter", str(drafter), "--num-draft-tokens", "3"]))
+                   ("greedy_auto", ["--speculative", "auto", "--drafter", str(drafter), "--num-draft-tokens", "3"]),
+                   ("greedy_tree", ["--speculative", "tree", "--drafter", str(drafter), "--draft-trees", "3x3:8"]))
     for name, extra in (("greedy", []), ("greedy_chunked", ["--max-num-batched-tokens", "8"]), *speculative):
         out = w / "out" / name / "rollouts.jsonl"
         jobs[name] = ([sys.executable, "-m", "specroll.actors.cli", *greedy, *extra, "--out", str(out)], out)
@@ -306,7 +310,7 @@ def test_prompts_longer_than_the_step_budget_are_prefilled_in_chunks(runs: dict[
     assert chunked == [(r["prompt_id"], r["token_ids"]) for r in read_records(runs["greedy"].out)]
 
 
-@pytest.mark.parametrize("name", ["greedy_suffix", "greedy_eagle", "greedy_auto"])
+@pytest.mark.parametrize("name", ["greedy_suffix", "greedy_eagle", "greedy_auto", "greedy_tree"])
 def test_speculative_runs_emit_what_plain_greedy_emits(runs: dict[str, Run], name: str) -> None:
     run = runs[name]
     assert run.rc == 0, run.stderr[-2000:]

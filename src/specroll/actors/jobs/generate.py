@@ -142,18 +142,20 @@ def _speculation_summary(engine: Engine) -> str:
 
 def _build_engine(args: argparse.Namespace) -> Engine:
 
-    if args.drafter is not None and args.speculative not in ("eagle", "auto"):
-        raise GenerateError(f"--drafter {args.drafter} is used only with --speculative eagle or auto, "
+    if args.drafter is not None and args.speculative not in ("eagle", "tree", "auto"):
+        raise GenerateError(f"--drafter {args.drafter} is used only with --speculative eagle, tree or auto, "
                             f"not {args.speculative}")
-    if args.speculative == "eagle" and args.drafter is None:
-        raise GenerateError("--speculative eagle needs --drafter DIR (a drafter made by 'specroll init-drafter')")
+    if args.speculative in ("eagle", "tree") and args.drafter is None:
+        raise GenerateError(f"--speculative {args.speculative} needs --drafter DIR (a drafter made by "
+                            "'specroll init-drafter')")
     try:
         config = EngineConfig(
             model=args.model, backend=args.backend, device=args.device, dtype=args.dtype,
             kv_cache_memory_gb=args.kv_cache_gb, max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             seed=args.seed, num_threads=args.threads, num_draft_tokens=args.num_draft_tokens,
-            draft_length="adaptive" if args.speculative == "auto" else "fixed",
+            draft_length={"auto": "adaptive", "tree": "tree"}.get(args.speculative, "fixed"),
+            draft_trees=args.draft_trees,
         )
         return Engine(config, proposer=_build_proposer(args, config.page_size))
     except (CheckpointError, ValueError) as exc:
