@@ -191,3 +191,22 @@ def test_bad_step_values_raise_naming_the_value():
     # A shorter k than chosen (the engine drafted fewer) is credited as passed.
     bandit.record(0, 5, 0.5)
     assert bandit.estimates((3, 4)) == {0: 10.0, 1: None, 2: None}
+
+
+def test_tree_shapes_are_arms_after_the_chains():
+    from specroll.engine.spec.tree import TreeShape
+
+    small, large = TreeShape(3, 2, 6), TreeShape(5, 4, 16)
+    bandit = DraftLengthBandit(max_k=2, trees=[small, large], epsilon=0.0, min_trials=1)
+    assert bandit.arms == (0, 1, 2, small, large)
+    tried = []
+    for _ in range(5):  # warm-up: the costliest arm first
+        arm = bandit.choose(1)
+        tried.append(arm)
+        bandit.record(arm, 6 if arm == small else 1, 0.01)  # the small tree pays most
+    assert tried == [large, small, 2, 1, 0]
+    assert bandit.choose(1) == small and bandit.estimates((1, 1))[small] == pytest.approx(600.0)
+    with pytest.raises(ValueError, match=r"one of the trees, got tree\(depth=4"):
+        bandit.record(TreeShape(4, 2, 8), 1, 0.01)
+    with pytest.raises(ValueError, match="distinct TreeShapes"):
+        DraftLengthBandit(max_k=2, trees=[small, small])
