@@ -50,7 +50,7 @@ fi
 } 2>&1 | tee "$out/gpu.txt"
 
 stamp "JIT: compiling FlashInfer's kernels for bf16, head_dim 64"
-timeout 200 python3 - <<'PY' 2>&1 | tee "$out/jit.log"
+timeout 240 python3 - <<'PY' 2>&1 | tee "$out/jit.log"
 import time, torch
 from specroll.engine.batch import build_metadata
 from specroll.engine.flashinfer_attention import FlashInferAttention
@@ -67,6 +67,12 @@ for q_lens in ([20], [1]):  # prefill wrapper, then decode wrapper
     backend.forward(*(torch.randn(n, h, 64, device=cuda, dtype=torch.bfloat16) for h in (9, 3, 3)), cache)
     torch.cuda.synchronize()
     print(f"{'prefill' if q_lens[0] > 1 else 'decode'} kernels ready in {time.perf_counter() - t0:.1f} s", flush=True)
+t0 = time.perf_counter()  # the prefill wrapper with a custom mask (draft trees): another kernel variant
+tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool, device="cpu")
+backend.plan(build_metadata([3], [20], [[0, 1]], 16, {0: tree}))
+backend.forward(*(torch.randn(3, h, 64, device=cuda, dtype=torch.bfloat16) for h in (9, 3, 3)), cache)
+torch.cuda.synchronize()
+print(f"tree (custom mask) kernels ready in {time.perf_counter() - t0:.1f} s", flush=True)
 t0 = time.perf_counter()
 FlashInferSampler(cuda, 0).sample(torch.randn(4, 100, device=cuda), [SamplingParams()] * 4)
 import flashinfer.sampling
@@ -78,7 +84,7 @@ PY
 jit_rc=${PIPESTATUS[0]}
 
 stamp "tests (pytest -m gpu)"
-timeout 170 python3 -m pytest -q -m gpu tests/test_flashinfer_gpu.py -p no:cacheprovider \
+timeout 200 python3 -m pytest -q -m gpu tests/test_flashinfer_gpu.py -p no:cacheprovider \
     --junitxml "$out/gpu_tests.xml" 2>&1 | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 if grep -q "skipped" "$out/gpu_tests.log"; then  # a skipped GPU test here means the check did not check
