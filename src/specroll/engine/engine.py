@@ -282,13 +282,14 @@ class Engine:
         inputs = self.runner.prepare(scheduled, drafts, trees)
         clock.mark("metadata")
         # logits [rows, V]: 1 + drafts per sampling sequence, where the sampler reads them
-        logits, features = self.runner.forward(inputs, to_cpu=self._gpu_sampler is None and trees is None)
+        # a tree step's LM head runs in the verification, on the rows the walk reaches
+        logits, features = self.runner.forward(inputs, to_cpu=self._gpu_sampler is None, hidden_only=bool(trees))
         clock.mark("forward")
         for s in scheduled:  # the forward wrote their K/V; rejected drafts are rolled back in _verify
             s.seq.num_computed_tokens += s.num_new_tokens + len(drafts.get(s.seq, ()))
         samplers = [s.seq for s in scheduled if s.samples]
         paths: dict[Sequence, list[int]] | None = None
-        if trees is not None:
+        if trees:
             emitted, paths = self._verify_trees(logits, samplers, trees, stats)
         elif k:
             emitted = self._verify(logits, samplers, drafts, draft_probs, k, stats)
@@ -342,14 +343,17 @@ class Engine:
         return emitted
 
     def _verify_trees(
-        self, logits: torch.Tensor, samplers: list[Sequence], trees: dict[Sequence, DraftTree],
+        self, hidden: torch.Tensor, samplers: list[Sequence], trees: dict[Sequence, DraftTree],
         stats: SpeculativeStats,
     ) -> tuple[list[tuple[list[int], list[float], int]], dict[Sequence, list[int]]]:
-        """Walk each sampling sequence's draft tree (``spec/tree.py``), keep the accepted path's K/V
+        """Walk each sampling sequence's draft tree (``spec/tree.py``) over the final hidden states
+        ``hidden`` of its rows (the LM head runs on the rows the walk reaches), keep the accepted path's K/V
         (moved to the slots of its positions) and roll back the rest; per sequence ``(tokens,
         behavior logprobs, drafts accepted)``, and each tree sequence's accepted nodes."""
         seq_trees = [trees.get(seq, DraftTree([], [])) for seq in samplers]
-        verdicts = verify_trees(logits, samplers, seq_trees)
+        model = self.model
+        verdicts = verify_trees(lambda rows: model.compute_logits(hidden.index_select(0, rows.to(hidden.device))),
+                                samplers, seq_trees, num_rows=hidden.shape[0])
         paths = {}
         for seq, tree, verdict in zip(samplers, seq_trees, verdicts, strict=True):
             if not len(tree):

@@ -206,13 +206,18 @@ class ModelRunner:
         bucket = self.graphs.bucket(len(q_lens), q_lens[0])
         return None if bucket is None else (bucket, q_lens[0])
 
-    def forward(self, inputs: StepInputs, *, to_cpu: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, inputs: StepInputs, *, to_cpu: bool, hidden_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the prepared batch: writes the K/V of every input row (drafts included) to the cache;
         does not advance any sequence's ``num_computed_tokens``.
 
         Args:
             inputs: from :meth:`prepare`, for this step.
             to_cpu: return the logits on the CPU (the torch sampler), else on the model's device.
+            hidden_only: return the final (normed) hidden states ``[rows, hidden_size]`` of those
+                rows instead of their logits, on the model's device (an eager step only): the
+                caller runs the LM head on the rows it needs (``CausalLM.compute_logits``).
 
         Returns:
             float32 logits ``[rows, V]`` at each sampling sequence's last token and at each of its
@@ -223,6 +228,8 @@ class ModelRunner:
         if inputs.graph is None:
             hidden, features = self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.backend,
                                           self.feature_layers)
+            if hidden_only:
+                return hidden[inputs.logits_rows], features
             logits = self.model.compute_logits(hidden[inputs.logits_rows])
         else:
             assert self.graphs is not None  # a graph step is prepared only with graphs on

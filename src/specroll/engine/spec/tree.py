@@ -33,6 +33,7 @@ right after the root (their positions), and the other nodes' slots are rolled ba
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
@@ -182,12 +183,21 @@ class TreeVerdict:
     """The accepted nodes, root's child first (``len(path)`` drafts accepted)."""
 
 
-def verify_trees(logits: torch.Tensor, seqs: SequenceOf[Sequence], trees: SequenceOf[DraftTree]) -> list[TreeVerdict]:
+def verify_trees(
+    logits: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],
+    seqs: SequenceOf[Sequence],
+    trees: SequenceOf[DraftTree],
+    num_rows: int | None = None,
+) -> list[TreeVerdict]:
     """Walk each sequence's tree with draws from the target (module docstring), all sequences at once.
 
     Args:
         logits: float32 ``[sum(len(tree) + 1), V]``: per sequence in order, the target's logits at
-            its last token (the root) and at each node, in node order.
+            its last token (the root) and at each node, in node order; or a function giving the
+            logits ``[n, V]`` of rows int64 ``[n]`` of that layout, called once per depth the walk
+            reaches with the rows the walk stands on (the LM head then runs on the accepted path
+            and one row more per sequence, not on every node: on a CPU it is most of a tree's cost).
+        num_rows: the rows of that layout when ``logits`` is a function.
         seqs: the sequences (their sampling parameters and generators).
         trees: each sequence's tree (may have no nodes: plain sampling).
 
@@ -202,9 +212,13 @@ def verify_trees(logits: torch.Tensor, seqs: SequenceOf[Sequence], trees: Sequen
     for tree in trees:
         starts.append(row)
         row += len(tree) + 1
-    if logits.shape[0] != row or len(seqs) != len(trees):
-        raise ValueError(f"logits has {logits.shape[0]} rows for {len(trees)} trees of {row} rows "
-                         f"and {len(seqs)} sequences")
+    if callable(logits):
+        logits_of, have = logits, num_rows
+    else:
+        table = logits
+        logits_of, have = (lambda rows: table.index_select(0, rows.to(table.device))), table.shape[0]
+    if have != row or len(seqs) != len(trees):
+        raise ValueError(f"logits has {have} rows for {len(trees)} trees of {row} rows and {len(seqs)} sequences")
     children = [{(p, t): i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens, strict=True))} for tree in trees]
     node = [-1] * len(trees)
     verdicts = [TreeVerdict([], [], []) for _ in trees]
@@ -212,7 +226,7 @@ def verify_trees(logits: torch.Tensor, seqs: SequenceOf[Sequence], trees: Sequen
     while active:
         rows = torch.tensor([starts[b] + node[b] + 1 for b in active])
         params = [seqs[b].sampling for b in active]
-        logprobs = processed_logprobs(logits.index_select(0, rows.to(logits.device)), params).cpu()  # [A, V]
+        logprobs = processed_logprobs(logits_of(rows), params).cpu()  # [A, V]
         tokens = logprobs.argmax(-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:  # exp in float32, the CDF in float64: as plain sampling draws
