@@ -23,8 +23,9 @@ The arms run interleaved: ``--rounds`` rounds, each running every arm once in a 
 slow stretch of a shared machine hits every arm alike. Reported per (T, B, arm): emitted tokens/s at
 live batch B (the steps in which all B slots emitted; ``bench_speculative.py``), pooled over rounds;
 its ratio to ``off``; acceptance length (``1 + accepted / draft steps``); and the cost split per
-engine step: milliseconds proposing (the head's catch-up pass, its tree passes, q processing) and
-verifying (target forward + verification).
+engine step: milliseconds proposing and verifying (target forward + verification), and for tree
+arms the proposing split into the head's catch-up pass, its per-depth passes, the draft logits and
+their processing (q), and choosing the nodes (``EagleProposer.tree_seconds``).
 
 The issue's targets are printed beside the figures, not asserted: acceptance length >= 2.5 at T = 1,
 B = 1 with at most 16 tree nodes; >= 1.6x over off at B = 1, T = 1; ``auto`` never below 0.97x off.
@@ -175,11 +176,16 @@ def table(args: argparse.Namespace, checkpoint, head, prompts: list[list[int]]) 
                                 SamplingParams(temperature=temperature, top_p=1.0, max_tokens=args.max_tokens,
                                                seed=args.seed * 1_000_003 + i)) for i in range(count)]
             runs: dict[str, list[RunStats]] = {arm: [] for arm in arms(args)}
+            split: dict[str, list[dict[str, float]]] = {}
             order = arms(args)
             for r in range(args.rounds):
                 for arm in order[r % len(order):] + order[: r % len(order)]:
                     engine = make_engine(args, checkpoint, head, arm, b)
                     runs[arm].append(timed_run(engine, requests, b)[1])
+                    if engine.proposer is not None:  # the head's tree cost, ms per engine step
+                        parts = engine.proposer.tree_seconds  # type: ignore[attr-defined]
+                        steps = max(engine.spec_stats.num_steps, 1)
+                        split.setdefault(arm, []).append({k: 1e3 * v / steps for k, v in parts.items()})
                     del engine
                     gc.collect()
             off = pool_runs(runs["off"]).steady_tok_s
@@ -192,11 +198,16 @@ def table(args: argparse.Namespace, checkpoint, head, prompts: list[list[int]]) 
                        "verify_ms_per_step": 1e3 * run.verify_time_s / steps,
                        "ratios_per_round": [x.steady_tok_s / o.steady_tok_s
                                             for x, o in zip(runs[arm], runs["off"], strict=True) if o.steady_tok_s],
-                       "k_steps": {str(k): v for k, v in run.k_steps.items()}, "load_average": run.load_average}
+                       "k_steps": {str(k): v for k, v in run.k_steps.items()}, "load_average": run.load_average,
+                       "tree_draft_ms_per_step": {k: sum(d[k] for d in split[arm]) / len(split[arm])
+                                                  for k in split[arm][0]} if split.get(arm) else None}
                 rows.append(row)
                 print(f"T={temperature} B={b:>2} {arm:>12}: {row['tok_s']:7.1f} tok/s  {row['ratio']:.2f}x  "
                       f"acc {run.acceptance_length:.2f}  draft {row['draft_ms_per_step']:.1f} ms  "
                       f"verify {row['verify_ms_per_step']:.1f} ms per step  load {run.load_average:.1f}", flush=True)
+                if row["tree_draft_ms_per_step"] and any(row["tree_draft_ms_per_step"].values()):
+                    print("      tree drafting, ms per step: " + ", ".join(
+                        f"{k} {v:.2f}" for k, v in row["tree_draft_ms_per_step"].items()), flush=True)
     return rows
 
 

@@ -21,6 +21,7 @@ is, and hands them to the requests that skipped those positions.
 from __future__ import annotations
 
 import math
+import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -97,6 +98,11 @@ class EagleProposer:
         self._states: dict[str, _DraftState] = {}
         self._prompt_pages: OrderedDict[PageKey, torch.Tensor] = OrderedDict()  # chained page key → [page_size, F]
         self._target: CausalLM | None = None
+        self.tree_seconds: dict[str, float] = {"catch_up": 0.0, "head_passes": 0.0, "draft_q": 0.0, "build": 0.0}
+        """Seconds :meth:`propose_tree` spent in the catch-up pass, the per-depth head passes, the
+        draft logits and their processing (q), and the rest (choosing nodes, building the trees),
+        summed over calls (host clock: on CUDA without synchronising, so kernel time may land in a
+        later part)."""
 
     # ---- binding --------------------------------------------------------------------------
 
@@ -268,8 +274,11 @@ class EagleProposer:
         states = [self._states[batch[b].request_id] for b in rows]
         params = [batch[b].sampling for b in rows]
         r_count = len(rows)
+        clock = _Stopwatch(self.tree_seconds)
         last = self._catch_up([batch[b] for b in rows], states)  # [R, H]
+        clock.lap("catch_up")
         logq = self._draft_logprobs(last, params)  # [R, Vd]
+        clock.lap("draft_q")
         # candidates per row: (score, depth, parent candidate index or -1, draft id, q)
         top_q, top_id = logq.topk(min(width, logq.shape[-1]), dim=-1)  # [R, W]
         cands: list[list[tuple[float, int, int, int, float]]] = [
@@ -309,9 +318,12 @@ class EagleProposer:
             device = self._head_weight.device
             token_ids = self._d2t[torch.tensor(embeds_ids)].to(device)
             embeds = F.embedding(token_ids, self._target.model.embed_tokens.weight)
+            clock.lap("build")
             out = self.head(embeds, torch.stack(feats), torch.tensor(positions, device=device), self.kv_cache,
                             self.backend, from_target=False)  # [rows, H]
+            clock.lap("head_passes")
             logq = self._draft_logprobs(out, [params[r] for r in live for _ in frontier[r]])
+            clock.lap("draft_q")
             top_q, top_id = logq.topk(min(width, logq.shape[-1]), dim=-1)  # [rows, W]
             i = 0
             for r in live:
@@ -340,6 +352,7 @@ class EagleProposer:
             trees[b] = DraftTree([d2t[cands[r][c][3]] for c in keep],
                                  [index.get(cands[r][c][2], -1) for c in keep],
                                  [math.exp(cands[r][c][4]) for c in keep])
+        clock.lap("build")
         return trees
 
     def _draft_logprobs(self, hidden: torch.Tensor, params: list) -> torch.Tensor:
@@ -411,3 +424,15 @@ class EagleProposer:
                 else:
                     probs[rows[r], i, self._d2t[drawn[r]]] = 1.0  # type: ignore[index]
         return self._d2t[drawn].to(last.device)
+
+
+class _Stopwatch:
+    """Adds the seconds since the last lap to ``totals[name]`` at each :meth:`lap`."""
+
+    def __init__(self, totals: dict[str, float]) -> None:
+        self.totals, self.last = totals, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.totals[name] += now - self.last
+        self.last = now
