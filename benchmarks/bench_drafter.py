@@ -25,10 +25,12 @@ tokens sampled from the head (``EagleProposer(sample_drafts=True)``).
    first ``--table-prompts`` GSM8K *test* prompts, ``--max-tokens`` tokens at most each, one seed per
    request, identical in every row, at batch B in ``--batch-sizes`` (``max_num_seqs=B``: B requests
    in flight) with speculation off, with the **untrained** head (``EagleHead.init`` with the trained
-   head's config and draft vocabulary), with the **trained** head (the last version) drafting k
-   tokens every step, and with the trained head under the engine's **adaptive** draft length
-   (``draft_length="adaptive"``: k in [0, K] picked each step from measured tokens/s, what a
-   generator with ``draft_length = "adaptive"`` runs; ``speedups_adaptive``). Each row
+   head's config and draft vocabulary; an ``eagle3`` head's LM head starts as the target's rows, as
+   ``init-drafter`` makes it — ``--architecture`` picks the learner's head), with the **trained**
+   head (the last version) drafting k tokens every step, and with the trained head under the
+   engine's **adaptive** draft length (``draft_length="adaptive"``: k in [0, K] picked each step
+   from measured tokens/s, what a generator with ``draft_length = "adaptive"`` runs;
+   ``speedups_adaptive``). Each row
    gets a fresh engine and proposer, timed from its first step to its last; one short untimed
    generation with each pays torch's first-call costs first. The figure is emitted
    tokens/s at live batch B (over the steps in which all B slots emitted, as in
@@ -143,6 +145,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="learner replay buffer, in rollouts (oldest dropped first) (default: %(default)s)")
     g.add_argument("--draft-vocab-size", type=_positive_int, default=4096,
                    help="draft vocabulary of the cold-started head (default: %(default)s)")
+    g.add_argument("--architecture", choices=["eagle3", "eagle"], default="eagle3",
+                   help="architecture of the cold-started head: eagle3 (EAGLE-3's midlayer and own LM head) or "
+                        "eagle (fc then a decoder layer, the target's LM head) (default: %(default)s)")
     t = p.add_argument_group("speed table")
     t.add_argument("--table-prompts", type=_positive_int, default=8,
                    help="test prompts, one request each, of every row (default: %(default)s)")
@@ -211,7 +216,11 @@ def speed_table(checkpoint: Checkpoint, args: argparse.Namespace, prompts: list[
     from specroll.protocol.sampling import SamplingParams
 
     trained_head = head_from_snapshot(trained)
-    untrained = EagleHead.init(trained_head.config, trained_head.draft_to_target, seed=args.seed)
+    lm_head = None  # an eagle3 head starts from the target's LM-head rows, as init-drafter makes one
+    if trained_head.config.architecture == "eagle3":
+        name = "model.embed_tokens.weight" if checkpoint.config.tie_word_embeddings else "lm_head.weight"
+        lm_head = checkpoint.weights[name].float()[trained_head.draft_to_target]
+    untrained = EagleHead.init(trained_head.config, trained_head.draft_to_target, seed=args.seed, lm_head=lm_head)
     heads: dict[Drafter, dict[str, torch.Tensor] | None] = {
         "off": None, "untrained": untrained.state_dict(), "trained": trained_head.state_dict(),
         "adaptive": trained_head.state_dict()}
@@ -328,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
 
     _, args.dtype, threads, load_before = setup_torch(args.threads, args.dtype)
     print(f"model {args.model}, dtype {args.dtype}, {threads} torch threads, torch {torch.__version__}, "
-          f"T={TEMPERATURE}, k={args.num_draft_tokens}, learner budget {args.train_minutes} min", flush=True)
+          f"T={TEMPERATURE}, k={args.num_draft_tokens}, learner budget {args.train_minutes} min, "
+          f"{args.architecture} head", flush=True)
 
     # float32 once: the learner's target and the fine-tuning need it; each engine casts to its dtype.
     checkpoint = load_checkpoint(args.model)
@@ -342,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     learner_config = LearnerConfig(
         lr=args.learner_lr, batch=args.learner_batch, window=args.learner_window, ttt_steps=args.ttt_steps,
         buffer_rollouts=args.buffer_rollouts, min_rollouts=args.round_size, draft_vocab_size=args.draft_vocab_size,
-        seed=args.seed,
+        seed=args.seed, architecture=args.architecture,
     )
     learner = DrafterLearner(target, learner_config, eos_token_ids=eos)
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.round_size, seed=args.seed,

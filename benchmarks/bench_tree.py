@@ -7,8 +7,8 @@ One process, the default model. **Drafter**: ``--drafter DIR`` (a head saved by 
 
 **Table**: the first ``--table-prompts`` GSM8K *test* prompts (specroll's chat template), one seed per
 request, identical in every arm, at each temperature in ``--temperatures`` (no top-k/top-p) and live
-batch B in ``--batch-sizes`` (``max_num_seqs = B``; at least 4B requests queued, so continuous
-batching keeps B slots busy until the queue drains), run as these arms, each on a fresh engine and
+batch B in ``--batch-sizes`` (``max_num_seqs = B``; ``--requests-per-slot`` · B requests queued,
+so continuous batching keeps B slots busy until the queue drains), run as these arms, each on a fresh engine and
 proposer:
 
 - ``off``: no speculation;
@@ -57,6 +57,7 @@ from spec_timing import Request, RunStats, pool_runs, timed_run
 
 TARGETS = {"acceptance_length_t1_b1": 2.5, "speedup_t1_b1": 1.6, "auto_floor": 0.97}
 QUICK = dict(train_minutes=0.3, round_size=4, rollout_max_tokens=48, steps_per_version=5, table_prompts=4,
+             requests_per_slot=2,
              max_tokens=24, batch_sizes=[1, 2], temperatures=[1.0], rounds=1, shapes=["3x2:6"])
 
 
@@ -79,12 +80,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps-per-version", type=int, default=50)
     p.add_argument("--draft-vocab-size", type=int, default=4096)
     p.add_argument("--num-draft-tokens", type=int, default=4, help="chain length K (default: %(default)s)")
-    p.add_argument("--shapes", type=lambda s: s.split(","), default=["4x4:12", "6x4:16"],
-                   help="tree shapes DEPTHxWIDTH:NODES, comma-separated (default: 4x4:12,6x4:16)")
+    p.add_argument("--shapes", type=lambda s: s.split(","), default=["2x4:6", "4x4:12"],
+                   help="tree shapes DEPTHxWIDTH:NODES, comma-separated (default: 2x4:6,4x4:12)")
     p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 0.7])
     p.add_argument("--batch-sizes", type=int_list, default=[1, 4, 16])
-    p.add_argument("--table-prompts", type=int, default=16, help="test prompts (default: %(default)s; "
-                   "at least 4B requests are queued, prompts repeating with their own seeds)")
+    p.add_argument("--table-prompts", type=int, default=16, help="test prompts (default: %(default)s)")
+    p.add_argument("--requests-per-slot", type=int, default=4,
+                   help="requests queued per slot of the live batch: R·B, prompts repeating with their own seeds "
+                        "(default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every arm (default: %(default)s)")
     args = p.parse_args(argv)
@@ -171,7 +174,7 @@ def table(args: argparse.Namespace, checkpoint, head, prompts: list[list[int]]) 
     rows = []
     for temperature in args.temperatures:
         for b in args.batch_sizes:
-            count = max(len(prompts), 4 * b)
+            count = args.requests_per_slot * b
             requests = [Request(f"t{i}", f"t{i}", prompts[i % len(prompts)],
                                 SamplingParams(temperature=temperature, top_p=1.0, max_tokens=args.max_tokens,
                                                seed=args.seed * 1_000_003 + i)) for i in range(count)]

@@ -11,7 +11,13 @@ from conftest import hf_tiny_config, write_tiny_tokenizer
 
 from specroll.actors.cli import main
 from specroll.drafter.eagle import EagleProposer
-from specroll.drafter.eagle_head import EagleConfig, EagleHead, build_draft_vocab, eagle3_feature_layers
+from specroll.drafter.eagle_head import (
+    EagleConfig,
+    EagleHead,
+    build_draft_vocab,
+    draft_lm_head,
+    eagle3_feature_layers,
+)
 from specroll.drafter.learner import DrafterLearner, LearnerConfig
 from specroll.drafter.train import expected_acceptance_length, train_drafter
 from specroll.drafter.ttt import Rollout, target_features, ttt_loss
@@ -54,13 +60,17 @@ def greedy_rollouts(path: Path, n: int, seed: int) -> list[Rollout]:
     return [Rollout(p + done[f"r{i}"].token_ids, PROMPT_LEN) for i, p in enumerate(prompts)]
 
 
-def fresh_head(config, rollouts: list[Rollout], taps: tuple[int, ...] | None = None, seed: int = 0) -> EagleHead:
+def fresh_head(config, rollouts: list[Rollout], taps: tuple[int, ...] | None = None, seed: int = 0,
+               architecture: str = "eagle3", target: CausalLM | None = None) -> EagleHead:
+    """A new head as init-drafter makes one (an eagle3 head's lm_head from ``target``'s rows when given)."""
     counts = torch.zeros(config.vocab_size)
     for r in rollouts:
         counts += torch.bincount(torch.tensor(r.token_ids), minlength=config.vocab_size)
     layers = taps if taps is not None else (config.num_layers,)
-    return EagleHead.init(EagleConfig.for_target(config, layers, DRAFT_VOCAB), build_draft_vocab(counts, DRAFT_VOCAB),
-                          seed=seed)
+    head_config = EagleConfig.for_target(config, layers, DRAFT_VOCAB, architecture)
+    d2t = build_draft_vocab(counts, DRAFT_VOCAB)
+    lm_head = draft_lm_head(target, head_config, d2t) if target is not None else None
+    return EagleHead.init(head_config, d2t, seed=seed, lm_head=lm_head)
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +85,9 @@ def setup(tmp_path_factory):
     target.load_weights(ckpt.weights)
     target.eval().requires_grad_(False)
     train, held = greedy_rollouts(path, 128, seed=1), greedy_rollouts(path, 16, seed=2)
+    # eagle3 heads with a random lm_head: untrained, they agree with the target about 1/128 of the time
+    # (from the target's rows, as init-drafter starts one, a head on this smooth target's last hidden state
+    # starts near the identity and already agrees often: test_a_cold_started_learner_... covers that start)
     head = fresh_head(ckpt.config, train)
     untrained = fresh_head(ckpt.config, train)
     history = train_drafter(head, target, train, steps=400, lr=5e-3, batch=8, window=40, ttt_steps=3, seed=0)
@@ -82,9 +95,12 @@ def setup(tmp_path_factory):
                 untrained=untrained, history=history)
 
 
-def test_dense_step0_matches_the_paged_forward(setup):
+@pytest.mark.parametrize(("architecture", "taps"), [("eagle3", None), ("eagle3", (0, 1, 2)), ("eagle", None),
+                                                   ("eagle", (0, 1, 2))])
+def test_dense_step0_matches_the_paged_forward(setup, architecture, taps):
     """Step 0 of the dense TTT path computes what EagleHead.forward computes over the paged cache."""
-    target, head = setup["target"], setup["untrained"]
+    target = setup["target"]
+    head = fresh_head(setup["config"], setup["train"], taps, seed=4, architecture=architecture, target=target)
     r = setup["held"][0].token_ids
     ids = torch.tensor([r])
     features, _, _ = target_features(target, ids, torch.ones_like(ids, dtype=torch.bool), head.config.feature_layers,
@@ -101,12 +117,15 @@ def test_dense_step0_matches_the_paged_forward(setup):
     torch.testing.assert_close(dense[0], paged, atol=1e-4, rtol=1e-4)
 
 
-def test_dense_step1_is_a_draft_step_over_the_paged_cache(setup):
+@pytest.mark.parametrize("architecture", ["eagle3", "eagle"])
+def test_dense_step1_is_a_draft_step_over_the_paged_cache(setup, architecture):
     """Row t of unrolled step 1 is the engine's second draft from last verified position t: the head's
     own output as feature, at position t + 1, attending to the step-0 K/V of rows 0..t and itself."""
     from specroll.drafter.ttt import unroll
 
-    target, head = setup["target"], setup["head"]
+    target = setup["target"]
+    head = setup["head"] if architecture == "eagle3" else fresh_head(setup["config"], setup["train"], (0, 1, 2),
+                                                                      seed=5, architecture=architecture)
     ids = torch.tensor([setup["held"][1].token_ids])
     features, _, _ = target_features(target, ids, torch.ones_like(ids, dtype=torch.bool), head.config.feature_layers,
                                      head.draft_to_target)
@@ -140,13 +159,40 @@ def test_ttt_loss_decreases_and_top1_rises(setup):
         assert sum(h[f"top1_{i}"] for h in history[-20:]) / 20 > 0.2  # untrained: about 1/128
 
 
-def test_eagle3_taps_train_too(setup):
-    """The fused-taps head (EAGLE-3) gets gradients through fuse and its loss falls."""
+@pytest.mark.parametrize("architecture", ["eagle3", "eagle"])
+def test_eagle3_taps_train_too(setup, architecture):
+    """The fused-taps head gets gradients through its fusion (eagle3: fc, eagle: fuse) and every other
+    parameter — an eagle3 head's own lm_head included — and its loss falls."""
     target, train = setup["target"], setup["train"]
-    head = fresh_head(setup["config"], train, taps=(0, 1, 2))
+    head = fresh_head(setup["config"], train, taps=(0, 1, 2), architecture=architecture, target=target)
+    before = {name: p.detach().clone() for name, p in head.named_parameters()}
     history = train_drafter(head, target, train, steps=60, lr=5e-3, batch=4, window=40, ttt_steps=2, seed=1)
-    assert head.fuse is not None and head.fuse.weight.grad is not None
+    fusion = head.fc if architecture == "eagle3" else head.fuse
+    assert fusion is not None and fusion.weight.grad is not None
+    assert (head.lm_head is not None) == (architecture == "eagle3")
+    moved = {name for name, p in head.named_parameters() if not torch.equal(p, before[name])}
+    assert moved == set(before), set(before) - moved
     assert history[-1]["loss"] < history[0]["loss"]
+
+
+def test_a_cold_started_learner_makes_an_eagle3_head_from_the_targets_lm_head(setup):
+    target, train = setup["target"], setup["train"]
+    heads = {}
+    for architecture in ("eagle3", "eagle"):
+        learner = DrafterLearner(target, LearnerConfig(min_rollouts=4, batch=2, window=40, draft_vocab_size=64,
+                                                       architecture=architecture))
+        for r in train[:4]:
+            learner.add_rollout(r.token_ids, r.prompt_len)
+        assert learner.head is None
+        learner.step()
+        heads[architecture] = learner.head
+    head = heads["eagle3"]
+    assert head is not None and head.config.architecture == "eagle3" and head.lm_head is not None
+    rows = target.lm_head_weight[head.draft_to_target]
+    assert 0 < (head.lm_head.weight - rows).abs().max().item() < 0.05  # started there, one AdamW step away
+    assert heads["eagle"] is not None and heads["eagle"].lm_head is None
+    with pytest.raises(ValueError, match="architecture='medusa', expected 'eagle3' or 'eagle'"):
+        LearnerConfig(architecture="medusa")
 
 
 def test_trained_head_drafts_far_better_than_untrained_on_held_out_rollouts(setup):
@@ -240,11 +286,15 @@ def test_cli_trains_from_scratch_and_warm_starts(setup, tmp_path, capsys):
     assert main([*args, "--init", str(tmp_path / "fresh"), "--out", str(tmp_path / "warm")]) == 0
     warm = EagleHead.load(tmp_path / "warm")
     assert torch.equal(warm.draft_to_target, fresh.draft_to_target)
+    assert fresh.config.architecture == "eagle3" and warm.config.architecture == "eagle3"
+    assert fresh.fc is not None and warm.fc is not None
     assert not torch.equal(warm.fc.weight, fresh.fc.weight)  # trained further from the warm start
+    assert main([*args, "--architecture", "eagle", "--out", str(tmp_path / "older")]) == 0
+    assert EagleHead.load(tmp_path / "older").config.architecture == "eagle"
 
 
 @pytest.mark.parametrize("case", ["missing", "bad-line", "out-is-file", "bad-init", "foreign-ids", "bool-id",
-                                  "features-vs-init", "vocab-vs-init"])
+                                  "features-vs-init", "vocab-vs-init", "architecture-vs-init"])
 def test_cli_errors_are_one_line_exit_2(setup, tmp_path, capsys, case):
     rollouts = tmp_path / "rollouts.jsonl"
     write_rollouts(rollouts, setup["train"][:2])
@@ -262,10 +312,11 @@ def test_cli_errors_are_one_line_exit_2(setup, tmp_path, capsys, case):
         rollouts.write_text(json.dumps({"prompt_token_ids": [1], "token_ids": [100000]}) + "\n")
     elif case == "bool-id":  # bool is an int in Python: JSON true must not train as token 1
         rollouts.write_text(rollouts.read_text() + '{"prompt_token_ids": [1, 2], "token_ids": [5, true, 7]}\n')
-    elif case in ("features-vs-init", "vocab-vs-init"):  # a warm start keeps the head's taps and vocabulary
+    elif case in ("features-vs-init", "vocab-vs-init", "architecture-vs-init"):  # a warm start keeps its shape
         EagleHead.init(EagleConfig.for_target(setup["config"], (2,), 64), torch.arange(64)).save(tmp_path / "last")
-        extra = ["--init", str(tmp_path / "last"),
-                 *(["--features", "eagle3"] if case == "features-vs-init" else ["--draft-vocab-size", "128"])]
+        flag = {"features-vs-init": ["--features", "eagle3"], "vocab-vs-init": ["--draft-vocab-size", "128"],
+                "architecture-vs-init": ["--architecture", "eagle"]}[case]
+        extra = ["--init", str(tmp_path / "last"), *flag]
     code = main(["drafter", "train", "--rollouts", str(rollouts), "--model", str(setup["path"]), "--out", str(out),
                  "--steps", "1", *extra])
     err = capsys.readouterr().err.strip()
@@ -279,6 +330,8 @@ def test_cli_errors_are_one_line_exit_2(setup, tmp_path, capsys, case):
         assert f"--features eagle3 conflicts with --init {tmp_path / 'last'}, whose head taps last" in err, err
     if case == "vocab-vs-init":
         assert "--draft-vocab-size 128 conflicts with" in err and "drafts from 64 tokens" in err, err
+    if case == "architecture-vs-init":
+        assert f"--architecture eagle conflicts with --init {tmp_path / 'last'}, an eagle3 head" in err, err
 
 
 BAD_FLAGS = {

@@ -27,11 +27,12 @@ from specroll.protocol.sampling import SamplingParams
 PAGE, K = 8, 4
 
 
-def make_head(config: ModelConfig, taps: str = "last", draft_vocab: int = 200, seed: int = 0) -> EagleHead:
+def make_head(config: ModelConfig, taps: str = "last", draft_vocab: int = 200, seed: int = 0,
+              architecture: str = "eagle3") -> EagleHead:
     layers = (config.num_layers,) if taps == "last" else eagle3_feature_layers(config.num_layers)
     counts = torch.arange(config.vocab_size, 0, -1).float()  # low ids most frequent
-    return EagleHead.init(EagleConfig.for_target(config, layers, draft_vocab), build_draft_vocab(counts, draft_vocab),
-                          seed=seed)
+    return EagleHead.init(EagleConfig.for_target(config, layers, draft_vocab, architecture),
+                          build_draft_vocab(counts, draft_vocab), seed=seed)
 
 
 def make_engine(path, head: EagleHead | None, **kw) -> Engine:
@@ -55,14 +56,15 @@ def run(engine: Engine, prompts: list[list[int]], sampling: SamplingParams, n: i
     return run_to_completion(engine)
 
 
+@pytest.mark.parametrize("architecture", ["eagle3", "eagle"])
 @pytest.mark.parametrize("taps", ["last", "eagle3"])
-def test_greedy_eagle_equals_greedy_plain_and_frees_everything(tiny_checkpoint, taps):
+def test_greedy_eagle_equals_greedy_plain_and_frees_everything(tiny_checkpoint, taps, architecture):
     path = tiny_checkpoint("llama")
     config = load_checkpoint(str(path)).config
     prompts = prompts_at_page_boundaries()
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     plain = run(make_engine(path, None), prompts, greedy, n=2)
-    engine = make_engine(path, make_head(config, taps))
+    engine = make_engine(path, make_head(config, taps, architecture=architecture))
     spec = run(engine, prompts, greedy, n=2)
     assert {r: c.token_ids for r, c in spec.items()} == {r: c.token_ids for r, c in plain.items()}
     for r, c in spec.items():
@@ -78,12 +80,14 @@ def test_greedy_eagle_equals_greedy_plain_and_frees_everything(tiny_checkpoint, 
     assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
 
 
-def test_sampled_eagle_drafts_keep_exact_logprobs_and_get_accepted(tiny_checkpoint):
+@pytest.mark.parametrize("architecture", ["eagle3", "eagle"])
+def test_sampled_eagle_drafts_keep_exact_logprobs_and_get_accepted(tiny_checkpoint, architecture):
     path = tiny_checkpoint("qwen3")
     config = load_checkpoint(str(path)).config
     sampling = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=24, seed=5, ignore_eos=True)
     prompts = prompts_at_page_boundaries()[:4]
-    engine = make_engine(path, make_head(config, "eagle3", draft_vocab=config.vocab_size))
+    head = make_head(config, "eagle3", draft_vocab=config.vocab_size, architecture=architecture)
+    engine = make_engine(path, head)
     done = run(engine, prompts, sampling)
     assert engine.spec_stats.num_accepted > 0  # sampled q close to a flat p: many drafts pass
     reference = make_engine(path, None)
@@ -175,10 +179,11 @@ def test_eagle_survives_preemption_with_identical_greedy_output(tiny_checkpoint)
     assert not proposer._states and proposer.block_manager.num_free_pages == proposer.block_manager.num_pages
 
 
-def test_save_load_round_trip_gives_the_same_drafts(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("architecture", ["eagle3", "eagle"])
+def test_save_load_round_trip_gives_the_same_drafts(tiny_checkpoint, tmp_path, architecture):
     path = tiny_checkpoint("llama")
     config = load_checkpoint(str(path)).config
-    head = make_head(config, "eagle3", seed=3)
+    head = make_head(config, "eagle3", seed=3, architecture=architecture)
     head.save(tmp_path / "drafter")
     loaded = EagleHead.load(tmp_path / "drafter")
     assert loaded.config == head.config
@@ -236,10 +241,11 @@ def test_malformed_drafter_files_are_refused_naming_the_file(tiny_checkpoint, tm
     cases[wrong_shape] = r"layer.mlp.gate_up_proj.weight has shape \(256, 64\), its config makes it \(128, 64\)"
     non_finite = tmp_path / "non_finite"
     head = make_head(config)
+    assert head.lm_head is not None
     with torch.no_grad():
-        head.fc.weight[0, 0] = float("inf")
+        head.lm_head.weight[0, 0] = float("inf")
     head.save(non_finite)
-    cases[non_finite] = "fc.weight holds NaN or infinite values"
+    cases[non_finite] = "lm_head.weight holds NaN or infinite values"
     float_ids = tmp_path / "float_ids"
     make_head(config).save(float_ids)
     from safetensors.torch import load_file, save_file
@@ -261,7 +267,7 @@ def test_malformed_drafter_files_are_refused_naming_the_file(tiny_checkpoint, tm
 def test_a_weight_update_reaches_the_drafters_lm_head(tiny_checkpoint):
     path = tiny_checkpoint("llama")  # tied: the LM head is the embedding
     config = load_checkpoint(str(path)).config
-    engine = make_engine(path, make_head(config))
+    engine = make_engine(path, make_head(config, architecture="eagle"))  # "eagle" drafts through the target's
     proposer = engine.proposer
     assert isinstance(proposer, EagleProposer)
     new = torch.randn(config.vocab_size, config.hidden_size, generator=torch.Generator().manual_seed(5))
@@ -270,3 +276,44 @@ def test_a_weight_update_reaches_the_drafters_lm_head(tiny_checkpoint):
     engine.add_request(prompts_at_page_boundaries()[0], SamplingParams(temperature=0.0, max_tokens=6), "r")
     done = run_to_completion(engine)["r"]
     assert done.versions == [1] * 6 and engine.spec_stats.num_drafted > 0
+
+
+def test_a_drafter_file_without_an_architecture_is_an_eagle_head_and_a_bad_one_is_named(tiny_checkpoint, tmp_path):
+    config = load_checkpoint(str(tiny_checkpoint("llama"))).config
+    old = tmp_path / "old"
+    make_head(config, architecture="eagle").save(old)
+    raw = json.loads((old / "config.json").read_text())
+    assert raw["architecture"] == "eagle"
+    del raw["architecture"]  # as every drafter written before the field existed
+    (old / "config.json").write_text(json.dumps(raw))
+    loaded = EagleHead.load(old)
+    assert loaded.config.architecture == "eagle" and loaded.lm_head is None and loaded.fuse is None
+    (old / "config.json").write_text(json.dumps({**raw, "architecture": "medusa"}))
+    with pytest.raises(DrafterError, match=r"architecture='medusa', expected 'eagle3' .* or 'eagle'"):
+        EagleHead.load(old)
+    new = tmp_path / "new"
+    make_head(config, "eagle3", architecture="eagle3").save(new)
+    assert json.loads((new / "config.json").read_text())["architecture"] == "eagle3"
+    # eagle3 files carry the head's own LM head; an eagle one's tensors do not fit its config
+    (old / "config.json").write_text(json.dumps({**raw, "architecture": "eagle3"}))
+    with pytest.raises(DrafterError, match="missing tensors"):
+        EagleHead.load(old)
+
+
+def test_an_eagle3_head_drafts_through_its_own_lm_head_initialised_from_the_target(tiny_checkpoint):
+    ckpt = load_checkpoint(str(tiny_checkpoint("llama")))
+    config = ckpt.config
+    d2t = build_draft_vocab(torch.arange(config.vocab_size, 0, -1).float(), 64)
+    rows = ckpt.weights["model.embed_tokens.weight"][d2t]  # tied: the LM head is the embedding
+    head = EagleHead.init(EagleConfig.for_target(config, eagle3_feature_layers(config.num_layers), 64), d2t,
+                          lm_head=rows)
+    assert head.config.architecture == "eagle3" and head.lm_head is not None
+    assert torch.equal(head.lm_head.weight, rows)
+    hidden = torch.randn(5, config.hidden_size)
+    expected = torch.nn.functional.linear(head.norm(hidden), rows).float()
+    torch.testing.assert_close(head.draft_logits(hidden, torch.zeros(64, config.hidden_size)), expected)
+    torch.testing.assert_close(head.draft_logits(hidden), expected)
+    with pytest.raises(ValueError, match="must ascend"):
+        EagleHead(head.config, d2t.flip(0))
+    with pytest.raises(ValueError, match="has none of its own"):
+        EagleHead.init(EagleConfig.for_target(config, (2,), 64, "eagle"), d2t, lm_head=rows)

@@ -54,14 +54,18 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV-cache memory in GiB (default: %(default)s)")
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context length cap in tokens (default: the checkpoint's)")
-    p.add_argument("--speculative", choices=["off", "suffix", "eagle", "auto"], default="off",
+    p.add_argument("--speculative", choices=["off", "suffix", "eagle", "tree", "auto"], default="off",
                    help="speculative decoding, verified losslessly: suffix = model-free drafts from the "
-                        "sequence, its group siblings and earlier rollouts of the prompt; eagle = the learned "
-                        "drafter in --drafter; auto = eagle if --drafter is given, else suffix, with the draft "
-                        "length chosen each step by measured tokens/s (0 when drafting doesn't pay) "
-                        "(default: %(default)s)")
+                        "sequence, its group siblings and earlier rollouts of the prompt; eagle = a chain of "
+                        "drafts from the learned drafter in --drafter; tree = a draft tree from it every step "
+                        "(the first --draft-trees shape); auto = eagle if --drafter is given, else suffix, "
+                        "with the chain length or tree shape chosen each step by measured tokens/s (no "
+                        "drafts when drafting doesn't pay) (default: %(default)s)")
     p.add_argument("--num-draft-tokens", type=positive_int, default=4,
                    help="drafts per sequence and step; the most with --speculative auto (default: %(default)s)")
+    p.add_argument("--draft-trees", type=lambda s: tuple(s.split(",")), default=("2x4:6", "4x4:12"),
+                   help="draft-tree shapes DEPTHxWIDTH:NODES, comma-separated, for --speculative tree / auto "
+                        "with a drafter (default: 2x4:6,4x4:12)")
     p.add_argument("--drafter", default=None,
                    help="EAGLE drafter directory (config.json + model.safetensors), e.g. from "
                         "'specroll init-drafter'")
@@ -85,6 +89,10 @@ def _add_init_drafter(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--features", choices=["last", "eagle3"], default="eagle3",
                    help="target features: the last hidden state (EAGLE-1) or three layers low/mid/high "
                         "(EAGLE-3) (default: %(default)s)")
+    p.add_argument("--architecture", choices=["eagle3", "eagle"], default="eagle3",
+                   help="eagle3: EAGLE-3's head (q/k/v over [embedding; feature], its own LM head starting "
+                        "as the model's, exportable to vLLM/SGLang with 'drafter export'); eagle: fc(2H->H) "
+                        "then a decoder layer, the model's LM head (default: %(default)s)")
     p.add_argument("--draft-vocab-size", type=positive_int, default=None,
                    help="tokens the drafter can propose, at most the model's vocabulary "
                         "(default: 8192, or the whole vocabulary when it is smaller)")
@@ -97,8 +105,10 @@ def _add_init_drafter(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_drafter(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("drafter", help="EAGLE drafters: 'drafter train' (offline), 'drafter serve' (online)",
-                       description="Train EAGLE drafters offline or run the online drafter trainer.")
+    p = sub.add_parser("drafter", help="EAGLE drafters: 'drafter train' (offline), 'drafter serve' (online), "
+                       "'drafter export' / 'drafter import' (the EAGLE-3 checkpoint vLLM and SGLang load)",
+                       description="Train EAGLE drafters offline, run the online drafter trainer, or convert an "
+                       "eagle3 drafter to and from the EAGLE-3 checkpoint vLLM and SGLang load.")
     dsub = p.add_subparsers(dest="drafter_command", required=True, metavar="SUBCOMMAND")
     from specroll.actors.drafter_trainer.args import add_arguments
 
@@ -134,9 +144,38 @@ def _add_drafter(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--draft-vocab-size", type=positive_int, default=None,
                    help="draft vocabulary of a fresh head (default: 8192, or the whole vocabulary when smaller; "
                         "with --init: the head's own, and another value is an error)")
+    t.add_argument("--architecture", choices=["eagle3", "eagle"], default=None,
+                   help="architecture of a fresh head, as in init-drafter (default: eagle3; with --init: the "
+                        "head's own, and another value is an error)")
     t.add_argument("--seed", type=int, default=0, help="initialisation and sampling seed")
     t.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     t.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    e = dsub.add_parser(
+        "export",
+        help="write an eagle3 drafter as the EAGLE-3 checkpoint vLLM and SGLang load",
+        description="Write the eagle3 drafter in DRAFTER as an EAGLE-3 checkpoint folder (config.json with "
+        "architectures ['LlamaForCausalLMEagle3'], model.safetensors with midlayer.*, fc, norm, lm_head, d2t, t2d) "
+        "for vLLM (speculative_config method 'eagle3') or SGLang (--speculative-algorithm EAGLE3). An 'eagle' "
+        "drafter cannot be expressed in that format and is refused. The folder is written whole or not at all.",
+    )
+    e.add_argument("drafter", metavar="DRAFTER", help="drafter directory (config.json + model.safetensors)")
+    e.add_argument("--out", required=True, metavar="DIR", help="new (or empty) directory for the checkpoint")
+    e.add_argument("--model", default="smollm2-135m",
+                   help="the target model the drafter was made for: checked, and its context length written "
+                        "(default: %(default)s)")
+    e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="dtype of the weights in the file (default: %(default)s; the engines cast to theirs)")
+    i = dsub.add_parser(
+        "import",
+        help="read an EAGLE-3 checkpoint (vLLM/SGLang format) into a specroll eagle3 drafter",
+        description="Read an EAGLE-3 checkpoint folder ('specroll drafter export', or a trainer such as "
+        "SpecForge or SafeAILab/EAGLE) for --model and save it as a specroll drafter: to serve with --drafter, "
+        "or to warm-start training from (drafter.path, 'drafter train --init').",
+    )
+    i.add_argument("checkpoint", metavar="CHECKPOINT",
+                   help="EAGLE-3 checkpoint folder (config.json + model.safetensors)")
+    i.add_argument("--out", required=True, metavar="DIR", help="directory to write the drafter into")
+    i.add_argument("--model", default="smollm2-135m", help="the target model (default: %(default)s)")
 
 
 def positive_float(text: str) -> float:
@@ -296,6 +335,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from specroll.actors.jobs.generate import run_generate as run
     elif args.command == "init-drafter":
         from specroll.actors.jobs.init_drafter import run_init_drafter as run
+    elif args.command == "drafter" and args.drafter_command == "export":
+        from specroll.actors.jobs.drafter_export import run_drafter_export as run
+    elif args.command == "drafter" and args.drafter_command == "import":
+        from specroll.actors.jobs.drafter_export import run_drafter_import as run
     elif args.command == "drafter":
         from specroll.actors.jobs.drafter_train import run_drafter_train as run
     else:

@@ -1,20 +1,33 @@
-"""The EAGLE draft head: architecture, initialisation, and its file format (safetensors + JSON).
+"""The EAGLE draft head: its two architectures, initialisation, and its file format (safetensors + JSON).
 
-For target features ``f_t`` (the taps of :meth:`CausalLM.forward`) and the next token ``x_{t+1}``:
+``architecture = "eagle"`` (EAGLE-1's head with EAGLE-3's taps; Li et al. 2024, "EAGLE", arXiv
+2401.15077 §4.1; TLT's ``qwen2_eagle.py`` in mit-han-lab/fastrl). For target features ``f_t`` (the
+taps of :meth:`CausalLM.forward`) and the next token ``x_{t+1}``:
 
-    g_t = fuse([f_t^low ; f_t^mid ; f_t^high])      # EAGLE-3's fc, only with several taps
-    h_t = layer(fc([embed(x_{t+1}) ; g_t]))          # EAGLE-1 / TLT: 2H → H, one decoder layer
+    g_t = fuse([f_t^low ; f_t^mid ; f_t^high])      # only with several taps
+    h_t = layer(fc([embed(x_{t+1}) ; g_t]))          # 2H → H, then a standard decoder layer
     q(x_{t+2}) = softmax(head_D(norm(h_t)))          # the target's LM head, rows of the draft vocab
 
-(Li et al. 2024, "EAGLE", arXiv 2401.15077, §4.1; Li et al. 2025, "EAGLE-3", arXiv 2503.01840, §3;
-TLT's ``qwen2_eagle.py`` in mit-han-lab/fastrl.) When drafting further than one token the head's
-own pre-norm output ``h_t`` stands in for the unknown target feature: ``g_{t+1} = h_t``.
+``architecture = "eagle3"`` (Li et al. 2025, "EAGLE-3", arXiv 2503.01840 §3, as vLLM
+``vllm/model_executor/models/llama_eagle3.py`` and SGLang ``python/sglang/srt/models/llama_eagle3.py``
+define it; the layer is :class:`~specroll.drafter.eagle3_layer.Eagle3Layer`):
 
-The embedding and the LM head are the target's, frozen and shared (not in the file); the head is
-restricted to a draft vocabulary of the N most frequent target tokens, ``draft_to_target[i]``
-being the target id of draft token i (EAGLE-3's ``d2t``, stored as absolute ids).
+    g_t = fc([f_t^low ; f_t^mid ; f_t^high])         # n_taps·H → H, only with several taps
+    h_t = midlayer(embed(x_{t+1}), g_t)              # q/k/v read [input_layernorm(e) ; hidden_norm(g)]
+    q(x_{t+2}) = softmax(lm_head(norm(h_t)))         # its own lm_head: H → draft vocab, trained
 
-A drafter is a directory holding ``config.json`` (:class:`EagleConfig`) and ``model.safetensors``.
+When drafting further than one token the head's own pre-norm output ``h_t`` stands in for the
+unknown target feature: ``g_{t+1} = h_t`` (no ``fuse``/``fc`` fusion then).
+
+The embedding is the target's, frozen and shared (not in the file); so is the "eagle" head's LM
+head. The head is restricted to a draft vocabulary of the N most frequent target tokens,
+``draft_to_target[i]`` being the target id of draft token i (EAGLE-3's ``d2t`` holds offsets
+``d2t[i] = draft_to_target[i] − i``; the file here stores absolute ids). An "eagle3" head's ids
+ascend, so its ``lm_head`` rows are in target-id order (what :class:`EagleProposer` assumes).
+
+A drafter is a directory holding ``config.json`` (:class:`EagleConfig`) and ``model.safetensors``;
+``specroll.drafter.eagle3_format`` converts an "eagle3" one to and from the EAGLE-3 checkpoint
+vLLM and SGLang load.
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ import os
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Literal, get_args
 
 import msgspec
 import safetensors
@@ -31,11 +45,17 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from specroll.drafter.eagle3_layer import Eagle3Layer
 from specroll.engine.attention import AttentionBackend
-from specroll.engine.model import DecoderLayer, RMSNorm, RotaryEmbedding
+from specroll.engine.model import CausalLM, DecoderLayer, RMSNorm, RotaryEmbedding
 from specroll.engine.model_config import ModelConfig
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+
+Architecture = Literal["eagle", "eagle3"]
+"""``eagle``: fc(2H → H) then a standard decoder layer, the target's LM head; ``eagle3``: EAGLE-3's
+midlayer (2H-wide q/k/v) and its own LM head (module docstring)."""
+ARCHITECTURES: tuple[str, ...] = get_args(Architecture)
 
 
 class DrafterError(ValueError):
@@ -70,6 +90,9 @@ class EagleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Depth of the target model: with its vocabulary and width, identifies what the head fits."""
     format: int = 1
     """File-format version."""
+    architecture: str = "eagle"
+    """:data:`Architecture` of the head: ``eagle`` (files written before there was a choice) or
+    ``eagle3`` (what ``specroll init-drafter``, ``specroll drafter train`` and the drafter trainer make)."""
 
     def __post_init__(self) -> None:
         for name in ("target_vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
@@ -84,20 +107,25 @@ class EagleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                              f"[0, target_num_layers={self.target_num_layers}]")
         if self.format != 1:
             raise ValueError(f"drafter config: format={self.format}, this specroll reads format 1")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"drafter config: architecture={self.architecture!r}, expected 'eagle3' (EAGLE-3's "
+                             "midlayer and own LM head) or 'eagle' (fc then a decoder layer, the target's LM head)")
 
     @classmethod
-    def for_target(cls, target: ModelConfig, feature_layers: tuple[int, ...], draft_vocab_size: int) -> EagleConfig:
-        """A head shaped like one layer of ``target``.
+    def for_target(cls, target: ModelConfig, feature_layers: tuple[int, ...], draft_vocab_size: int,
+                   architecture: str = "eagle3") -> EagleConfig:
+        """A head shaped like one layer of ``target``, of ``architecture`` (new heads: ``eagle3``).
 
         Raises:
-            ValueError: a tap outside ``[0, target.num_layers]`` or a bad draft vocabulary size.
+            ValueError: a tap outside ``[0, target.num_layers]``, a bad draft vocabulary size or an
+                unknown architecture.
         """
         bad = [i for i in feature_layers if not 0 <= i <= target.num_layers]
         if bad:
             raise ValueError(f"feature layers {bad}: expected taps in [0, {target.num_layers}]")
         return cls(target.vocab_size, target.hidden_size, target.intermediate_size, target.num_heads,
                    target.num_kv_heads, target.head_dim, target.rms_norm_eps, target.rope_theta,
-                   tuple(feature_layers), draft_vocab_size, target.num_layers)
+                   tuple(feature_layers), draft_vocab_size, target.num_layers, architecture=architecture)
 
     def check_target(self, target: ModelConfig, source: str = "the drafter") -> None:
         """Raise :class:`DrafterError` unless a head of this config fits ``target``'s vocabulary,
@@ -124,6 +152,16 @@ def eagle3_feature_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted(set(taps)))
 
 
+def draft_lm_head(target: CausalLM, config: EagleConfig, draft_to_target: torch.Tensor) -> torch.Tensor | None:
+    """The start of a new head's own LM head: float32 ``[draft_vocab_size, H]`` rows
+    ``draft_to_target`` of ``target``'s LM head, on the CPU, for an ``eagle3`` ``config``; ``None``
+    for ``eagle`` (it reads the target's)."""
+    if config.architecture != "eagle3":
+        return None
+    weight = target.lm_head_weight.detach()
+    return weight.index_select(0, draft_to_target.to(weight.device)).float().cpu()
+
+
 def build_draft_vocab(token_counts: torch.Tensor, size: int) -> torch.Tensor:
     """The ``size`` most frequent target tokens, as ``draft_to_target`` (EAGLE-3's ``scandata``).
 
@@ -144,25 +182,44 @@ def build_draft_vocab(token_counts: torch.Tensor, size: int) -> torch.Tensor:
 
 
 class EagleHead(nn.Module):
-    """The trainable part of an EAGLE drafter (see the module docstring).
+    """The trainable part of an EAGLE drafter, either architecture (see the module docstring).
+
+    Parameters (state-dict names): ``eagle``: ``fuse.weight`` ``[H, n_taps·H]`` (several taps only),
+    ``fc.weight`` ``[H, 2H]``, ``layer.*`` (a :class:`DecoderLayer`), ``norm.weight``; ``eagle3``:
+    ``fc.weight`` ``[H, n_taps·H]`` (several taps only), ``layer.*`` (an :class:`Eagle3Layer`),
+    ``norm.weight``, ``lm_head.weight`` ``[draft_vocab_size, H]``. Both: the int64 buffer
+    ``draft_to_target``.
 
     Args:
         config: its shape.
-        draft_to_target: int64 ``[draft_vocab_size]`` distinct target ids.
+        draft_to_target: int64 ``[draft_vocab_size]`` distinct target ids (ascending for ``eagle3``).
 
     Raises:
-        ValueError: ``draft_to_target`` has the wrong length, repeats an id or leaves the vocabulary.
+        ValueError: ``draft_to_target`` has the wrong length, repeats an id, leaves the vocabulary
+            or, for ``eagle3``, does not ascend.
     """
 
     def __init__(self, config: EagleConfig, draft_to_target: torch.Tensor) -> None:
         super().__init__()
         self.config = config
+        self.eagle3 = config.architecture == "eagle3"
         h = config.hidden_size
         n_taps = len(config.feature_layers)
-        self.fuse = nn.Linear(n_taps * h, h, bias=False) if n_taps > 1 else None
-        self.fc = nn.Linear(2 * h, h, bias=False)
-        self.layer = DecoderLayer(config.as_model_config())
+        fusion = nn.Linear(n_taps * h, h, bias=False) if n_taps > 1 else None
+        self.fuse: nn.Linear | None = None
+        self.fc: nn.Linear | None
+        self.layer: DecoderLayer | Eagle3Layer
+        self.lm_head: nn.Linear | None = None
+        if self.eagle3:
+            self.fc = fusion  # EAGLE-3's fc is the fusion; embedding and feature meet in the midlayer
+            self.layer = Eagle3Layer(config.as_model_config())
+        else:
+            self.fuse = fusion
+            self.fc = nn.Linear(2 * h, h, bias=False)
+            self.layer = DecoderLayer(config.as_model_config())
         self.norm = RMSNorm(h, config.rms_norm_eps)
+        if self.eagle3:
+            self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         d2t = draft_to_target.long().cpu()
         if d2t.shape != (config.draft_vocab_size,):
@@ -171,11 +228,25 @@ class EagleHead(nn.Module):
             raise ValueError("draft_to_target: repeats a target id; expected distinct ids")
         if d2t.numel() and not (0 <= int(d2t.min()) and int(d2t.max()) < config.target_vocab_size):
             raise ValueError(f"draft_to_target: ids outside the target vocabulary [0, {config.target_vocab_size})")
+        if self.eagle3 and d2t.numel() > 1 and not bool((d2t[1:] > d2t[:-1]).all()):
+            # the proposer reads logit column i as the i-th smallest draft id (eagle.py, attach)
+            raise ValueError("draft_to_target: an eagle3 head's ids must ascend (its lm_head rows in target-id order)")
         self.register_buffer("draft_to_target", d2t)
 
     @classmethod
-    def init(cls, config: EagleConfig, draft_to_target: torch.Tensor, seed: int = 0) -> EagleHead:
-        """A freshly initialised head (normal(0, 0.02) matrices, unit norms), to be trained."""
+    def init(cls, config: EagleConfig, draft_to_target: torch.Tensor, seed: int = 0,
+             lm_head: torch.Tensor | None = None) -> EagleHead:
+        """A freshly initialised head (normal(0, 0.02) matrices, unit norms), to be trained.
+
+        Args:
+            lm_head: ``eagle3`` only: ``[draft_vocab_size, H]`` the target's LM-head rows of the draft
+                vocabulary (``lm_head_weight[draft_to_target]``), the start of the head's own LM head
+                (EAGLE-3 heads are made this way so the untrained head already reads the target's
+                output space); ``None`` leaves it random.
+
+        Raises:
+            ValueError: ``lm_head`` for an ``eagle`` head, or of another shape.
+        """
         head = cls(config, draft_to_target)
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -184,7 +255,19 @@ class EagleHead(nn.Module):
                     p.fill_(1.0)
                 else:
                     p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            if lm_head is not None:
+                if head.lm_head is None:
+                    raise ValueError("lm_head: an 'eagle' head uses the target's LM head and has none of its own")
+                if tuple(lm_head.shape) != tuple(head.lm_head.weight.shape):
+                    raise ValueError(f"lm_head: shape {tuple(lm_head.shape)}, expected "
+                                     f"{tuple(head.lm_head.weight.shape)} (draft vocabulary × hidden size)")
+                head.lm_head.weight.copy_(lm_head)
         return head
+
+    def _fused(self, features: torch.Tensor, from_target: bool) -> torch.Tensor:
+        """The feature entering the layer: target taps fused when there are several."""
+        fusion = self.fc if self.eagle3 else self.fuse
+        return fusion(features) if from_target and fusion is not None else features
 
     def forward(
         self,
@@ -209,10 +292,12 @@ class EagleHead(nn.Module):
         Returns:
             ``[T, H]`` pre-norm outputs ``h_t``; logits come from :meth:`draft_logits`.
         """
-        if from_target and self.fuse is not None:
-            features = self.fuse(features)
-        x = self.fc(torch.cat([embeds, features], dim=-1))  # [T, H]
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        g = self._fused(features, from_target)  # [T, H]
+        cos, sin = self.rotary.cos_sin(positions, embeds.dtype)
+        if isinstance(self.layer, Eagle3Layer):
+            return self.layer(embeds, g, cos, sin, kv_cache, backend)
+        assert self.fc is not None
+        x = self.fc(torch.cat([embeds, g], dim=-1))  # [T, H]
         return self.layer(x, cos, sin, kv_cache, backend)
 
     def forward_dense(
@@ -243,20 +328,25 @@ class EagleHead(nn.Module):
         Returns:
             ``[B, T, H]`` pre-norm outputs, and this step's ``(k, v)`` to append to ``past``.
         """
-        if from_target and self.fuse is not None:
-            features = self.fuse(features)
-        x = self.fc(torch.cat([embeds, features], dim=-1))  # [B, T, H]
-        b, t, _ = x.shape
-        cos, sin = self.rotary.cos_sin(positions.flatten(), x.dtype)
+        g = self._fused(features, from_target)  # [B, T, H]
+        b, t, _ = g.shape
+        cos, sin = self.rotary.cos_sin(positions.flatten(), g.dtype)
         cos, sin = cos.view(b, t, 1, -1), sin.view(b, t, 1, -1)  # [B, T, 1, D]
-        attn = self.layer.self_attn
-        q, k, v = attn.project(self.layer.input_layernorm(x), cos, sin)  # [B, T, H(_kv), D]
+        layer = self.layer
+        if isinstance(layer, Eagle3Layer):
+            residual = g  # EAGLE-3: the un-normed feature (vLLM: norm_before_residual false)
+            q, k, v = layer.project(embeds, g, cos, sin)  # [B, T, H(_kv), D]
+        else:
+            assert self.fc is not None
+            residual = self.fc(torch.cat([embeds, g], dim=-1))  # [B, T, H]
+            q, k, v = layer.self_attn.project(layer.input_layernorm(residual), cos, sin)
+        attn = layer.self_attn
         steps = [*past, (k, v)]
         rep = attn.num_heads // attn.num_kv_heads  # GQA: key/value head j serves query heads j·rep..
         keys = [kk.repeat_interleave(rep, dim=2) for kk, _ in steps]  # [B, T, Hq, D]
         values = [vv.repeat_interleave(rep, dim=2) for _, vv in steps]
         scale = attn.head_dim ** -0.5
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()  # [T, T] key j <= query t
+        causal = torch.ones(t, t, dtype=torch.bool, device=g.device).tril()  # [T, T] key j <= query t
         s0 = torch.einsum("bthd,bshd->bhts", q, keys[0]) * scale  # [B, Hq, T, T] step-0 keys
         s0 = s0.masked_fill(~causal, float("-inf"))
         diag = [torch.einsum("bthd,bthd->bht", q, kk)[..., None] * scale for kk in keys[1:]]  # [B, Hq, T, 1]
@@ -264,13 +354,20 @@ class EagleHead(nn.Module):
         o = torch.einsum("bhts,bshd->bthd", probs[..., :t], values[0])  # [B, T, Hq, D]
         for j, vv in enumerate(values[1:]):
             o = o + probs[..., t + j].transpose(1, 2)[..., None] * vv
-        x = x + attn.o_proj(o.flatten(2))
-        x = x + self.layer.mlp(self.layer.post_attention_layernorm(x))
+        x = residual + attn.o_proj(o.flatten(2))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x, (k, v)
 
-    def draft_logits(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
-        """float32 ``[T, draft_vocab_size]`` logits from pre-norm outputs ``[T, H]`` and the target's
-        LM-head rows of the draft vocabulary ``[draft_vocab_size, H]``."""
+    def draft_logits(self, hidden: torch.Tensor, head_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 ``[..., draft_vocab_size]`` logits from pre-norm outputs ``[..., H]``.
+
+        ``eagle``: through ``head_weight``, the target's LM-head rows of the draft vocabulary
+        ``[draft_vocab_size, H]`` (required); ``eagle3``: through the head's own ``lm_head``
+        (``head_weight`` is ignored).
+        """
+        if self.lm_head is not None:
+            return self.lm_head(self.norm(hidden)).float()
+        assert head_weight is not None, "an 'eagle' head drafts through the target's LM-head rows"
         return torch.nn.functional.linear(self.norm(hidden), head_weight).float()
 
     def check_target(self, target: ModelConfig, source: str = "the drafter") -> None:

@@ -14,7 +14,8 @@ policy's features and teacher distributions (the teacher is recomputed from the 
 hidden state and the target's current LM head).
 
 Cold start: without a head, the first :meth:`step` after ``min_rollouts`` rollouts arrived builds
-one whose draft vocabulary is the rollouts' most frequent tokens (end-of-sequence tokens always in).
+one (of ``config.architecture``, ``eagle3`` by default: its own LM head starts as the target's rows)
+whose draft vocabulary is the rollouts' most frequent tokens (end-of-sequence tokens always in).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from specroll.drafter.eagle_head import (
     EagleConfig,
     EagleHead,
     build_draft_vocab,
+    draft_lm_head,
     eagle3_feature_layers,
     head_checksum,
 )
@@ -212,8 +214,9 @@ class DrafterLearner:
         counts[eos] = float("inf")
         size = min(self.config.draft_vocab_size, tc.vocab_size)
         layers = (tc.num_layers,) if self.config.features == "last" else eagle3_feature_layers(tc.num_layers)
-        return EagleHead.init(EagleConfig.for_target(tc, layers, size), build_draft_vocab(counts, size),
-                              seed=self.config.seed)
+        config = EagleConfig.for_target(tc, layers, size, self.config.architecture)
+        d2t = build_draft_vocab(counts, size)
+        return EagleHead.init(config, d2t, seed=self.config.seed, lm_head=draft_lm_head(self.target, config, d2t))
 
     def _refresh(self, entries: Sequence[_Entry], head: EagleHead) -> None:
         """Compute the features of entries whose cache is missing or of an older policy version."""

@@ -36,6 +36,9 @@ class LearnerConfig:
     features: str = "eagle3"
     """Taps of a cold-started head: ``eagle3`` (low/mid/high layers) or ``last`` (EAGLE-1)."""
     seed: int = 0
+    architecture: str = "eagle3"
+    """Architecture of a cold-started head (``EagleConfig.architecture``): ``eagle3`` (EAGLE-3's
+    midlayer and own LM head, initialised from the target's) or ``eagle``."""
 
     def __post_init__(self) -> None:
         for name in ("batch", "window", "ttt_steps", "buffer_rollouts", "min_rollouts", "max_context",
@@ -52,3 +55,5 @@ class LearnerConfig:
                              "weight_decay >= 0")
         if self.features not in ("eagle3", "last"):
             raise ValueError(f"drafter features={self.features!r}, expected 'eagle3' or 'last'")
+        if self.architecture not in ("eagle3", "eagle"):
+            raise ValueError(f"drafter architecture={self.architecture!r}, expected 'eagle3' or 'eagle'")

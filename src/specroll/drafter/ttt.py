@@ -8,7 +8,9 @@ k steps (EAGLE-3's training-time test, arXiv 2503.01840 §3.3):
     step 0, row t:  h⁰_t = head(f_t,       embed(x_{t+1}))   at position t,      predicts x_{t+2} ~ p_{t+1}
     step i, row t:  hⁱ_t = head(hⁱ⁻¹_t,    embed(x_{t+1+i})) at position t + i,  predicts x_{t+2+i} ~ p_{t+1+i}
 
-so step i trains the head on its own features, as it drafts at test time; the loss is
+so step i trains the head on its own features, as it drafts at test time (either architecture of
+``eagle_head.py``; an ``eagle3`` head's own LM head is trained with the rest, an ``eagle`` head reads
+the target's frozen one); the loss is
 ``Σ_i 0.8^i · softCE(p_{t+1+i}, q_i(t))`` averaged over rows whose predicted token is a response
 token (TLT, arXiv 2511.16665, trains on response tokens only). There is no hidden-state regression
 term (EAGLE-3 has none; TLT's EAGLE-1 heads add a SmoothL1 one). Unlike EAGLE-3, rows whose target
@@ -97,7 +99,9 @@ def unroll(
     ``hiddens``, when given, receives each step's normed head output ``[B, T, H]``."""
     b, t = token_ids.shape
     embed = target_model.model.embed_tokens.weight.detach()
-    head_weight = target_model.lm_head_weight.detach().index_select(0, head.draft_to_target.to(embed.device))
+    head_weight = None  # an "eagle3" head drafts through its own (trained) lm_head
+    if head.lm_head is None:  # "eagle": the target's LM-head rows of the draft vocabulary, frozen
+        head_weight = target_model.lm_head_weight.detach().index_select(0, head.draft_to_target.to(embed.device))
     base = torch.arange(t, device=token_ids.device).expand(b, t)  # [B, T]
     past: list[tuple[torch.Tensor, torch.Tensor]] = []
     hidden, out = features, []

@@ -57,7 +57,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``draft_trees`` shapes, with a bandit on measured tokens/s per batch-size bucket (0 = plain
     decoding when drafting doesn't pay). Greedy output is the same either way; sampled output keeps
     the target's distribution but, as the choice then depends on timing, is not reproducible run to run."""
-    draft_trees: tuple[str, ...] = ("4x4:12", "6x4:16")
+    draft_trees: tuple[str, ...] = ("2x4:6", "4x4:12")
     """Draft-tree shapes ``DEPTHxWIDTH:NODES`` (:class:`~specroll.engine.spec.tree.TreeShape`): the
     drafter expands the WIDTH likeliest nodes of each depth by their WIDTH likeliest children, DEPTH
     levels deep, and keeps the NODES likeliest (at most 64)."""

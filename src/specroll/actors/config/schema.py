@@ -301,6 +301,10 @@ class DrafterConfig(_Section):
     model's vocabulary (``specroll launch`` and ``specroll drafter serve`` refuse more). Default 4096."""
     features: Literal["eagle3", "last"] = "eagle3"
     """Target taps of a cold-started drafter: ``eagle3`` (low, mid, high layers; default) or ``last``."""
+    architecture: Literal["eagle3", "eagle"] = "eagle3"
+    """Architecture of a cold-started drafter: ``eagle3`` (EAGLE-3's head with its own LM head, as vLLM
+    and SGLang run it; default) or ``eagle`` (fc then a decoder layer, the policy's LM head). A warm
+    start (``path``, or the run's saved drafter) keeps its own."""
     num_threads: int = 1
     """Core budget: torch intra-op threads of the drafter trainer. Default 1."""
     duty_cycle: float = 0.5
@@ -359,7 +363,8 @@ class DrafterConfig(_Section):
         return LearnerConfig(lr=self.learning_rate, batch=self.batch, window=self.window_tokens,
                              ttt_steps=self.ttt_steps, hidden_weight=self.hidden_weight,
                              buffer_rollouts=self.window_rollouts, min_rollouts=self.min_rollouts,
-                             draft_vocab_size=self.draft_vocab_size, features=self.features, seed=seed)
+                             draft_vocab_size=self.draft_vocab_size, features=self.features, seed=seed,
+                             architecture=self.architecture)
 
 
 class RunConfig(_Section):

@@ -2,7 +2,8 @@
 
 Reads the JSONL ``specroll generate`` writes (each line's ``prompt_token_ids`` and ``token_ids``),
 warm-starts from ``--init`` (a drafter directory) or initialises a head as ``specroll init-drafter``
-does (draft vocabulary: the rollouts' most frequent tokens, end-of-sequence tokens always in), runs
+does (``--architecture``, EAGLE-3's by default; draft vocabulary: the rollouts' most frequent tokens,
+end-of-sequence tokens always in), runs
 :class:`specroll.drafter.learner.DrafterLearner` — the online drafter trainer's own code path — and
 saves the head to ``--out`` (each file written atomically by ``EagleHead.save``).
 """
@@ -83,7 +84,8 @@ def run_drafter_train(args: argparse.Namespace) -> None:
     Raises:
         GenerateError: a device this machine lacks, a window too short for ``--ttt-steps``, bad
             paths, files, model, a drafter (``--init``) made for another target, or ``--features`` /
-            ``--draft-vocab-size`` other than the ``--init`` head's; nothing is written then.
+            ``--draft-vocab-size`` / ``--architecture`` other than the ``--init`` head's; nothing is
+            written then.
     """
     try:
         device = check_device(args.device)
@@ -126,6 +128,10 @@ def run_drafter_train(args: argparse.Namespace) -> None:
             raise GenerateError(f"--features {args.features} conflicts with --init {args.init}, whose head taps "
                                 f"{taps} (layers {list(head.config.feature_layers)}); expected --features {taps} "
                                 f"or no --features with --init")
+        arch = head.config.architecture
+        if args.architecture is not None and args.architecture != arch:
+            raise GenerateError(f"--architecture {args.architecture} conflicts with --init {args.init}, an {arch} "
+                                f"head; expected --architecture {arch} or no --architecture with --init")
         size = head.config.draft_vocab_size
         if args.draft_vocab_size is not None and args.draft_vocab_size != size:
             raise GenerateError(f"--draft-vocab-size {args.draft_vocab_size} conflicts with --init {args.init}, whose "
@@ -139,6 +145,7 @@ def run_drafter_train(args: argparse.Namespace) -> None:
             lr=args.lr, batch=args.batch, window=args.window, ttt_steps=args.ttt_steps, seed=args.seed,
             buffer_rollouts=len(rows), min_rollouts=1, max_context=max(1024, args.window), features=features,
             draft_vocab_size=args.draft_vocab_size if args.draft_vocab_size is not None else 8192,
+            architecture=args.architecture if args.architecture is not None else "eagle3",
         )
     except ValueError as exc:
         raise GenerateError(str(exc)) from None

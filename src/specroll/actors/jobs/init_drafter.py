@@ -1,8 +1,10 @@
 """``specroll init-drafter``: a fresh (untrained) EAGLE drafter for a model, ready for online training.
 
-The draft vocabulary is the N target tokens seen most often in a corpus — the prompts (and answers)
-of a task, encoded as the generator would — with the end-of-sequence tokens always included; ties,
-and tokens the corpus never shows, are ranked by id (byte-level BPE gives frequent merges low ids).
+The head is EAGLE-3's (``--architecture eagle3``, the default; its own LM head starts as the target's
+rows of the draft vocabulary) unless ``--architecture eagle`` asks for the older one. The draft
+vocabulary is the N target tokens seen most often in a corpus — the prompts (and answers) of a task,
+encoded as the generator would — with the end-of-sequence tokens always included; ties, and tokens
+the corpus never shows, are ranked by id (byte-level BPE gives frequent merges low ids).
 """
 
 from __future__ import annotations
@@ -48,13 +50,18 @@ def run_init_drafter(args: argparse.Namespace) -> None:
     counts[eos] = float("inf")
     layers = (config.num_layers,) if args.features == "last" else eagle3_feature_layers(config.num_layers)
     try:
-        head_config = EagleConfig.for_target(config, layers, size)
+        head_config = EagleConfig.for_target(config, layers, size, args.architecture)
     except ValueError as exc:
         raise GenerateError(str(exc)) from None
-    head = EagleHead.init(head_config, build_draft_vocab(counts, size), seed=args.seed)
+    d2t = build_draft_vocab(counts, size)
+    lm_head = None
+    if head_config.architecture == "eagle3":  # its own LM head starts as the target's rows of the draft vocabulary
+        name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        lm_head = checkpoint.weights[name].float().index_select(0, d2t)
+    head = EagleHead.init(head_config, d2t, seed=args.seed, lm_head=lm_head)
     try:
         head.save(out)
     except OSError as exc:
         raise GenerateError(f"cannot write the drafter to {out}: {exc.strerror or exc}") from None
-    print(f"drafter for {args.model}: taps {list(layers)}, draft vocabulary {size} of {vocab}, "
-          f"{sum(p.numel() for p in head.parameters()) / 1e6:.1f}M trainable parameters -> {out}")
+    print(f"{head_config.architecture} drafter for {args.model}: taps {list(layers)}, draft vocabulary {size} of "
+          f"{vocab}, {sum(p.numel() for p in head.parameters()) / 1e6:.1f}M trainable parameters -> {out}")

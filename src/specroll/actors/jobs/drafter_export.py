@@ -1,0 +1,120 @@
+"""``specroll drafter export`` / ``import``: an ``eagle3`` drafter to and from the EAGLE-3 checkpoint
+vLLM and SGLang load (the format is in ``specroll.drafter.eagle3_format``).
+
+Export writes the folder whole or not at all: into a temporary directory beside ``--out``, renamed
+onto it at the end (``--out`` may be missing or an empty directory). The target's config (``--model``,
+its metadata only) checks that the drafter was made for it and gives ``max_position_embeddings``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from specroll.actors.jobs.generate import GenerateError
+from specroll.drafter.eagle3_format import eagle3_config, eagle3_tensors, read_eagle3
+from specroll.drafter.eagle_head import CONFIG_FILE, WEIGHTS_FILE, DrafterError, EagleHead
+from specroll.engine.checkpoint import CheckpointError, load_model_config
+from specroll.engine.model_config import ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _target(model: str) -> ModelConfig:
+    try:
+        return load_model_config(model)
+    except CheckpointError as exc:
+        raise GenerateError(f"--model {exc}") from None
+
+
+def _check_out(out: Path) -> None:
+    """``--out`` must be a new path or an empty directory."""
+    if not str(out).strip():
+        raise GenerateError("--out is empty; expected a new directory to write the checkpoint into")
+    if out.exists() or out.is_symlink():
+        if not out.is_dir():
+            raise GenerateError(f"--out {out} exists and is not a directory; expected a new or empty directory")
+        if any(out.iterdir()):
+            raise GenerateError(f"--out {out} is a non-empty directory; expected a new or empty directory "
+                                "(nothing is overwritten)")
+
+
+def run_drafter_export(args: argparse.Namespace) -> None:
+    """Write the ``eagle3`` drafter in ``args.drafter`` as an EAGLE-3 checkpoint to ``args.out``.
+
+    Raises:
+        GenerateError: a missing or malformed drafter, an ``eagle`` one or one whose taps the format
+            cannot hold (the message says why), a drafter made for another model, a bad ``--out``
+            (a file, a non-empty directory, an unwritable place); nothing is left behind then.
+    """
+    out = Path(args.out)
+    _check_out(out)
+    try:
+        head = EagleHead.load(args.drafter)
+    except DrafterError as exc:
+        raise GenerateError(str(exc)) from None
+    target = _target(args.model)
+    dtype = DTYPES[args.dtype]
+    try:
+        config = eagle3_config(head, target, dtype)  # refuses what the format cannot hold, saying why
+    except DrafterError as exc:
+        raise GenerateError(f"cannot export {args.drafter} for {args.model}: {exc}") from None
+    tensors = eagle3_tensors(head, dtype)
+    parent = out.absolute().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.export-"))
+    except OSError as exc:
+        raise GenerateError(f"cannot write to {parent}: {exc.strerror or exc}") from None
+    try:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; give the folder the usual mode
+        os.replace(tmp, out)  # atomic; onto an empty directory too
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise GenerateError(f"cannot write the checkpoint to {out}: {exc.strerror or exc}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    size = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
+    print(f"EAGLE-3 checkpoint of {args.drafter} ({len(tensors)} tensors, {size:.1f} MiB {args.dtype}, taps "
+          f"{config['eagle_aux_hidden_state_layer_ids']}, draft vocabulary {config['draft_vocab_size']} of "
+          f"{config['vocab_size']}) -> {out}")
+
+
+def run_drafter_import(args: argparse.Namespace) -> None:
+    """Read the EAGLE-3 checkpoint ``args.checkpoint`` for ``args.model`` and save it as a specroll
+    drafter to ``args.out`` (to serve, or to warm-start training from).
+
+    Raises:
+        GenerateError: a missing or malformed checkpoint, one made for another model, a bad ``--out``.
+    """
+    out = Path(args.out)
+    if not str(out).strip():
+        raise GenerateError("--out is empty; expected the directory to write the drafter into")
+    if out.exists() and not out.is_dir():
+        raise GenerateError(f"--out {out} exists and is not a directory")
+    if not Path(args.checkpoint).is_dir():
+        raise GenerateError(f"{args.checkpoint}: not a directory; expected an EAGLE-3 checkpoint folder "
+                            "(config.json + model.safetensors)")
+    target = _target(args.model)
+    try:
+        head = read_eagle3(args.checkpoint, target)
+    except DrafterError as exc:
+        raise GenerateError(str(exc)) from None
+    try:
+        head.save(out)
+    except OSError as exc:
+        raise GenerateError(f"cannot write the drafter to {out}: {exc.strerror or exc}") from None
+    print(f"eagle3 drafter from {args.checkpoint} (taps {list(head.config.feature_layers)}, draft vocabulary "
+          f"{head.config.draft_vocab_size}) -> {out}")
