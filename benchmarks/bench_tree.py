@@ -89,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests queued per slot of the live batch: R·B, prompts repeating with their own seeds "
                         "(default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--arms", type=lambda s: s.split(","), default=None,
+                   help="arms besides off, comma-separated among chain, tree, auto (default: all)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every arm (default: %(default)s)")
     args = p.parse_args(argv)
     if args.quick:
@@ -142,7 +144,8 @@ def train_head(args: argparse.Namespace, checkpoint, train_prompts: list[list[in
 
 
 def arms(args: argparse.Namespace) -> list[str]:
-    return ["off", "chain", *(f"tree:{s}" for s in args.shapes), "auto"]
+    every = ["off", "chain", *(f"tree:{s}" for s in args.shapes), "auto"]
+    return [a for a in every if a == "off" or args.arms is None or a.split(":")[0] in args.arms]
 
 
 def make_engine(args: argparse.Namespace, checkpoint, head, arm: str, batch_size: int):

@@ -149,9 +149,12 @@ def test_epsilon_sets_the_exploration_rate_and_the_seed_makes_it_reproducible():
         return picks[4:]
 
     assert set(run(0.0, 0)) == {3}
-    # A random arm with probability epsilon; it is not the best one 3 times out of 4.
-    explored = sum(k != 3 for k in run(0.2, 0)) / 1996
-    assert 0.11 <= explored <= 0.19
+    # An exploration step with probability epsilon, drawing arm k with weight (rate_k / best)²:
+    # 1/16, 4/16, 9/16, 1 for k = 0..3, so it is not the best one 14/30 of the time.
+    picks = run(0.2, 0)
+    explored = sum(k != 3 for k in picks) / 1996
+    assert 0.2 * 14 / 30 - 0.03 <= explored <= 0.2 * 14 / 30 + 0.03
+    assert picks.count(2) > 3 * picks.count(0)  # near the best rate: explored far more often
     assert run(0.2, 5) == run(0.2, 5) != run(0.2, 6)
 
 

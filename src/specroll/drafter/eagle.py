@@ -128,7 +128,10 @@ class EagleProposer:
         # only, and an inverse-CDF draw over ascending ids picks the token the same uniform picks over
         # the whole vocabulary (the other tokens have q = 0 and leave the CDF unchanged).
         self._d2t = self.head.draft_to_target.sort().values  # [draft_vocab] int64, CPU
-        self._head_weight = weight.detach().index_select(0, self._d2t.to(weight.device))  # [draft_vocab, H]
+        # The target's LM-head rows of the draft vocabulary [draft_vocab, H]; an eagle3 head has its
+        # own LM head (ids ascending, so its rows are in this order) and reads none.
+        own = self.head.lm_head is not None
+        self._head_weight = weight.detach()[:0] if own else weight.detach().index_select(0, self._d2t.to(weight.device))
 
     def load_head(self, head: EagleHead) -> None:
         """Serve ``head``'s weights from the next draft on (a new drafter version, same shape).
