@@ -257,6 +257,10 @@ FILE_ERRORS = [
      ["drafter.acceptance_floor=5.5, expected at most generator.engine.num_draft_tokens + 1 = 5"]),
     ("[drafter]\nacceptance_floor = 3.5\n", ["generator.engine.num_draft_tokens=2"],
      ["drafter.acceptance_floor=3.5, expected at most generator.engine.num_draft_tokens + 1 = 3"]),
+    ("[generator.engine]\nnum_draft_tokens = 9999\n", [],
+     ["generator.engine.num_draft_tokens=9999, expected an integer from 1 to 32"]),
+    ('[generator.engine]\ndraft_trees = ["1x8:9"]\n', [],
+     ["tree shape nodes=9 exceeds the 8 nodes depth=1, width=8 can grow"]),
 ]
 
 

@@ -87,6 +87,7 @@ def test_export_writes_every_eagle3_tensor_and_config_key(work, tmp_path, capsys
     assert export(work, out, "--dtype", dtype) == 0
     assert "EAGLE-3 checkpoint" in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert {(out / n).stat().st_mode & 0o777 for n in ("config.json", "model.safetensors")} == {0o644}  # umask 022
     weight_dtype = getattr(torch, dtype)
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}
@@ -309,6 +310,43 @@ def test_export_into_an_empty_directory_and_import_refuses_a_model_checkpoint(wo
     assert code == 2 and err.startswith("specroll drafter import: error: ") and err.count("\n") == 1, err
     assert "architectures=['LlamaForCausalLM'], expected ['LlamaForCausalLMEagle3']" in err, err
     assert not (tmp_path / "back").exists()
+
+
+IMPORT_TAPS = {  # eagle_aux_hidden_state_layer_ids (the target has 4 layers) -> the message
+    "bool": (True, r"eagle_aux_hidden_state_layer_ids=True, expected 3 integer layer ids from 0 to 3"),
+    "strings": (["0", "2", "3"], r"=\['0', '2', '3'\], expected 3 integer layer ids from 0 to 3"),
+    "bool_id": ([0, True, 3], r"=\[0, True, 3\], expected 3 integer"),
+    "out_of_range": ([0, 2, 30], r"=\[0, 2, 30\], expected 3 integer layer ids from 0 to 3 \(this model has 4"),
+    "two": ([0, 2], r"=\[0, 2\], expected 3 integer"),
+}
+
+
+@pytest.mark.parametrize("case", [*IMPORT_TAPS, "out_non_empty"])
+def test_import_refuses_bad_taps_and_a_non_empty_out_in_one_line(work, tmp_path, capsys, case):
+    assert export(work, tmp_path / "eagle3") == 0
+    out = tmp_path / "back"
+    if case == "out_non_empty":
+        out.mkdir()
+        (out / "keep.txt").write_text("mine")
+        expected = r"--out .*back is a non-empty directory"
+    else:
+        config = json.loads((tmp_path / "eagle3" / "config.json").read_text())
+        config["eagle_aux_hidden_state_layer_ids"], expected = IMPORT_TAPS[case]
+        (tmp_path / "eagle3" / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    code = main(["drafter", "import", str(tmp_path / "eagle3"), "--out", str(out), "--model", str(work["model"])])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("specroll drafter import: error: ") and err.count("\n") == 1, err
+    assert re.search(expected, err), err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] if case == "out_non_empty" else not out.exists()
+
+
+def test_serving_an_exported_folder_as_a_drafter_points_to_import(work, tmp_path):
+    from specroll.drafter.eagle_head import DrafterError
+
+    assert export(work, tmp_path / "eagle3") == 0
+    with pytest.raises(DrafterError, match=r"looks like an EAGLE-3 checkpoint .*'specroll drafter import"):
+        EagleHead.load(tmp_path / "eagle3")
 
 
 def test_init_drafter_makes_an_exportable_eagle3_head_and_an_eagle_one_on_request(work, tmp_path, capsys):

@@ -298,6 +298,20 @@ def test_trees_near_the_length_limit_never_pass_it(tiny_checkpoint):
     assert all(len(c.token_ids) == 7 for c in done.values())
 
 
+def test_a_wide_tree_at_the_context_limit_takes_no_slot_past_it(tiny_checkpoint):
+    # a tree's nodes take a K/V slot each while its depth stays within the limit: near
+    # max_model_len (not a page multiple) the nodes must be cut to the slots the context has
+    path = tiny_checkpoint("llama")
+    sampling = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    batch = prompts([30, 33, 36])
+    plain = run(make_engine(path, max_model_len=43), batch, sampling)
+    futures = {r: batch[int(r[1:])] + c.token_ids + [7] * 10 for r, c in plain.items()}
+    engine = make_engine(path, Oracle(futures, 512), max_model_len=43, draft_trees=("6x4:12",))
+    done = run(engine, batch, sampling)
+    assert {r: c.token_ids for r, c in done.items()} == {r: c.token_ids for r, c in plain.items()}
+    assert sorted(len(c.token_ids) for c in done.values()) == [7, 10, 13]
+
+
 def test_adaptive_speculation_tries_tree_shapes_and_keeps_greedy_output(tiny_checkpoint):
     path = tiny_checkpoint("llama")
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

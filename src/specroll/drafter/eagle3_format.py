@@ -214,9 +214,10 @@ def _head_config(raw: Mapping[str, Any], target: ModelConfig, where: str) -> Eag
                                f"vocabulary {target.vocab_size})")
     n = target.num_layers
     if raw.get("eagle_aux_hidden_state_layer_ids"):
-        taps = list(raw["eagle_aux_hidden_state_layer_ids"])
+        taps = _tap_ids(raw["eagle_aux_hidden_state_layer_ids"], "eagle_aux_hidden_state_layer_ids", n, where)
     elif eagle.get("eagle_aux_hidden_state_layer_ids"):
-        taps = [int(i) + 1 for i in eagle["eagle_aux_hidden_state_layer_ids"]]
+        taps = [i + 1 for i in _tap_ids(eagle["eagle_aux_hidden_state_layer_ids"],
+                                        "eagle_config.eagle_aux_hidden_state_layer_ids", n, where, shift=1)]
     else:
         taps = [2, n // 2, n - 3]
     heads = field("num_attention_heads")
@@ -228,6 +229,21 @@ def _head_config(raw: Mapping[str, Any], target: ModelConfig, where: str) -> Eag
             field("draft_vocab_size", target.vocab_size), n, architecture="eagle3")
     except (TypeError, ValueError) as exc:
         raise DrafterError(f"EAGLE-3 checkpoint {where}: {exc}") from None
+
+
+def _tap_ids(value: Any, key: str, num_layers: int, where: str, shift: int = 0) -> list[int]:
+    """The checkpoint's ``NUM_TAPS`` tap ids, each ``0 ≤ id + shift < num_layers`` (what
+    :func:`exportable` accepts).
+
+    Raises:
+        DrafterError: not a list of that many integers in range; the message names the key and value.
+    """
+    ok = (isinstance(value, list) and len(value) == NUM_TAPS
+          and all(type(i) is int and 0 <= i + shift < num_layers for i in value))
+    if not ok:
+        raise DrafterError(f"EAGLE-3 checkpoint {where}: {key}={value!r}, expected {NUM_TAPS} integer layer ids "
+                           f"from {-shift} to {num_layers - 1 - shift} (this model has {num_layers} layers)")
+    return list(value)
 
 
 def _own_tensors(config: EagleConfig, tensors: Mapping[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:

@@ -413,6 +413,9 @@ class EagleHead(nn.Module):
         except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
             # EagleConfig's own range checks say what they expected; msgspec's messages do not
             hint = "" if str(exc).startswith("drafter config:") else f"; expected a drafter config {writers}"
+            if b'"architectures"' in raw:  # a Hugging Face style config: vLLM's / SGLang's EAGLE-3 format
+                hint = ("; this looks like an EAGLE-3 checkpoint as vLLM and SGLang load it: convert it with "
+                        "'specroll drafter import CHECKPOINT --out DIR' and use DIR")
             raise DrafterError(f"drafter {config_path}: {exc}{hint}") from None
         try:
             with safetensors.safe_open(str(weights_path), framework="pt") as f:

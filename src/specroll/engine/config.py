@@ -15,6 +15,10 @@ DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 DraftLength = Literal["fixed", "adaptive", "tree"]
 CudaGraphs = Literal["off", "on", "emulate"]
 
+MAX_DRAFT_TOKENS = 32
+"""Most draft tokens per sequence and step: each is a K/V slot, a target row and a head pass,
+and acceptance falls geometrically with depth (EAGLE and vLLM run 1–10)."""
+
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Everything an :class:`~specroll.engine.engine.Engine` needs to start.
@@ -49,7 +53,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_threads: int | None = None
     """Intra-op CPU threads for torch; ``None`` leaves torch's default."""
     num_draft_tokens: int = 4
-    """Most draft tokens per sequence and step when the engine has a proposer (K)."""
+    """Most draft tokens per sequence and step when the engine has a proposer (K), 1 to
+    :data:`MAX_DRAFT_TOKENS`."""
     draft_length: DraftLength = "fixed"
     """``fixed``: draft a chain of K tokens every step. ``tree``: draft a tree of the first of
     ``draft_trees`` every step (a proposer that drafts trees: ``spec/tree.py``). ``adaptive``:
@@ -93,8 +98,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len={self.max_model_len}, expected a positive integer or None")
-        if self.num_draft_tokens <= 0:
-            raise ValueError(f"num_draft_tokens={self.num_draft_tokens}, expected a positive integer")
+        if not 0 < self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft_tokens={self.num_draft_tokens}, expected an integer from 1 to "
+                             f"{MAX_DRAFT_TOKENS}")
         if self.draft_length == "tree" and not self.draft_trees:
             raise ValueError("draft_length='tree' needs at least one draft_trees shape, got none")
         for text in self.draft_trees:

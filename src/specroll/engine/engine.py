@@ -272,7 +272,7 @@ class Engine:
         if tree_shape is not None:
             assert self.proposer is not None  # a tree is chosen only with a proposer
             trees = propose_trees(self.proposer, scheduled, tree_shape, self.model_config.vocab_size,
-                                  self.config.page_size)
+                                  self.config.page_size, self.max_model_len)
             drafts, draft_probs = {seq: tree.tokens for seq, tree in trees.items()}, {}
         else:
             drafts, draft_probs = self._propose(scheduled, k)

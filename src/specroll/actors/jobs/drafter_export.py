@@ -34,10 +34,10 @@ def _target(model: str) -> ModelConfig:
         raise GenerateError(f"--model {exc}") from None
 
 
-def _check_out(out: Path) -> None:
+def _check_out(out: Path, what: str) -> None:
     """``--out`` must be a new path or an empty directory."""
     if not str(out).strip():
-        raise GenerateError("--out is empty; expected a new directory to write the checkpoint into")
+        raise GenerateError(f"--out is empty; expected a new directory to write the {what} into")
     if out.exists() or out.is_symlink():
         if not out.is_dir():
             raise GenerateError(f"--out {out} exists and is not a directory; expected a new or empty directory")
@@ -55,7 +55,7 @@ def run_drafter_export(args: argparse.Namespace) -> None:
             (a file, a non-empty directory, an unwritable place); nothing is left behind then.
     """
     out = Path(args.out)
-    _check_out(out)
+    _check_out(out, "checkpoint")
     try:
         head = EagleHead.load(args.drafter)
     except DrafterError as exc:
@@ -78,7 +78,9 @@ def run_drafter_export(args: argparse.Namespace) -> None:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; give the folder the usual mode
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; give the folder and files the usual modes
+        for name in (WEIGHTS_FILE, CONFIG_FILE):
+            os.chmod(tmp / name, 0o666 & ~umask)
         os.replace(tmp, out)  # atomic; onto an empty directory too
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -97,13 +99,11 @@ def run_drafter_import(args: argparse.Namespace) -> None:
     drafter to ``args.out`` (to serve, or to warm-start training from).
 
     Raises:
-        GenerateError: a missing or malformed checkpoint, one made for another model, a bad ``--out``.
+        GenerateError: a missing or malformed checkpoint, one made for another model, a bad ``--out``
+            (a file, a non-empty directory: nothing is overwritten or mixed, an unwritable place).
     """
     out = Path(args.out)
-    if not str(out).strip():
-        raise GenerateError("--out is empty; expected the directory to write the drafter into")
-    if out.exists() and not out.is_dir():
-        raise GenerateError(f"--out {out} exists and is not a directory")
+    _check_out(out, "drafter")
     if not Path(args.checkpoint).is_dir():
         raise GenerateError(f"{args.checkpoint}: not a directory; expected an EAGLE-3 checkpoint folder "
                             "(config.json + model.safetensors)")

@@ -42,12 +42,19 @@ def propose_drafts(
 
 
 def propose_trees(
-    proposer: Proposer, scheduled: list[ScheduledSequence], shape: TreeShape, vocab_size: int, page_size: int
+    proposer: Proposer,
+    scheduled: list[ScheduledSequence],
+    shape: TreeShape,
+    vocab_size: int,
+    page_size: int,
+    max_model_len: int,
 ) -> dict[Sequence, DraftTree]:
     """Draft trees for the sequences that decode this step, trimmed to what verification can trust
     (:func:`~specroll.engine.spec.tree.valid_tree`), to nodes at depth ≤
     :func:`~specroll.engine.spec.proposer.draft_cap` (a request never passes its length limit) and
-    to the K/V slots its pages hold past the step's token (one per node)."""
+    to the K/V slots past the step's token (one per node) that its pages hold and the context
+    (``max_model_len`` slots) has: a tree's nodes take a slot each though their positions only
+    go as deep as the tree."""
     decoding = [s.seq for s in scheduled if s.samples and s.num_new_tokens == 1]
     if not decoding:
         return {}
@@ -59,7 +66,7 @@ def propose_trees(
         raise ValueError(f"the proposer drafted {len(trees)} trees for {len(decoding)} sequences")
     out = {}
     for seq, tree in zip(decoding, trees, strict=True):
-        room = len(seq.block_table) * page_size - seq.num_computed_tokens - 1
+        room = min(len(seq.block_table) * page_size, max_model_len) - seq.num_computed_tokens - 1
         tree = cap_tree(valid_tree(tree, shape, vocab_size), draft_cap(seq.max_len, seq.num_tokens, shape.depth),
                         room)
         if len(tree):

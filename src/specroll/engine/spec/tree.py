@@ -69,6 +69,10 @@ class TreeShape:
         if self.depth > self.nodes:
             raise ValueError(f"tree shape depth={self.depth} exceeds nodes={self.nodes}: a path of "
                              f"{self.depth} drafts needs {self.depth} nodes")
+        reachable = self.width + (self.depth - 1) * self.width**2
+        if self.nodes > reachable:
+            raise ValueError(f"tree shape nodes={self.nodes} exceeds the {reachable} nodes depth={self.depth}, "
+                             f"width={self.width} can grow (width + (depth - 1) * width²)")
 
     def __str__(self) -> str:
         return f"tree(depth={self.depth}, width={self.width}, nodes={self.nodes})"
