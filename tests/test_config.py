@@ -56,7 +56,8 @@ def test_defaults_are_a_small_valid_cpu_run() -> None:
     assert config.task.prompts is None  # the built-in task
     assert config.generator.count >= 1 and config.steps >= 1
     assert config.trainer.max_groups_in_flight >= config.trainer.batch_groups
-    assert config.network.host == "127.0.0.1" and not config.network.allow_public
+    assert config.network.host == "127.0.0.1" and config.network.security == "none"
+    assert not config.network.allow_insecure
 
 
 def test_network_defaults_match_the_socket_layer() -> None:
@@ -110,8 +111,8 @@ def _everything_changed() -> RunConfig:
             kv_policy="recompute", stream_every_steps=1, heartbeat_s=0.5, speculative="eagle"),
         drafter=DrafterConfig(enabled=True, path="drafters/init", learning_rate=3e-4, window_rollouts=10,
                               publish_every_steps=2),
-        network=NetworkConfig(host="0.0.0.0", trainer_port=5555, allow_public=True, hwm=100, window=8,
-                              heartbeat_timeout_s=2.5),
+        network=NetworkConfig(host="0.0.0.0", trainer_port=5555, security="curve", keys_dir="/secrets/run 7",
+                              allow_insecure=True, hwm=100, window=8, heartbeat_timeout_s=2.5),
     )
 
 
@@ -239,7 +240,9 @@ FILE_ERRORS = [
     ("[generator.sampling]\ntop_p = 0\n", [], ["generator.sampling.top_p=0.0, expected a number in (0, 1]"]),
     ("[generator.sampling]\nseed = 3\n", [], ["generator.sampling.seed=3, expected unset"]),
     ('[generator]\nspeculative = "eagle"\n', [], ["generator.speculative='eagle', expected", "drafter.enabled"]),
-    ('[network]\nhost = "0.0.0.0"\n', [], ["network.host='0.0.0.0', expected a loopback address"]),
+    ('[network]\nhost = "0.0.0.0"\n', [], ["network.host='0.0.0.0', expected a loopback address",
+                                          "unless security = 'curve' (or allow_insecure = true"]),
+    ('[network]\nsecurity = "tls"\n', [], ["network.security='tls', expected one of", "'curve'"]),
     ("[network]\nwindow = 2000\n", [], ["network.window=2000, expected an integer in [2, hwm = 1000)"]),
     ("[network]\nheartbeat_timeout_s = 0.5\n", [],
      ["network.heartbeat_timeout_s=0.5, expected more than generator.heartbeat_s = 1.0"]),

@@ -92,8 +92,9 @@ def launch_on_ray(config: Path, address: str, *extra: str) -> subprocess.Popen[s
 def test_ray_launch_runs_three_steps_and_leaves_nothing(tmp_path: Path, tiny_checkpoint, local_ray: str) -> None:
     # One generator: it is welcomed before the trainer can finish, so the launcher's SIGTERM never meets a
     # generator still in its handshake (which waits for the trainer up to network.heartbeat_timeout_s).
+    # With CURVE: each role's key files travel in its start request to a private folder on its node.
     config = ray_config(tmp_path, tiny_checkpoint(), steps=3, count=1)
-    code, out, err = finish(launch_on_ray(config, local_ray), timeout=HANG_S)
+    code, out, err = finish(launch_on_ray(config, local_ray, "--set", "network.security=curve"), timeout=HANG_S)
     run_dir = tmp_path / "run"
     assert code == 0, err
     assert f"joined the Ray cluster at {local_ray}" in err
@@ -105,6 +106,14 @@ def test_ray_launch_runs_three_steps_and_leaves_nothing(tmp_path: Path, tiny_che
     assert [r["step"] for r in records] == [1, 2, 3]
     log = (run_dir / "logs" / "generator-0.log").read_text()
     assert "welcomed by" in log and "exits with code 0: received SIGTERM" in log, log
+    assert f"CURVE security: made the run's keys in {run_dir / 'keys'}" in err
+    keys = {}
+    for role in ("trainer", "generator-0"):
+        [line] = [x for x in (run_dir / "logs" / f"{role}.log").read_text().splitlines() if "CURVE security: " in x]
+        keys[role] = Path(line.rsplit(" from ", 1)[1])
+        assert keys[role].name.startswith("specroll-keys-"), line  # not RUN_DIR/keys: the private copy
+        assert not keys[role].exists()  # removed when the run ended
+    assert keys["trainer"] != keys["generator-0"]
     pids = set(started_pids(run_dir).values())
     poll_until_gone(pids, "the roles")  # the launcher ended: every role is stopped, before Ray is
     assert not members_of_groups(pids), "processes left in the roles' process groups"

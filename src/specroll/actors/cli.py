@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from specroll.actors.exit_codes import EXIT_REFUSED
+from specroll.actors.keys_flag import add_keys_argument
 
 if TYPE_CHECKING:
     from specroll.actors.config import RunConfig
@@ -232,6 +233,7 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", required=True, metavar="FILE", help="run config TOML")
     _add_set(p)
+    add_keys_argument(p)
     from specroll.actors.trainer.rank_flags import add_rank_arguments
 
     add_rank_arguments(p)
@@ -250,6 +252,7 @@ def _add_generator(sub: argparse._SubParsersAction) -> None:
                    help="the trainer's endpoint (RUN_DIR/trainer.endpoint on the trainer's host)")
     p.add_argument("--actor-id", default=None, help="unique id (default: generator-<uuid4 hex>)")
     _add_set(p)
+    add_keys_argument(p)
 
 
 def _add_report(sub: argparse._SubParsersAction) -> None:
@@ -265,6 +268,22 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, metavar="DIR", help="folder for the PNGs (default: RUN_DIR/report)")
 
 
+def _add_keys(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("keys", help="a run's CURVE keys (network.security = 'curve'): 'keys init RUN_DIR'",
+                       description="The keys of a run with network.security = 'curve'.")
+    ksub = p.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
+    i = ksub.add_parser(
+        "init", help="make the run's keys in RUN_DIR/keys",
+        description="Make the run's CURVE keys in RUN_DIR/keys (or --out DIR): the trainer's key pair and one "
+        "pair per role kind (generator, drafter), ZeroMQ certificate files, folder 0700, files 0600. "
+        "'specroll launch' makes them on its first start. A complete keys folder is kept as it is (its keys "
+        "stay valid); an incomplete one is an error. Copy to another host only what its roles read: "
+        "server.key and generator.key_secret for generators, server.key and drafter.key_secret for the "
+        "drafter trainer; server.key_secret never leaves the trainer's host.")
+    i.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (its run_dir)")
+    i.add_argument("--out", default=None, metavar="DIR", help="the keys folder (default: RUN_DIR/keys)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specroll", description="specroll: a rollout engine for RL on LLMs")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -275,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trainer(sub)
     _add_generator(sub)
     _add_report(sub)
+    _add_keys(sub)
     return parser
 
 
@@ -282,9 +302,10 @@ def _role_config(args: argparse.Namespace, prog: str) -> RunConfig | None:
     """The run config of ``--config`` (or the defaults) with ``--set`` overrides; ``None`` after
     printing the one error line of a bad config."""
     from specroll.actors.config import ConfigError, load_config
+    from specroll.actors.security import keys_overrides
 
     try:
-        return load_config(args.config, args.overrides)
+        return load_config(args.config, [*args.overrides, *keys_overrides(args.keys)])
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return None
@@ -299,6 +320,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides = [*args.overrides, *([f"cluster.backend={args.cluster}"] if args.cluster else [])]
         return run_launch(args.config, overrides, trainer_module=args.trainer_module or TRAINER_MODULE,
                           startup_timeout_s=args.startup_timeout_s, grace_s=args.grace_s)
+    if args.command == "keys":
+        from specroll.actors.jobs.keys import run_keys_init
+
+        return run_keys_init(args.run_dir, args.out)
     if args.command == "report":
         from specroll.actors.jobs.report import run_report
 

@@ -64,6 +64,9 @@ class Received(Generic[M]):
     fd: int | None = None
     """On a ROUTER, the file descriptor of the connection it came through (ZeroMQ's ``SRCFD``), which
     the socket monitor's ``EVENT_DISCONNECTED`` names when that connection closes; None when unknown."""
+    user_id: str | None = None
+    """The ZAP ``User-Id`` of the connection it came through: with CURVE, the role kind of the
+    sender's key (``protocol/curve.py``); None without an authenticator."""
 
 
 class SequenceError(ProtocolError):
@@ -236,7 +239,8 @@ class Channel(Generic[M]):
                 if st.session is not None:  # the peer restarted: it holds none of our messages
                     st.raise_limit(st.next_seq + self.window)
                 st.session, st.expected, st.granted = d.session, d.seq, 0
-            received: Received[M] = Received(peer, d.seq, d.msg, d.tensors, first, _source_fd(frames[0]))
+            received: Received[M] = Received(peer, d.seq, d.msg, d.tensors, first, _source_fd(frames[0]),
+                                             _user_id(body[0]) if body else None)
             expected = st.expected
             control = isinstance(d.msg, CONTROL_MESSAGES)
             # A control message is not numbered (credit never begets credit) but follows every message below its seq.
@@ -274,6 +278,16 @@ class Channel(Generic[M]):
                 raise
             return  # the peer disconnected: nothing to grant to
         st.granted = limit
+
+
+def _user_id(frame: zmq.Frame) -> str | None:
+    """The ZAP ``User-Id`` of the connection ``frame`` arrived on; None when there is none (no
+    authenticator: libzmq reports an empty one)."""
+    try:
+        user = frame.get("User-Id")
+    except (zmq.ZMQError, AttributeError, UnicodeDecodeError):
+        return None
+    return user or None
 
 
 def _source_fd(frame: zmq.Frame) -> int | None:

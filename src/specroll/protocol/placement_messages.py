@@ -8,6 +8,8 @@ serializer and the host refuses a malformed start with a ``msgspec.ValidationErr
 
 from __future__ import annotations
 
+import msgspec
+
 from specroll.protocol.wire import Positive, WireStruct
 
 
@@ -30,6 +32,11 @@ class RoleSpec(WireStruct):
     config_text: str
     stale_files: tuple[str, ...] = ()
     """Files of an earlier run removed before the role starts (the trainer's ``RUN_DIR/trainer.endpoint``)."""
+    key_files: dict[str, bytes] = msgspec.field(default_factory=dict)
+    """With ``network.security = "curve"``: the role's key files (``protocol/curve.py``
+    :func:`~specroll.protocol.curve.files_for`), name → content. The host writes them into a folder
+    of its own (0700, files 0600, removed when the role is stopped for good) and starts the role
+    with ``--keys`` that folder: no node's filesystem holds them readable by others."""
 
 
 class RoleStarted(WireStruct):

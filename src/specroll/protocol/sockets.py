@@ -10,6 +10,8 @@ from typing import TypeVar
 
 import zmq
 
+from specroll.protocol.curve import ClientKeys, ServerKeys, apply
+
 S = TypeVar("S", bound=zmq.Socket)  # type: ignore[type-arg]
 
 DEFAULT_HWM = 1000
@@ -56,6 +58,7 @@ def make_socket(
     allow_public: bool = False,
     heartbeat_ivl_ms: int = DEFAULT_HEARTBEAT_IVL_MS,
     heartbeat_timeout_ms: int = DEFAULT_HEARTBEAT_TIMEOUT_MS,
+    curve: ServerKeys | ClientKeys | None = None,
 ) -> S:
     """Create a socket of ``ctx`` (sync or ``zmq.asyncio``), set its options, bind or connect it.
 
@@ -74,6 +77,8 @@ def make_socket(
             free port; read it back with :func:`last_endpoint`.
         identity: ZeroMQ routing id (what the peer ROUTER sees), e.g. the actor id.
         allow_public: permit binding to a non-loopback address.
+        curve: CURVE security (``protocol/curve.py``): a server's keys (bind; the context must run
+            the ZAP authenticator, or every handshake fails) or a client's (connect).
 
     Raises:
         ValueError: an unsupported kind, not exactly one endpoint, a malformed endpoint, or a public
@@ -88,6 +93,8 @@ def make_socket(
         raise ValueError(f"refusing to bind {bind!r}: not a loopback or ipc address; allow_public=True exposes it")
     if connect is not None:
         _is_local(connect)  # validates the syntax; connecting to a remote host is normal
+    if curve is not None and isinstance(curve, ServerKeys) != (bind is not None):
+        raise ValueError("a CURVE server's keys go with bind=, a client's with connect=")
     sock = ctx.socket(kind)
     try:
         sock.setsockopt(zmq.LINGER, linger_ms)
@@ -105,6 +112,8 @@ def make_socket(
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if identity is not None:
             sock.setsockopt(zmq.ROUTING_ID, identity)
+        if curve is not None:
+            apply(sock, curve)
         if "://[" in (bind or connect or ""):
             sock.setsockopt(zmq.IPV6, 1)  # an IPv6 literal; off otherwise so "localhost" stays IPv4
         if bind is not None:

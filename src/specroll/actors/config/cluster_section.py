@@ -40,7 +40,7 @@ class ClusterConfig(_Section):
     ``backend``). With ``ray`` every role (trainer, each generator, the drafter trainer) is a Ray
     actor reserving its ``[cluster.<role>]`` resources, on any node; the launcher supervises them as
     it does local processes (``[launch]``). A multi-node run needs ``network.host`` routable from the
-    other nodes (``"0.0.0.0"`` with ``network.allow_public = true``): with a loopback host every role
+    other nodes (``"0.0.0.0"`` with ``network.security = "curve"``): with a loopback host every role
     is placed on the trainer's node. ``specroll trainer`` and ``specroll generator`` ignore this section.
     """
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import ipaddress
 import math
+from pathlib import Path
 from typing import Literal
 
 from specroll.actors.config.section import Section as _Section
 from specroll.actors.config.section import check_literals as _check_literals
 from specroll.actors.config.section import require as _require
+from specroll.protocol.curve import KEYS_DIRNAME, ClientKeys, ServerKeys
 
 
 class NetworkConfig(_Section):
@@ -16,11 +18,22 @@ class NetworkConfig(_Section):
 
     host: str = "127.0.0.1"
     """Address the trainer binds and generators connect to. Default ``127.0.0.1``; a non-loopback
-    address needs ``allow_public``."""
+    address needs ``security = "curve"`` (or ``allow_insecure``)."""
     trainer_port: int = 0
     """TCP port of the trainer; 0 (default) picks a free one (``specroll launch`` passes it on)."""
-    allow_public: bool = False
-    """Allow binding a non-loopback address. Default false: messages are not authenticated."""
+    security: Literal["none", "curve"] = "none"
+    """``curve``: the trainer's endpoint is a ZeroMQ CURVE server (every frame encrypted and
+    authenticated) that admits only this run's generator and drafter keys (``keys_dir``), and a
+    key's role must be the role its ``Hello`` names (``protocol/curve.py``). ``none`` (default):
+    plain TCP, for loopback runs."""
+    keys_dir: str = ""
+    """The run's keys with ``security = "curve"`` (``specroll keys init``); empty (default):
+    ``RUN_DIR/keys``, which ``specroll launch`` makes on its first start. Roles started by hand on
+    other hosts take ``--keys DIR``."""
+    allow_insecure: bool = False
+    """Allow binding a non-loopback address with ``security = "none"``: anyone who reaches the port
+    can join as a generator (and feed training fabricated rollouts), read the policy's weights or
+    publish a drafter. Default false; a warning is printed when it is used."""
     hwm: int = 1000
     """ZeroMQ high-water mark: messages queued per peer and direction. Default 1000
     (``protocol.sockets.DEFAULT_HWM``)."""
@@ -54,8 +67,9 @@ class NetworkConfig(_Section):
         _check_literals(self)
         _require(self.weights_bucket_mb >= 1, "weights_bucket_mb", self.weights_bucket_mb, "a positive number of MiB")
         _require(bool(self.host), "host", self.host, "an address")
-        _require(self.allow_public or _is_loopback(self.host), "host", self.host,
-                 "a loopback address (127.0.0.1, ::1, localhost) unless allow_public = true")
+        _require(self.public_bind_allowed() or _is_loopback(self.host), "host", self.host,
+                 "a loopback address (127.0.0.1, ::1, localhost) unless security = 'curve' (or allow_insecure = true: "
+                 "then anyone who reaches the port can join the run)")
         _require(0 <= self.trainer_port <= 65535, "trainer_port", self.trainer_port, "a port in [0, 65535]")
         _require(self.hwm >= 1, "hwm", self.hwm, "a positive integer")
         _require(2 <= self.window < self.hwm, "window", self.window, f"an integer in [2, hwm = {self.hwm})")
@@ -64,6 +78,40 @@ class NetworkConfig(_Section):
         r = self.reconnect_timeout_s
         _require(r is None or (math.isfinite(r) and r >= self.heartbeat_timeout_s), "reconnect_timeout_s", r,
                  f"a number of seconds >= heartbeat_timeout_s = {self.heartbeat_timeout_s}")
+
+    def public_bind_allowed(self) -> bool:
+        """A non-loopback ``host`` is allowed: CURVE security, or ``allow_insecure``."""
+        return self.security == "curve" or self.allow_insecure
+
+    def insecure_warning(self) -> str | None:
+        """The warning a public endpoint without security deserves (None for loopback or CURVE)."""
+        if self.security == "curve" or _is_loopback(self.host):
+            return None
+        return (f"network.host = {self.host!r} with security = 'none' (allow_insecure = true): nothing is "
+                "authenticated or encrypted; anyone who reaches the trainer's port can join as a generator and feed "
+                "training fabricated rollouts, read the policy's weights, or publish a drafter; set "
+                "network.security = 'curve'")
+
+    def keys_path(self, run_dir: str) -> Path:
+        """``keys_dir``, or ``RUN_DIR/keys`` when it is empty."""
+        return Path(self.keys_dir) if self.keys_dir else Path(run_dir) / KEYS_DIRNAME
+
+    def curve_keys(self, run_dir: str, role: str) -> ServerKeys | ClientKeys | None:
+        """The keys ``role`` (``trainer``, ``generator``, ``drafter``) runs with: None without CURVE.
+
+        Raises:
+            KeysError: a key file is missing, unreadable, readable by others or malformed (the
+                message names it); checked before any socket opens.
+        """
+        return self.server_keys(run_dir) if role == "trainer" else self.client_keys(run_dir, role)
+
+    def server_keys(self, run_dir: str) -> ServerKeys | None:
+        """The trainer's keys (:meth:`curve_keys`)."""
+        return ServerKeys.load(self.keys_path(run_dir)) if self.security == "curve" else None
+
+    def client_keys(self, run_dir: str, role: str) -> ClientKeys | None:
+        """A generator's or drafter trainer's keys (:meth:`curve_keys`)."""
+        return ClientKeys.load(self.keys_path(run_dir), role) if self.security == "curve" else None
 
     def reconnect_s(self) -> float:
         """``reconnect_timeout_s``, or when unset the larger of 60 s and ``heartbeat_timeout_s``."""
@@ -77,3 +125,5 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
     except ValueError:
         return False  # a hostname, an interface name or "*": public
+
+

@@ -435,8 +435,13 @@ class RunConfig(_Section):
           runs and saves its versions to ``RUN_DIR/drafter`` — a legitimate way to train a drafter for
           a later run's warm start (``drafter.path``) without spending generator time on drafting —
           but no generator drafts with them, which is more often a forgotten ``speculative``.
+        * a non-loopback ``network.host`` with ``security = "none"`` (``allow_insecure``): nothing is
+          authenticated.
         """
         found = []
+        insecure = self.network.insecure_warning()
+        if insecure is not None:
+            found.append(insecure)
         mode = self.generator.speculative
         if self.runs_drafter_trainer() and mode in ("off", "suffix"):
             found.append(f"drafter.enabled = true with generator.speculative = {mode!r}: the drafter trainer trains "

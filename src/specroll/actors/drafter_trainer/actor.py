@@ -359,6 +359,9 @@ async def run_drafter(config: RunConfig, connect: str, actor_id: str) -> int:
     init = config.drafter.path
     log.info("drafter trainer %s: model %s loaded; %s; connecting to %s", actor_id, config.model.name,
              f"warm start from {init}" if init else "cold start", connect)
-    async with trainer_channel(connect, actor_id, ToDrafter, config.network.window,
-                               config.drafter.linger_s) as channel:
+    keys = config.network.client_keys(config.run_dir, "drafter")
+    if keys is not None:
+        log.info("CURVE security: this run's drafter key from %s", config.network.keys_path(config.run_dir))
+    async with trainer_channel(connect, actor_id, ToDrafter, config.network.window, config.drafter.linger_s,
+                               keys) as channel:
         return await DrafterActor(config, learner, channel, connect=connect, actor_id=actor_id).run()

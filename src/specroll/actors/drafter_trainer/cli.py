@@ -18,6 +18,7 @@ from specroll.actors.drafter_trainer.args import PROG, add_arguments
 from specroll.actors.exit_codes import EXIT_REFUSED
 from specroll.actors.peer.endpoint import check_endpoint
 from specroll.actors.peer.exit import run_stoppable
+from specroll.actors.security import keys_overrides, keys_usable
 from specroll.drafter.eagle_head import DrafterError
 from specroll.engine.checkpoint import CheckpointError
 
@@ -36,6 +37,8 @@ def serve(config: RunConfig, connect: str, actor_id: str | None = None, log_leve
         return EXIT_REFUSED
     for warning in config.warnings():
         logging.getLogger("specroll.drafter").warning("%s", warning)
+    if not keys_usable(config, "drafter", prog):
+        return EXIT_REFUSED
     actor_id = actor_id or f"drafter-{uuid.uuid4().hex}"
     try:
         return run_stoppable(lambda: anyio.run(run_drafter, config, connect, actor_id, backend="asyncio"),
@@ -53,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(p)
     a = p.parse_args(argv)
     try:
-        config = load_config(a.config, a.overrides)
+        config = load_config(a.config, [*a.overrides, *keys_overrides(a.keys)])
     except ConfigError as e:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return EXIT_REFUSED

@@ -20,8 +20,10 @@ import anyio
 from specroll.actors.config import ConfigError, RunConfig, load_config, toml_value
 from specroll.actors.exit_codes import EXIT_REFUSED
 from specroll.actors.generator.actor import run_generator
+from specroll.actors.keys_flag import add_keys_argument
 from specroll.actors.peer.endpoint import endpoint_arg
 from specroll.actors.peer.exit import run_stoppable
+from specroll.actors.security import keys_overrides, keys_usable
 from specroll.drafter.eagle_head import DrafterError
 from specroll.engine.errors import CheckpointError
 
@@ -111,6 +113,7 @@ def _parser() -> argparse.ArgumentParser:
                    help=default(FLAG_KEYS["backend"]))
     p.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_keys_argument(p)
     return p
 
 
@@ -139,7 +142,7 @@ def parse_args(argv: Sequence[str] | None = None) -> GeneratorStart:
              if getattr(a, flag) is not None]
     base = () if a.config is not None else FLAG_MODE_BASE
     try:
-        config = load_config(a.config, [*base, *a.overrides, *flags])
+        config = load_config(a.config, [*base, *a.overrides, *flags, *keys_overrides(a.keys)])
     except ConfigError as e:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         sys.exit(EXIT_REFUSED)
@@ -150,6 +153,8 @@ def serve(start: GeneratorStart) -> int:
     """Run one generator process: log to stderr, serve the trainer until stopped, return the exit code."""
     logging.basicConfig(level=start.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not keys_usable(start.config, "generator", "specroll generator"):
+        return EXIT_REFUSED
     try:
         return run_stoppable(
             lambda: anyio.run(run_generator, start.config, start.connect, start.actor_id, backend="asyncio"),

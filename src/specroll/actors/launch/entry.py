@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from specroll.actors.config import ConfigError, load_config
+from specroll.actors.config import ConfigError, RunConfig, load_config
 from specroll.actors.exit_codes import EXIT_REFUSED
 from specroll.actors.launch.cpu_budget import available_cores, budget_line, with_cpu_budget
 from specroll.actors.launch.errors import LaunchError
@@ -20,6 +20,25 @@ from specroll.actors.launch.launch import (
 from specroll.actors.launch.preflight import LOCK_FILENAME, preflight, take_lock
 from specroll.actors.launch.ray_cluster import RayCluster, check_supported, import_ray, resources_line, with_ray_threads
 from specroll.actors.launch.role_fork import fork_supported, prepare
+from specroll.protocol.curve import KeysError, init_keys
+
+
+def prepare_keys(config: RunConfig) -> str | None:
+    """With ``network.security = "curve"``: make the run's keys on the first start (kept after), and
+    check that every role's keys load; returns the line to say (None without CURVE).
+
+    Raises:
+        KeysError: an incomplete keys folder, or a key file missing, unreadable, exposed or malformed.
+    """
+    net = config.network
+    if net.security != "curve":
+        return None
+    directory = net.keys_path(config.run_dir)
+    made = init_keys(directory)
+    net.server_keys(config.run_dir)
+    for role in ("generator", *(("drafter",) if config.runs_drafter_trainer() else ())):
+        net.client_keys(config.run_dir, role)
+    return f"CURVE security: {'made' if made else 'using'} the run's keys in {directory}"
 
 
 def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = TRAINER_MODULE,
@@ -59,11 +78,18 @@ def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = 
     cores = available_cores()
     config = with_ray_threads(config) if on_ray else with_cpu_budget(config, cores)
     try:
+        try:
+            keys_line = prepare_keys(config)
+        except KeysError as e:
+            print(f"specroll launch: error: {e}", file=sys.stderr)
+            return EXIT_REFUSED
         launcher = Launcher(config, trainer_module=trainer_module, startup_timeout_s=startup_timeout_s,
                             grace_s=grace_s, forker=forker)
         if on_ray:
             launcher.cluster = RayCluster(config, launcher.say, Path(config.run_dir) / ENDPOINT_FILENAME)
         launcher.say(resources_line(config) if on_ray else budget_line(config, cores))
+        if keys_line:
+            launcher.say(keys_line)
         for warning in config.warnings():
             launcher.say(f"warning: {warning}")
         return launcher.run()

@@ -20,7 +20,8 @@ supervision loop (restarts, back-off, limits, teardown — ``launch.py``, unchan
   generators' ``--connect``. A trainer bound to a loopback address (the default ``127.0.0.1``) is
   reachable from its own node only, so every other role is then placed on that node (Ray's
   ``NodeAffinitySchedulingStrategy``); spreading roles over nodes needs ``network.host = "0.0.0.0"``
-  and ``network.allow_public = true``;
+  and ``network.security = "curve"`` (each role's key files travel in its start request, written
+  on its node into a private folder: ``ray_host.py``);
 * a death: the process's exit code, observed by its actor; an actor that died (``RayActorError``:
   its node lost, its worker killed) is a death by SIGKILL;
 * logs stay on the role's node (``RUN_DIR/logs/<role>.log``); where the launcher's host does not
@@ -57,6 +58,7 @@ from specroll.actors.launch.errors import LaunchError
 from specroll.actors.launch.rank_roles import RANK_ROLE_PREFIX, TRAINER_ROLE, is_trainer_rank
 from specroll.actors.launch.ray_process import CALL_TIMEOUT_S, RayProcess
 from specroll.actors.launch.role_process import RoleProcess
+from specroll.protocol.curve import files_for
 from specroll.protocol.placement_messages import RoleSpec, RoleStarted
 
 if TYPE_CHECKING:
@@ -218,7 +220,8 @@ class RayCluster:
         config_path = Path(module_args[module_args.index("--config") + 1]).resolve()
         spec = RoleSpec(name=name, module_args=tuple(module_args), cwd=os.getcwd(), log_path=str(log_path.resolve()),
                         config_path=str(config_path), config_text=config_path.read_text(),
-                        stale_files=(str(self.endpoint_file.resolve()),) if first and name == "trainer" else ())
+                        stale_files=(str(self.endpoint_file.resolve()),) if first and name == "trainer" else (),
+                        key_files=self._key_files(name, module_args[0]))
         res = self.config.cluster.resources_of(name)
         pinned = " on the trainer's node (its endpoint is a loopback address)" \
             if self._pin_node is not None and not is_trainer_rank(name) else ""
@@ -303,9 +306,25 @@ class RayCluster:
             self._pin_node = remote.started.node_id
             if len([n for n in self._ray.nodes() if n.get("Alive")]) > 1:
                 self.say(f"note: the trainer listens on {text} (a loopback address), so every role is placed on its "
-                         f"node {remote.started.node_ip}; set network.host = '0.0.0.0' and network.allow_public "
-                         f"= true to use the other nodes")
+                         f"node {remote.started.node_ip}; set network.host = '0.0.0.0' and network.security = "
+                         f"'curve' to use the other nodes")
         return text
+
+    def _key_files(self, name: str, module: str) -> dict[str, bytes]:
+        """The key files role ``name`` (running ``python -m module``) reads (CURVE), read from the
+        launcher's keys folder: they travel in its start request (msgpack bytes over Ray's own
+        channel) to a private folder on its node."""
+        net = self.config.network
+        if net.security != "curve":
+            return {}
+        if is_trainer_rank(name):
+            kind = "trainer" if name == "trainer" else None  # ranks above 0 open no ZeroMQ socket
+        else:
+            kind = "drafter" if module.endswith(".drafter_trainer") else "generator"
+        if kind is None:
+            return {}
+        directory = net.keys_path(self.config.run_dir)
+        return {f: (directory / f).read_bytes() for f in files_for(kind)}
 
     def close(self) -> None:
         """Stop every role's process group, ``ray.kill`` every actor, ``ray.shutdown()`` (which stops a
@@ -316,6 +335,7 @@ class RayCluster:
         for name, host in self.hosts.items():
             try:
                 ray.get(host.stop.remote(), timeout=CALL_TIMEOUT_S)
+                ray.get(host.forget_keys.remote(), timeout=CALL_TIMEOUT_S)
             except ray.exceptions.RayError as e:
                 if not isinstance(e, ray.exceptions.RayActorError):
                     self.say(f"{name}: its Ray actor did not stop its process ({type(e).__name__}); killing the actor")

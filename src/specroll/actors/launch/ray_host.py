@@ -28,15 +28,19 @@ which ``exec`` would pass on, so the child starts with every signal unblocked an
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 from pathlib import Path
 
 import msgspec
 import ray
 
 from specroll.actors.launch.role_process import RoleProcess, killpg, observe_exit, start_role, tail
+from specroll.protocol.curve import all_files
 from specroll.protocol.placement_messages import RoleSpec, RoleStarted
 
 _WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::")
@@ -51,6 +55,8 @@ class RoleHost:
     """
 
     def __init__(self) -> None:
+        self.keys_dir: Path | None = None
+        """The private folder this role's key files were written to (CURVE), if any."""
         self.proc: RoleProcess | None = None
         self.exits: dict[int, int | None] = {}
         """Exit codes of this role's earlier processes (reaped), by pid."""
@@ -81,10 +87,31 @@ class RoleHost:
             config.parent.mkdir(parents=True, exist_ok=True)
             config.write_text(spec.config_text)  # this node does not share the launcher's filesystem
         log.parent.mkdir(parents=True, exist_ok=True)
-        self.proc = start_role(spec.name, list(spec.module_args), log, cwd=cwd, default_signals=True)
+        args = list(spec.module_args)
+        if spec.key_files:
+            args += ["--keys", str(self._write_keys(spec.key_files))]
+        self.proc = start_role(spec.name, args, log, cwd=cwd, default_signals=True)
         return msgspec.msgpack.encode(RoleStarted(pid=self.proc.pid, node_id=ray.get_runtime_context().get_node_id(),
                                                   node_ip=ray.util.get_node_ip_address(),
                                                   hostname=socket.gethostname()))
+
+    def _write_keys(self, files: dict[str, bytes]) -> Path:
+        """Write the role's key files into this host's private folder (made once: ``mkdtemp`` is
+        0700; each file created 0600, never readable by others even for a moment).
+
+        Raises:
+            ValueError: a file name that is not one of the run's key files.
+        """
+        for name in files:
+            if name not in all_files():
+                raise ValueError(f"key file {name!r}, expected one of {all_files()}")
+        if self.keys_dir is None:
+            self.keys_dir = Path(tempfile.mkdtemp(prefix="specroll-keys-"))
+        for name, data in files.items():
+            fd = os.open(self.keys_dir / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        return self.keys_dir
 
     def _current(self, pid: int) -> RoleProcess | None:
         """The running (or exited, unreaped) process ``pid``; None for an earlier, reaped one.
@@ -130,6 +157,12 @@ class RoleHost:
         if self.proc is not None and not self.proc.reaped:
             killpg(self.proc, signal.SIGKILL)
             self.reap(self.proc.pid, timeout=30.0)
+
+    def forget_keys(self) -> None:
+        """Remove the role's key folder (the last call before the actor is killed)."""
+        if self.keys_dir is not None:
+            shutil.rmtree(self.keys_dir, ignore_errors=True)
+            self.keys_dir = None
 
     def endpoint(self, path: str) -> str:
         """The endpoint the trainer wrote to ``path`` (``RUN_DIR/trainer.endpoint`` on this node), as

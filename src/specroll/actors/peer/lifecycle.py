@@ -57,6 +57,7 @@ from specroll.actors.peer.trainer_liveness import TrainerLiveness
 from specroll.actors.wakeup import Wakeup
 from specroll.protocol.channel import Channel, Received, SequenceError
 from specroll.protocol.codec import ProtocolError
+from specroll.protocol.curve import ClientKeys
 from specroll.protocol.messages import (
     PROTOCOL_VERSION,
     Credit,
@@ -140,6 +141,7 @@ class PeerConnection(Generic[M]):
         self.capabilities = capabilities
         self.graceful_signals = graceful_signals
         self.trainer = TrainerLiveness(endpoint, trainer_timeout_s, log, on_connected=self._on_connected,
+                                       on_refused=lambda why: self.stop(EXIT_REFUSED, why),
                                        reconnect_s=reconnect_timeout_s)
         self.wake = Wakeup()
         """The role's main loop waits on this; role dispatch and :meth:`stop` notify it."""
@@ -365,11 +367,11 @@ class PeerConnection(Generic[M]):
 
 @contextlib.asynccontextmanager
 async def trainer_channel(endpoint: str, actor_id: str, inbound: Any, window: int,
-                          linger_s: float) -> AsyncIterator[Channel[Any]]:
-    """A DEALER channel connected to the trainer at ``endpoint`` (ZeroMQ identity ``actor_id``);
-    closed on exit with ``linger_s`` for the final ``Dead`` still queued."""
+                          linger_s: float, curve: ClientKeys | None = None) -> AsyncIterator[Channel[Any]]:
+    """A DEALER channel connected to the trainer at ``endpoint`` (ZeroMQ identity ``actor_id``; a
+    CURVE client with ``curve``); closed on exit with ``linger_s`` for the final ``Dead`` still queued."""
     ctx = zmq.asyncio.Context()
-    sock = make_socket(ctx, zmq.DEALER, connect=endpoint, identity=actor_id.encode())
+    sock = make_socket(ctx, zmq.DEALER, connect=endpoint, identity=actor_id.encode(), curve=curve)
     try:
         yield Channel(sock, inbound, window=window)
     finally:

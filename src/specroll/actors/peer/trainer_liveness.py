@@ -13,6 +13,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from specroll.protocol.curve import MECHANISM_MISMATCH
+
 
 class TrainerLiveness:
     """The trainer counts as alive while connected (ZMTP heartbeats drop a dead peer's connection)
@@ -28,15 +30,21 @@ class TrainerLiveness:
             lost; at least ``timeout_s`` (None: ``timeout_s``).
         on_connected: called whenever a connection to the endpoint comes up (after the trainer's
             ``Dead``, that is a new trainer).
+        on_refused: called with the reason when the trainer refuses the connection's security for
+            good (CURVE: our key is not one of the run's; or one side runs CURVE and the other
+            not): ZeroMQ stops reconnecting then, so waiting would only time out.
     """
 
     def __init__(self, endpoint: str, timeout_s: float, log: logging.Logger,
-                 on_connected: Callable[[], None] | None = None, reconnect_s: float | None = None) -> None:
+                 on_connected: Callable[[], None] | None = None, reconnect_s: float | None = None,
+                 on_refused: Callable[[str], None] | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.reconnect_s = max(timeout_s, reconnect_s or timeout_s)
         self.log = log
         self.on_connected = on_connected
+        self.on_refused = on_refused
+        self._handshake_failed = False
         # Assumed up until the socket monitor says otherwise: the monitor attaches after make_socket
         # connected, so it may miss the first handshake; a trainer never reached is caught by the
         # handshake's own timeout.
@@ -54,10 +62,15 @@ class TrainerLiveness:
 
     async def watch_connection(self, socket: zmq.asyncio.Socket) -> None:
         """Track the ZMTP connection through the socket monitor (runs until cancelled)."""
-        monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        failed = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                  | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | failed)
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] & failed:
+                    self._on_handshake_failed(event["event"], int(event["value"]))
+                    continue
                 self.connected = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
                 self.last_alive = time.monotonic()
                 self.log.info("%s the trainer at %s", "connected to" if self.connected else "lost the connection to",
@@ -67,6 +80,27 @@ class TrainerLiveness:
         finally:
             socket.disable_monitor()
             monitor.close(linger=0)
+
+    def _on_handshake_failed(self, kind: int, value: int) -> None:
+        """A failed ZMTP handshake: the trainer refused our CURVE key (ZAP status ``value``), or the
+        two sides disagree on the mechanism — final, :attr:`on_refused` — or it failed without
+        detail (a wrong server key: the trainer cannot read us; logged once, the handshake's own
+        timeout ends the wait)."""
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            why = (f"the trainer at {self.endpoint} refused our CURVE key (ZAP status {value}): it is not one of the "
+                   "run's keys for this role; use the run's keys (--keys, network.keys_dir)")
+        elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == MECHANISM_MISMATCH:
+            why = (f"the trainer at {self.endpoint} and this peer disagree on network.security (one runs CURVE, the "
+                   "other not); set the same network.security on both")
+        else:
+            if not self._handshake_failed:
+                self._handshake_failed = True
+                self.log.warning("the security handshake with the trainer at %s failed (%s %#x): a wrong server key "
+                                 "(another run's keys?); retrying", self.endpoint, zmq.Event(kind).name, value)
+            return
+        self.log.error("%s", why)
+        if self.on_refused is not None:
+            self.on_refused(why)
 
     async def watchdog(self, lost: Callable[[bool, str], None]) -> None:
         """Call ``lost(ended, reason)`` once the trainer is gone: ``timeout_s`` after its ``Dead``

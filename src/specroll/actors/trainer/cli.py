@@ -17,6 +17,8 @@ import anyio
 
 from specroll.actors.config import ConfigError, RunConfig, load_config
 from specroll.actors.exit_codes import EXIT_FAILED, EXIT_REFUSED
+from specroll.actors.keys_flag import add_keys_argument
+from specroll.actors.security import keys_overrides, keys_usable
 from specroll.actors.trainer.follower import run_follower
 from specroll.actors.trainer.process import run_trainer
 from specroll.actors.trainer.rank_flags import add_rank_arguments
@@ -33,6 +35,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="override a config value, e.g. --set trainer.batch_groups=2 (repeatable)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_rank_arguments(p)
+    add_keys_argument(p)
     return p.parse_args(argv)
 
 
@@ -41,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     _configure_logging(args.log_level)
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config, [*args.overrides, *keys_overrides(args.keys)])
         ranks = resolve_ranks(args.rank, args.world_size, args.master, args.local_rank, os.environ,
                               config.trainer.world_size)
     except (ConfigError, RankError) as e:
@@ -66,6 +69,8 @@ def serve(config: RunConfig, log_level: str = "INFO", args: argparse.Namespace |
 def _run(config: RunConfig, ranks: Ranks | None) -> int:
     if ranks is not None and ranks.rank > 0:
         return run_follower(config, ranks)
+    if not keys_usable(config, "trainer", "specroll trainer"):
+        return EXIT_REFUSED
     store = None
     if ranks is not None:
         # Rank 0 meets the other ranks before anything else, in the main thread and with the default

@@ -55,6 +55,7 @@ from specroll.actors.trainer.weights_publish import PublishedWeights
 from specroll.actors.wakeup import Wakeup
 from specroll.protocol.channel import DEFAULT_WINDOW, Channel
 from specroll.protocol.codec import ProtocolError
+from specroll.protocol.curve import RefusalLog, RunAuthenticator, ServerKeys, handshake_refusal
 from specroll.protocol.messages import (
     Abort,
     Dead,
@@ -92,7 +93,8 @@ class RolloutClient(ClientReceive):
             is declared dead (more than a generator's heartbeat interval).
         window: flow-control window (data messages), equal on both ends.
         hwm: ZeroMQ high-water mark of the socket.
-        allow_public: permit binding to a non-loopback address.
+        allow_public: permit binding to a non-loopback address (CURVE security, or an explicit
+            ``network.allow_insecure``).
         on_chunk: called with ``(actor_id, chunk)`` for every merged chunk (partial rollouts).
         actor_id: this side's id in the handshake.
         timeline: where to record what the client sees (``RUN_DIR/timeline.jsonl``): each generator's
@@ -112,6 +114,9 @@ class RolloutClient(ClientReceive):
             on CUDA, else gloo), ``gloo`` or ``nccl``.
         weights_host: the address the groups' stores and gloo sockets bind; default: the host of
             ``bind`` (127.0.0.1 for a non-TCP endpoint). Unauthenticated: a cluster-internal address.
+        curve: the run's server keys: the socket is a CURVE server that admits only the clients'
+            keys, and a message whose key's role is not the role its sender speaks as is refused
+            (``protocol/curve.py``); None: no security.
     """
 
     def __init__(
@@ -132,8 +137,13 @@ class RolloutClient(ClientReceive):
         weights_bucket_mb: int = 64,
         weights_backend: BackendChoice = "auto",
         weights_host: str | None = None,
+        curve: ServerKeys | None = None,
     ) -> None:
         self.bind = bind
+        self.curve = curve
+        self.refusals = RefusalLog(log)
+        """Peers refused by the security layer (each distinct one logged once)."""
+        self._auth: RunAuthenticator | None = None
         self.coordinator = RolloutCoordinator(max_groups_in_flight)
         self._foreign = ForeignGroups(self.coordinator)  # group ids unique across incarnations
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -195,9 +205,13 @@ class RolloutClient(ClientReceive):
         """
         self._ctx = zmq.asyncio.Context()
         try:
+            if self.curve is not None:  # the ZAP handler runs before anything can connect
+                self._auth = RunAuthenticator(self._ctx, self.curve, self.refusals)
+                self._auth.start()
             self._socket = make_socket(self._ctx, zmq.ROUTER, bind=self.bind, hwm=self.hwm,
-                                       allow_public=self.allow_public)
+                                       allow_public=self.allow_public, curve=self.curve)
         except BaseException:
+            self._stop_auth()
             self._ctx.term()
             raise
         self.endpoint = last_endpoint(self._socket)
@@ -235,8 +249,14 @@ class RolloutClient(ClientReceive):
                 await self._say_dead([*self.coordinator.generators, *self.drafters.drafters])
                 if self._socket is not None:
                     close_socket(self._socket, linger_ms=_DEAD_LINGER_MS)
+                self._stop_auth()
                 if self._ctx is not None:
                     self._ctx.term()
+
+    def _stop_auth(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
 
     async def _say_dead(self, peers: list[str]) -> None:
         """Send each peer ``Dead``, the last message it gets from this client (a generator started alone
@@ -443,13 +463,19 @@ class RolloutClient(ClientReceive):
             await anyio.sleep(0.05)
 
     async def _watch_connections(self) -> None:
-        """Tell the liveness which connections closed (the socket monitor's ``EVENT_DISCONNECTED``)."""
+        """Tell the liveness which connections closed (the socket monitor's ``EVENT_DISCONNECTED``),
+        and log each kind of failed security handshake once (the authenticator logs refused keys)."""
         assert self._socket is not None
-        monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # (a handshake that fails without detail — the peer hung up half-way — follows one of these, or is noise)
+        monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())
-                self._liveness.disconnected(int(event["value"]), time.monotonic())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self._liveness.disconnected(int(event["value"]), time.monotonic())
+                else:
+                    code = int(event["value"])
+                    self.refusals.refused(f"handshake:{code}", handshake_refusal(code, self.curve is not None))
         finally:
             self._socket.disable_monitor()
             monitor.close(linger=0)

@@ -25,8 +25,9 @@ from specroll.actors.trainer.timeline import Timeline
 from specroll.actors.trainer.weights_groups import WeightsGroups
 from specroll.actors.trainer.weights_publish import PublishedWeights
 from specroll.actors.wakeup import Wakeup
-from specroll.protocol.channel import Channel, SequenceError
+from specroll.protocol.channel import Channel, Received, SequenceError
 from specroll.protocol.codec import ProtocolError
+from specroll.protocol.curve import RefusalLog, ServerKeys
 from specroll.protocol.limits import MAX_SEQS, LimitExceeded, check_at_most, check_token_ids
 from specroll.protocol.messages import (
     PROTOCOL_VERSION,
@@ -74,6 +75,8 @@ class ClientReceive:
     _load: dict[str, tuple[int, int]]
     _liveness: PeerLiveness
     _socket: zmq.asyncio.Socket | None
+    curve: ServerKeys | None
+    refusals: RefusalLog
     _capacity_known: set[str]
     _finished_event: Wakeup
     _version_event: Wakeup
@@ -152,6 +155,8 @@ class ClientReceive:
                     self._queue(actor, Error(code="malformed", message=str(e)[:500], seq=e.seq))
                 continue
             actor = (received.peer or b"").decode(errors="replace")
+            if self.curve is not None and not self._key_speaks_for(actor, received):
+                continue
             self._liveness.heard(actor, received.fd, time.monotonic())
             try:
                 self._handle(actor, received.msg, received.tensors, received.fd)
@@ -159,6 +164,33 @@ class ClientReceive:
                 self.protocol_errors += 1
                 log.warning("%s from %s refused: %s", type(received.msg).__name__, actor, e)
                 self._queue(actor, Error(code="bad_request", message=str(e)[:500], seq=received.seq))
+
+    def _key_speaks_for(self, actor: str, received: Received[Any]) -> bool:
+        """With CURVE: whether the role kind of the sender's key (its ZAP ``User-Id``) is the role
+        the message speaks as — the ``Hello`` role, or the role ``actor`` registered with. A
+        generator's key cannot register as a drafter trainer nor take a drafter trainer's routing id
+        over; the refusal is logged once, a refused ``Hello`` answered with ``Refuse``. Messages of
+        peers that never registered go on to be refused as before."""
+        msg = received.msg
+        if isinstance(msg, Hello):
+            claimed = msg.role
+        elif actor in self.drafters.drafters:
+            claimed = "drafter"
+        elif actor in self.coordinator.generators:
+            claimed = "generator"
+        else:
+            return True
+        key_role = received.user_id
+        if key_role == claimed:
+            return True
+        self.protocol_errors += 1
+        self.refusals.refused(f"role:{key_role}:{claimed[:32]}",
+                              f"refused {actor[:80]}: its key is the run's {key_role!r} key, and it speaks as "
+                              f"{claimed[:32]!r}")
+        if isinstance(msg, Hello):
+            self._queue(actor, Refuse(reason=f"your key is this run's {key_role!r} key; a {claimed[:32]!r} needs "
+                                             f"the {claimed[:32]!r} key (--keys)"))
+        return False
 
     def _handle(self, actor: str, msg: Any, tensors: dict[str, torch.Tensor], fd: int | None = None) -> None:
         if isinstance(msg, Hello):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from specroll.actors.config import RunConfig, write_resolved
-from specroll.actors.exit_codes import EXIT_FAILED, EXIT_OK
+from specroll.actors.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_REFUSED
 from specroll.actors.files import write_text_atomic
 from specroll.actors.trainer.client import RolloutClient
 from specroll.actors.trainer.ranks import Ranks
@@ -22,6 +22,7 @@ from specroll.actors.trainer.setup import TrainerError, load_setup
 from specroll.actors.trainer.timeline import TIMELINE_FILENAME, Timeline
 from specroll.actors.trainer.trainer import ENDPOINT_FILENAME, Trainer
 from specroll.actors.trainer.weights_groups import BackendChoice
+from specroll.protocol.curve import KeysError
 
 log = logging.getLogger("specroll.trainer")
 
@@ -68,9 +69,18 @@ async def _run(config: RunConfig, ranks: Ranks | None, store: dist.Store | None)
 
 async def _serve(config: RunConfig, timeline: Timeline, ranks: Ranks | None, store: dist.Store | None) -> int:
     run_dir, net = Path(config.run_dir), config.network
+    try:
+        keys = net.server_keys(config.run_dir)
+    except KeysError as e:
+        raise TrainerError(str(e), EXIT_REFUSED) from None
+    if keys is not None:
+        log.info("CURVE security: admitting this run's generator and drafter keys from %s",
+                 net.keys_path(config.run_dir))
+    if net.insecure_warning() is not None:
+        log.warning("%s", net.insecure_warning())
     client = RolloutClient(_bind_address(config), max_groups_in_flight=config.trainer.max_groups_in_flight,
                            heartbeat_timeout_s=net.heartbeat_timeout_s, window=net.window, hwm=net.hwm,
-                           allow_public=net.allow_public, timeline=timeline,
+                           allow_public=net.public_bind_allowed(), curve=keys, timeline=timeline,
                            weights_transport=net.weights_transport, weights_bucket_mb=net.weights_bucket_mb,
                            weights_backend=_weights_backend(config))
     code = EXIT_OK

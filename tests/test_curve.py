@@ -1,0 +1,372 @@
+"""CURVE security (``network.security = "curve"``): the run's keys on disk, refusals over real
+sockets (no keys, another run's keys, an unknown key, a valid key for the wrong role), the wire
+carrying no token in the clear, and a launched CURVE run training exactly like an unsecured one."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import stat
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+from conftest import generator_process
+from safetensors.torch import load_file
+from test_launch import assert_nothing_left, children_of, finish, launch, write_config
+
+from specroll.actors.trainer.client import RolloutClient
+from specroll.protocol.channel import Channel
+from specroll.protocol.curve import (
+    MAX_LOGGED_REFUSALS,
+    ClientKeys,
+    KeysError,
+    RefusalLog,
+    ServerKeys,
+    all_files,
+    files_for,
+    init_keys,
+)
+from specroll.protocol.messages import PROTOCOL_VERSION, Heartbeat, Hello, Refuse, SubmitGroup, ToGenerator, Welcome
+from specroll.protocol.sampling import SamplingParams
+from specroll.protocol.sockets import make_socket
+
+HANG_S = 120  # a hang guard only: every wait below ends on an event
+
+
+# ---- keys on disk -------------------------------------------------------------------------------
+
+
+def test_init_makes_a_private_folder_of_certificates_and_keeps_a_complete_one(tmp_path: Path) -> None:
+    keys = tmp_path / "run" / "keys"
+    assert init_keys(keys) is True
+    assert stat.S_IMODE(keys.stat().st_mode) == 0o700
+    assert sorted(p.name for p in keys.iterdir()) == sorted(all_files())
+    assert {stat.S_IMODE(p.stat().st_mode) for p in keys.iterdir()} == {0o600}
+    before = {p.name: p.read_bytes() for p in keys.iterdir()}
+    assert init_keys(keys) is False  # a second launch keeps the run's keys
+    assert {p.name: p.read_bytes() for p in keys.iterdir()} == before
+    assert [p.name for p in keys.parent.iterdir()] == ["keys"]  # no temporary folder left
+    server = ServerKeys.load(keys)
+    assert sorted(server.clients.values()) == ["drafter", "generator"]
+    for role in ("generator", "drafter"):
+        client = ClientKeys.load(keys, role)
+        assert client.server_public == server.public and server.clients[client.public] == role
+        assert zmq.curve_public(client.secret) == client.public  # a real key pair
+
+
+def test_keys_init_command_and_an_incomplete_folder(tmp_path: Path, capsys) -> None:
+    from specroll.actors.cli import main
+
+    assert main(["keys", "init", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert f"made the run's CURVE keys in {tmp_path / 'run' / 'keys'}" in out
+    assert "generators: server.key, generator.key_secret" in out
+    (tmp_path / "run" / "keys" / "drafter.key").unlink()
+    before = sorted(p.name for p in (tmp_path / "run" / "keys").iterdir())
+    assert main(["keys", "init", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specroll keys init: error: keys directory") and "lacks drafter.key" in err
+    assert err.count("\n") == 1
+    assert sorted(p.name for p in (tmp_path / "run" / "keys").iterdir()) == before  # nothing overwritten
+    (tmp_path / "file").write_text("mine")
+    assert main(["keys", "init", str(tmp_path), "--out", str(tmp_path / "file")]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("role", ["trainer", "generator", "drafter"])
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
+def test_a_key_file_others_may_read_is_refused(tmp_path: Path, role: str, mode: int) -> None:
+    init_keys(tmp_path / "keys")
+    for name in files_for(role):
+        os.chmod(tmp_path / "keys" / name, mode)
+        with pytest.raises(KeysError, match=rf"key file .*{name} has mode {mode:04o}: others may read it; "
+                                             r"expected 0600 \(chmod 600 "):
+            ServerKeys.load(tmp_path / "keys") if role == "trainer" else ClientKeys.load(tmp_path / "keys", role)
+        os.chmod(tmp_path / "keys" / name, 0o600)
+
+
+@pytest.mark.parametrize("case", ["missing", "malformed", "public_only"])
+def test_a_missing_or_malformed_key_file_names_the_file(tmp_path: Path, case: str) -> None:
+    init_keys(tmp_path / "keys")
+    path = tmp_path / "keys" / "generator.key_secret"
+    if case == "missing":
+        path.unlink()
+        expected = r"generator.key_secret not found; expected the run's keys"
+    elif case == "malformed":
+        path.write_text("curve\n    secret-key = \"short\"\n")
+        expected = r"generator.key_secret: (not a ZeroMQ certificate|no secret key of 40 z85)"
+    else:
+        path.write_bytes((tmp_path / "keys" / "generator.key").read_bytes())
+        expected = r"generator.key_secret: no secret key of 40 z85 characters"
+    with pytest.raises(KeysError, match=expected):
+        ClientKeys.load(tmp_path / "keys", "generator")
+
+
+def test_a_role_with_a_missing_key_exits_2_in_one_line_before_opening_a_socket(tmp_path: Path,
+                                                                               tiny_checkpoint) -> None:
+    init_keys(tmp_path / "keys")
+    (tmp_path / "keys" / "server.key").unlink()
+    listener = socket.create_server(("127.0.0.1", 0))  # a port nobody else listens on: a connect would show here
+    listener.settimeout(0)
+    port = listener.getsockname()[1]
+    try:
+        proc = subprocess.run([sys.executable, "-m", "specroll.actors.generator", "--connect", f"tcp://127.0.0.1:{port}",
+                               "--model", str(tiny_checkpoint("llama")), "--keys", str(tmp_path / "keys")],
+                              capture_output=True, text=True, timeout=HANG_S)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # the generator never connected
+    finally:
+        listener.close()
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("specroll generator: error: key file ") and "server.key not found" in proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_a_non_loopback_host_needs_curve_or_an_explicit_allow_insecure() -> None:
+    from specroll.actors.config import NetworkConfig, RunConfig
+
+    with pytest.raises(ValueError, match=r"host='0.0.0.0', expected a loopback address .* unless "
+                                         r"security = 'curve' \(or allow_insecure = true"):
+        NetworkConfig(host="0.0.0.0")
+    assert NetworkConfig(host="0.0.0.0", security="curve").insecure_warning() is None
+    [warning] = RunConfig(network=NetworkConfig(host="0.0.0.0", allow_insecure=True)).warnings()
+    assert "nothing is authenticated or encrypted" in warning and "feed training fabricated rollouts" in warning
+    assert "network.security = 'curve'" in warning
+    assert RunConfig(network=NetworkConfig(allow_insecure=True)).warnings() == []  # loopback: no risk named
+
+
+def test_the_refusal_log_says_each_refusal_once_and_bounds_its_memory(caplog) -> None:
+    refusals = RefusalLog(logging.getLogger("test.refusals"))
+    with caplog.at_level(logging.WARNING, logger="test.refusals"):
+        for _ in range(5):
+            refusals.refused("a", "refused a")
+        for i in range(10 * MAX_LOGGED_REFUSALS):
+            refusals.refused(f"k{i}", f"refused k{i}")
+    assert refusals.count == 5 + 10 * MAX_LOGGED_REFUSALS
+    assert [r.getMessage() for r in caplog.records].count("refused a (logged once)") == 1
+    assert len(caplog.records) == MAX_LOGGED_REFUSALS + 1  # the cap, and the line saying so
+    assert len(refusals.seen) == MAX_LOGGED_REFUSALS + 1
+
+
+# ---- refusals over real sockets -------------------------------------------------------------------
+
+
+class RawPeer:
+    """A DEALER speaking the protocol by hand, with whatever keys (or none) it was given."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, name: str, keys: ClientKeys | None) -> None:
+        self.name = name
+        self.sock = make_socket(ctx, zmq.DEALER, connect=endpoint, identity=name.encode(), curve=keys)
+        self.channel = Channel(self.sock, ToGenerator, window=64)
+        self.received: list[object] = []
+
+    async def hello(self, role: str) -> None:
+        """Send ``Hello``; a peer whose handshake never completes cannot (the socket holds it back)."""
+        with anyio.move_on_after(0.5):
+            await self.channel.send(Hello(protocol_version=PROTOCOL_VERSION, role=role, actor_id=self.name))
+
+    async def read_all(self) -> list[object]:
+        """Every message that reached this peer so far (none waits)."""
+        while self.sock.get(zmq.EVENTS) & zmq.POLLIN:
+            self.received.append((await self.channel.recv()).msg)
+        return self.received
+
+
+def _client_keys(server: ServerKeys, public: bytes, secret: bytes, role: str) -> ClientKeys:
+    return ClientKeys(role=role, server_public=server.public, public=public, secret=secret)
+
+
+async def _until(predicate, what: str) -> None:
+    with anyio.fail_after(HANG_S, shield=False):
+        while not predicate():
+            await anyio.sleep(0.02)
+    assert predicate(), what
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_peers_without_the_runs_keys_or_with_the_wrong_roles_key_are_refused_once_each(
+        tmp_path: Path, caplog, anyio_backend) -> None:
+    init_keys(tmp_path / "run")
+    init_keys(tmp_path / "other")
+    server = ServerKeys.load(tmp_path / "run")
+    public, secret = zmq.curve_keypair()
+    generator_keys, drafter_keys = ClientKeys.load(tmp_path / "run", "generator"), ClientKeys.load(tmp_path / "run",
+                                                                                                  "drafter")
+    caplog.set_level(logging.WARNING)
+    ctx = zmq.asyncio.Context()
+    async with RolloutClient(heartbeat_timeout_s=60, curve=server) as client:
+        try:
+            good = RawPeer(ctx, client.endpoint, "good", generator_keys)
+            await good.hello("generator")
+            bad = {  # name -> (keys, the role its Hello claims)
+                "no_keys": (None, "generator"),
+                "other_run": (ClientKeys.load(tmp_path / "other", "generator"), "generator"),
+                "unknown_key": (_client_keys(server, public, secret, "generator"), "generator"),
+                "drafter_key_as_generator": (drafter_keys, "generator"),
+                "generator_key_as_drafter": (generator_keys, "drafter"),
+            }
+            peers = {name: RawPeer(ctx, client.endpoint, name, keys) for name, (keys, _) in bad.items()}
+            for name, (_, role) in bad.items():
+                await peers[name].hello(role)
+            await _until(lambda: good.received or good.sock.get(zmq.EVENTS) & zmq.POLLIN, "good's Welcome")
+            await good.read_all()
+            assert isinstance(good.received[0], Welcome)
+            # the ones whose keys passed the transport got a Refuse for the role; ask twice: logged once
+            for name in ("drafter_key_as_generator", "generator_key_as_drafter"):
+                await _until(lambda name=name: peers[name].sock.get(zmq.EVENTS) & zmq.POLLIN, f"{name}'s Refuse")
+                await peers[name].hello(bad[name][1])
+            expected = {"handshake:285212674", "handshake:285212673", f"key:{public.decode()}",
+                        "role:drafter:generator", "role:generator:drafter"}
+            # every refusal seen, and the retrying ones (another run's keys: ~10 reconnects a second) more than once
+            await _until(lambda: expected <= client.refusals.seen and client.refusals.count >= len(expected) + 5,
+                         f"refusals {expected} (seen {client.refusals.seen})")
+            # the run goes on: the good generator gets the prompt, no other peer gets anything but Refuse
+            await good.channel.send(Heartbeat(policy_version=0, batch_size=0, free_groups=4, free_seqs=16))
+            await _until(lambda: client.coordinator.generators.get("good") is not None, "good registered")
+            group = await client.submit([11, 12, 13], 2, SamplingParams(max_tokens=4))
+            await _until(lambda: good.sock.get(zmq.EVENTS) & zmq.POLLIN and good.received.__len__() >= 0, "dispatch")
+            while not any(isinstance(m, SubmitGroup) for m in good.received):
+                await _until(lambda: good.sock.get(zmq.EVENTS) & zmq.POLLIN, "good's SubmitGroup")
+                await good.read_all()
+            [submit] = [m for m in good.received if isinstance(m, SubmitGroup)]
+            assert submit.group_id == group and submit.prompt_token_ids == [11, 12, 13]
+            for name, peer in peers.items():
+                got = await peer.read_all()
+                if name in ("drafter_key_as_generator", "generator_key_as_drafter"):
+                    assert got and all(isinstance(m, Refuse) for m in got), (name, got)
+                    assert f"your key is this run's {name.split('_')[0]!r} key" in got[0].reason
+                else:
+                    assert got == [], (name, got)
+            assert set(client.coordinator.generators) == {"good"} and not client.drafters.drafters
+        finally:
+            ctx.destroy(linger=0)
+    lines = [r.getMessage() for r in caplog.records if "(logged once)" in r.getMessage()]
+    assert len(lines) == len(expected), lines  # one line per refusal, however often it came
+    text = "\n".join(lines)
+    for part in ("without CURVE security", "made for another server key", f"unknown public key {public.decode()[:8]}",
+                 "refused drafter_key_as_generator: its key is the run's 'drafter' key, and it speaks as 'generator'",
+                 "refused generator_key_as_drafter: its key is the run's 'generator' key, and it speaks as 'drafter'"):
+        assert part in text, (part, text)
+
+
+# ---- the wire ------------------------------------------------------------------------------------
+
+
+@contextmanager
+def recording_proxy(upstream: str) -> Iterator[tuple[str, bytearray]]:
+    """A TCP relay on 127.0.0.1 to ``upstream`` (``tcp://HOST:PORT``) that keeps every byte it relays,
+    both ways; yields its endpoint and the bytes."""
+    host, port = upstream.removeprefix("tcp://").rsplit(":", 1)
+    listener = socket.create_server(("127.0.0.1", 0))
+    captured = bytearray()
+    lock = threading.Lock()
+    conns: list[socket.socket] = []
+    stop = threading.Event()
+
+    def pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                with lock:
+                    captured.extend(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                a, _ = listener.accept()
+            except OSError:
+                return
+            b = socket.create_connection((host, int(port)))
+            conns.extend((a, b))
+            for src, dst in ((a, b), (b, a)):
+                threading.Thread(target=pump, args=(src, dst), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"tcp://127.0.0.1:{listener.getsockname()[1]}", captured
+    finally:
+        stop.set()
+        listener.close()
+        for c in conns:
+            c.close()
+        thread.join(timeout=5)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("security", ["none", "curve"])
+async def test_no_token_crosses_the_wire_in_the_clear_with_curve(tmp_path: Path, tiny_checkpoint, security: str,
+                                                                 anyio_backend) -> None:
+    model = tiny_checkpoint("llama")
+    init_keys(tmp_path / "keys")
+    server = ServerKeys.load(tmp_path / "keys") if security == "curve" else None
+    keys_flag = ["--keys", str(tmp_path / "keys")] if security == "curve" else []
+    prompt = [201, 37, 199, 58, 233, 17, 244, 90, 123, 66]
+    async with RolloutClient(heartbeat_timeout_s=60, curve=server) as client:
+        with recording_proxy(client.endpoint) as (endpoint, captured), \
+                generator_process(endpoint, model, tmp_path / "gen.log", "--stream-every", "64", *keys_flag):
+            await client.wait_for_generators(1, timeout=HANG_S)
+            await client.submit(prompt, 2, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
+            group = await client.next_finished(timeout=HANG_S)
+            wire = bytes(captured)
+    assert len(wire) > 1000
+    samples = [s.token_ids for s in group.samples]  # each streamed in one chunk (--stream-every 64)
+    # the token lists as msgpack puts them on the wire (the elements after the array header)
+    patterns = [msgspec.msgpack.encode(ids)[1:] for ids in (prompt, *samples)]
+    found = [p in wire for p in patterns]
+    if security == "none":
+        assert all(found), "the control: plain TCP shows the prompt and the sampled tokens"
+    else:
+        assert not any(found), found
+
+
+# ---- a launched run ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_launched_curve_run_trains_exactly_like_an_unsecured_one(tmp_path: Path, tiny_checkpoint) -> None:
+    model = tiny_checkpoint()
+    before = children_of(os.getpid())
+    runs = {}
+    for security in ("curve", "none"):
+        base = tmp_path / security
+        base.mkdir()
+        config = write_config(base, model, steps=3, count=1)
+        text = config.read_text().replace("[trainer]\n", "[trainer]\nmode = \"sync\"\ncheckpoint_every = 1\n"
+                                          "learning_rate = 1e-3\n", 1)
+        config.write_text(text.replace("[network]\n", f"[network]\nsecurity = \"{security}\"\n", 1))
+        code, out, err = finish(launch(tmp_path, config))
+        run_dir = base / "run"
+        assert code == 0, err
+        assert_nothing_left(run_dir, before)
+        runs[security] = run_dir
+        if security == "curve":
+            assert f"CURVE security: made the run's keys in {run_dir / 'keys'}" in out + err
+            assert stat.S_IMODE((run_dir / "keys").stat().st_mode) == 0o700
+    metrics = {s: [json.loads(line) for line in (runs[s] / "metrics.jsonl").read_text().splitlines()] for s in runs}
+    assert [m["step"] for m in metrics["curve"]] == [1, 2, 3]
+    for a, b in zip(metrics["curve"], metrics["none"], strict=True):  # the same rollouts, the same loss
+        assert (a["reward_mean"], a["trained_tokens"], a["loss"]) == (b["reward_mean"], b["trained_tokens"], b["loss"])
+    weights = {s: load_file(runs[s] / "checkpoint" / "model.safetensors") for s in runs}
+    assert all(weights["curve"][k].equal(weights["none"][k]) for k in weights["none"])
