@@ -261,6 +261,40 @@ async def test_peers_without_the_runs_keys_or_with_the_wrong_roles_key_are_refus
         assert part in text, (part, text)
 
 
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("case", ["no_keys", "unknown_key", "drafter_key"])
+async def test_a_refused_generator_process_exits_2_naming_the_cause(tmp_path: Path, tiny_checkpoint, case: str,
+                                                                    anyio_backend) -> None:
+    """A real generator the trainer refuses — it runs without CURVE, its key is not the run's, or
+    its key is the run's drafter key — exits 2 with the reason, never registered."""
+    init_keys(tmp_path / "run")
+    keys = tmp_path / "gen-keys"
+    keys.mkdir(mode=0o700)
+    (keys / "server.key").write_bytes((tmp_path / "run" / "server.key").read_bytes())
+    if case == "unknown_key":
+        init_keys(tmp_path / "other")
+        secret = (tmp_path / "other" / "generator.key_secret").read_bytes()
+    else:
+        secret = (tmp_path / "run" / "drafter.key_secret").read_bytes()
+    (keys / "generator.key_secret").write_bytes(secret)
+    for f in keys.iterdir():
+        f.chmod(0o600)
+    extra = () if case == "no_keys" else ("--keys", str(keys))
+    expected = {"no_keys": "disagree on network.security", "unknown_key": "refused our CURVE key",
+                "drafter_key": "your key is this run's 'drafter' key"}[case]
+    async with RolloutClient(heartbeat_timeout_s=60, curve=ServerKeys.load(tmp_path / "run")) as client:
+        with generator_process(client.endpoint, tiny_checkpoint("llama"), tmp_path / "gen.log", *extra) as proc:
+            with anyio.fail_after(HANG_S):
+                while proc.poll() is None:
+                    await anyio.sleep(0.1)
+        assert not client.coordinator.generators
+    text = (tmp_path / "gen.log").read_text()
+    assert proc.returncode == 2, text
+    assert expected in text, text
+
+
 # ---- the wire ------------------------------------------------------------------------------------
 
 

@@ -55,7 +55,10 @@ class NetworkConfig(_Section):
     fallback that works across any network) or ``collective`` (each generator joins a torch.distributed
     group of its own with the trainer and receives every version as bucketed broadcasts, NCCL or gloo;
     announcements and acknowledgements stay on ZeroMQ, the drafter trainer keeps fetching chunks). The
-    groups' stores and sockets bind ``host`` and are unauthenticated: a cluster-internal network only."""
+    announcement and the group's address travel on the trainer's channel (encrypted and authenticated
+    with ``security = "curve"``), but torch.distributed has no authentication or encryption: the
+    groups' stores and sockets bind ``host`` and accept whoever connects, so ``collective`` needs a
+    cluster-internal network (``zmq`` is the choice where that cannot be assured)."""
     weights_bucket_mb: int = 64
     """MiB per broadcast with ``collective`` (each bucket is checksummed with CRC-32). Default 64."""
     weights_backend: Literal["auto", "gloo", "nccl"] = "auto"

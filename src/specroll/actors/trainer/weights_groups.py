@@ -15,6 +15,12 @@ asks for one (why one per generator: ``actors/peer/weights_collective.py``).
   then on, as they are for a peer without a group (the drafter trainer).
 * :meth:`drop` when the generator is declared gone: its group is forgotten (an operation under way
   fails at once when the generator's process is gone, or after ``timeout_s``).
+Security: ``WeightsGroup`` (the store's host and port) goes only to a generator the trainer
+admitted, over its channel (CURVE-encrypted with ``network.security = "curve"``), and the buckets'
+CRC-32 travel the same way. The store and the gloo/NCCL connections themselves have no
+authentication or encryption in torch.distributed (``TCPStore`` takes whoever connects first to a
+rank slot, and the bytes cross in the clear), so this path needs a cluster-internal network; the
+CRC-32 catches corruption, not a forger.
 """
 
 from __future__ import annotations
