@@ -21,8 +21,9 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from conftest import generator_process
+from conftest import actor_process, generator_process
 from safetensors.torch import load_file
+from test_drafter_actor import run_config
 from test_launch import assert_nothing_left, children_of, finish, launch, write_config
 
 from specroll.actors.trainer.client import RolloutClient
@@ -293,6 +294,39 @@ async def test_a_refused_generator_process_exits_2_naming_the_cause(tmp_path: Pa
     text = (tmp_path / "gen.log").read_text()
     assert proc.returncode == 2, text
     assert expected in text, text
+
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_drafter_trainer_and_a_generator_with_keys_carry_a_drafter_version_over_curve(
+        tmp_path: Path, tiny_checkpoint, anyio_backend) -> None:
+    """The drafter's whole path under CURVE: rollouts to the drafter trainer, its ``PublishDrafter``,
+    the generator's fetch and ``AckDrafter`` — every hop a CURVE client of the trainer's socket."""
+    model = tiny_checkpoint("llama")
+    init_keys(tmp_path / "keys")
+    keys = ("--keys", str(tmp_path / "keys"))
+    config = run_config(model, tmp_path / "run")
+    async with RolloutClient(heartbeat_timeout_s=HANG_S, curve=ServerKeys.load(tmp_path / "keys")) as client:
+        with generator_process(client.endpoint, model, tmp_path / "gen.log", "--speculative", "eagle", *keys), \
+                actor_process([sys.executable, "-m", "specroll.actors.drafter_trainer", "--connect", client.endpoint,
+                               "--config", str(config), "--actor-id", "drafter-0", *keys], tmp_path / "drafter.log"):
+            await client.wait_for_generators(1, timeout=HANG_S)
+            with anyio.fail_after(HANG_S):
+                while not client.drafters.drafters:
+                    await anyio.sleep(0.05)
+            prompts = [[5 + i, 17, 33, 2 * i + 40] for i in range(8)]
+            sampling = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+            for prompt in prompts:
+                await client.submit(prompt, 2, sampling)
+            for _ in prompts:
+                await client.next_finished(timeout=HANG_S)
+            with anyio.fail_after(HANG_S):
+                while client.drafters.generator_drafters.get("gen-0", (0, ""))[0] < 1:
+                    await anyio.sleep(0.05)
+            assert client.drafters.checksums_match()
+            assert not client.refusals.count
+    assert "CURVE security: this run's drafter key from" in (tmp_path / "drafter.log").read_text()
 
 
 # ---- the wire ------------------------------------------------------------------------------------
