@@ -253,6 +253,14 @@ def handshake_refusal(code: int, secured: bool) -> str:
     return f"refused a connection: its handshake failed (ZMTP error {code:#x})"
 
 
+def hung_up_refusal(secured: bool) -> str:
+    """What a handshake on the trainer's socket that failed without detail (the peer hung up
+    half-way) most likely means: the peer found the mismatch first."""
+    other = "without CURVE, or with another run's server key" if secured else "that asked for CURVE security"
+    return (f"a connection hung up during its handshake: most likely a peer {other} (network.security here is "
+            f"{'curve' if secured else 'none'}), or one stopped while connecting")
+
+
 class RunAuthenticator(zmq.auth.asyncio.AsyncioAuthenticator):
     """The trainer's ZAP handler: admits a CURVE client whose public key is one of the run's client
     keys and names its role kind as the connection's ``User-Id``; refuses (and logs once, through

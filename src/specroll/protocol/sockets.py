@@ -59,6 +59,7 @@ def make_socket(
     heartbeat_ivl_ms: int = DEFAULT_HEARTBEAT_IVL_MS,
     heartbeat_timeout_ms: int = DEFAULT_HEARTBEAT_TIMEOUT_MS,
     curve: ServerKeys | ClientKeys | None = None,
+    monitor_events: int = 0,
 ) -> S:
     """Create a socket of ``ctx`` (sync or ``zmq.asyncio``), set its options, bind or connect it.
 
@@ -79,6 +80,10 @@ def make_socket(
         allow_public: permit binding to a non-loopback address.
         curve: CURVE security (``protocol/curve.py``): a server's keys (bind; the context must run
             the ZAP authenticator, or every handshake fails) or a client's (connect).
+        monitor_events: a ``zmq.EVENT_*`` mask: the socket monitor is attached before the bind or
+            connect, so no event is missed (a refused first handshake included); read it with
+            ``sock.get_monitor_socket()``, which returns that same monitor, and close it before the
+            context is terminated. 0: none.
 
     Raises:
         ValueError: an unsupported kind, not exactly one endpoint, a malformed endpoint, or a public
@@ -96,6 +101,7 @@ def make_socket(
     if curve is not None and isinstance(curve, ServerKeys) != (bind is not None):
         raise ValueError("a CURVE server's keys go with bind=, a client's with connect=")
     sock = ctx.socket(kind)
+    monitor = None
     try:
         sock.setsockopt(zmq.LINGER, linger_ms)
         sock.setsockopt(zmq.SNDHWM, hwm)
@@ -114,6 +120,8 @@ def make_socket(
             sock.setsockopt(zmq.ROUTING_ID, identity)
         if curve is not None:
             apply(sock, curve)
+        if monitor_events:
+            monitor = sock.get_monitor_socket(monitor_events)
         if "://[" in (bind or connect or ""):
             sock.setsockopt(zmq.IPV6, 1)  # an IPv6 literal; off otherwise so "localhost" stays IPv4
         if bind is not None:
@@ -123,6 +131,8 @@ def make_socket(
                 sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.connect(connect)  # type: ignore[arg-type]
     except BaseException:
+        if monitor is not None:
+            monitor.close(linger=0)
         sock.close(linger=0)
         raise
     return sock

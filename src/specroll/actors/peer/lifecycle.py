@@ -53,7 +53,7 @@ import zmq.asyncio
 
 from specroll.actors.exit_codes import EXIT_OK, EXIT_PEER_LOST, EXIT_REFUSED
 from specroll.actors.peer.exit import failure, report_exit
-from specroll.actors.peer.trainer_liveness import TrainerLiveness
+from specroll.actors.peer.trainer_liveness import MONITOR_EVENTS, TrainerLiveness
 from specroll.actors.wakeup import Wakeup
 from specroll.protocol.channel import Channel, Received, SequenceError
 from specroll.protocol.codec import ProtocolError
@@ -240,7 +240,7 @@ class PeerConnection(Generic[M]):
             await welcomed.wait()
         if not welcomed.is_set():
             self.stop(EXIT_PEER_LOST, f"no Welcome from the trainer at {self.endpoint} within "
-                      f"{self.trainer_timeout_s} s")
+                      f"{self.trainer_timeout_s} s{self.trainer.why_unreached()}")
             await anyio.sleep_forever()
 
     def _send_hello(self) -> None:
@@ -371,9 +371,12 @@ async def trainer_channel(endpoint: str, actor_id: str, inbound: Any, window: in
     """A DEALER channel connected to the trainer at ``endpoint`` (ZeroMQ identity ``actor_id``; a
     CURVE client with ``curve``); closed on exit with ``linger_s`` for the final ``Dead`` still queued."""
     ctx = zmq.asyncio.Context()
-    sock = make_socket(ctx, zmq.DEALER, connect=endpoint, identity=actor_id.encode(), curve=curve)
+    sock = make_socket(ctx, zmq.DEALER, connect=endpoint, identity=actor_id.encode(), curve=curve,
+                       monitor_events=MONITOR_EVENTS)
+    monitor = sock.get_monitor_socket()  # the one attached before the connect (TrainerLiveness reads it)
     try:
         yield Channel(sock, inbound, window=window)
     finally:
+        monitor.close(linger=0)
         close_socket(sock, linger_ms=int(linger_s * 1000))
         ctx.term()

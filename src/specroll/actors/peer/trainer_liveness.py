@@ -15,6 +15,11 @@ from zmq.utils.monitor import parse_monitor_message
 
 from specroll.protocol.curve import MECHANISM_MISMATCH
 
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
+"""The socket monitor's events a peer watches (``make_socket(monitor_events=...)``)."""
+
 
 class TrainerLiveness:
     """The trainer counts as alive while connected (ZMTP heartbeats drop a dead peer's connection)
@@ -45,9 +50,8 @@ class TrainerLiveness:
         self.on_connected = on_connected
         self.on_refused = on_refused
         self._handshake_failed = False
-        # Assumed up until the socket monitor says otherwise: the monitor attaches after make_socket
-        # connected, so it may miss the first handshake; a trainer never reached is caught by the
-        # handshake's own timeout.
+        # Assumed up until the socket monitor says otherwise (a trainer never reached is caught by
+        # the handshake's own timeout).
         self.connected = True
         self.last_alive = time.monotonic()
         self.said_dead = False
@@ -61,20 +65,22 @@ class TrainerLiveness:
             self.connected = False
 
     async def watch_connection(self, socket: zmq.asyncio.Socket) -> None:
-        """Track the ZMTP connection through the socket monitor (runs until cancelled)."""
-        failed = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                  | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-        monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | failed)
+        """Track the ZMTP connection through the socket monitor (runs until cancelled). The socket
+        should have been made with ``monitor_events=MONITOR_EVENTS``, so that the monitor saw the
+        first handshake; otherwise one is attached now."""
+        monitor = socket.get_monitor_socket(MONITOR_EVENTS)
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())
-                if event["event"] & failed:
+                if event["event"] & HANDSHAKE_FAILED:
                     self._on_handshake_failed(event["event"], int(event["value"]))
                     continue
+                was_connected = self.connected
                 self.connected = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
                 self.last_alive = time.monotonic()
-                self.log.info("%s the trainer at %s", "connected to" if self.connected else "lost the connection to",
-                         self.endpoint)
+                if self.connected or was_connected:  # not once per failed reconnect
+                    self.log.info("%s the trainer at %s",
+                                  "connected to" if self.connected else "lost the connection to", self.endpoint)
                 if self.connected and self.on_connected is not None:
                     self.on_connected()
         finally:
@@ -95,12 +101,22 @@ class TrainerLiveness:
         else:
             if not self._handshake_failed:
                 self._handshake_failed = True
-                self.log.warning("the security handshake with the trainer at %s failed (%s %#x): a wrong server key "
-                                 "(another run's keys?); retrying", self.endpoint, zmq.Event(kind).name, value)
+                self.log.warning("the security handshake with the trainer at %s failed (%s %#x): %s; retrying",
+                                 self.endpoint, zmq.Event(kind).name, value, self.handshake_hint())
             return
         self.log.error("%s", why)
         if self.on_refused is not None:
             self.on_refused(why)
+
+    def handshake_hint(self) -> str:
+        """What a security handshake that failed without detail most likely means."""
+        return ("the trainer runs another network.security than this peer, or this peer has another run's "
+                "server key (check --keys / network.keys_dir and network.security on both sides)")
+
+    def why_unreached(self) -> str:
+        """The clause a peer that never reached the trainer adds to its last line ('' when no
+        security handshake failed)."""
+        return f"; the security handshake failed: {self.handshake_hint()}" if self._handshake_failed else ""
 
     async def watchdog(self, lost: Callable[[bool, str], None]) -> None:
         """Call ``lost(ended, reason)`` once the trainer is gone: ``timeout_s`` after its ``Dead``
@@ -115,4 +131,4 @@ class TrainerLiveness:
                 lost(True, f"the trainer ended and did not come back within {self.timeout_s} s")
             elif not self.said_dead and now - self.last_alive > self.reconnect_s:
                 lost(False, f"no connection to and no message from the trainer at {self.endpoint} for "
-                            f"{self.reconnect_s} s")
+                            f"{self.reconnect_s} s{self.why_unreached()}")

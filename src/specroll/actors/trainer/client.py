@@ -55,7 +55,7 @@ from specroll.actors.trainer.weights_publish import PublishedWeights
 from specroll.actors.wakeup import Wakeup
 from specroll.protocol.channel import DEFAULT_WINDOW, Channel
 from specroll.protocol.codec import ProtocolError
-from specroll.protocol.curve import RefusalLog, RunAuthenticator, ServerKeys, handshake_refusal
+from specroll.protocol.curve import RefusalLog, RunAuthenticator, ServerKeys, handshake_refusal, hung_up_refusal
 from specroll.protocol.messages import (
     Abort,
     Dead,
@@ -74,6 +74,9 @@ __all__ = ["RolloutClient"]
 log = logging.getLogger("specroll.client")
 
 _FLUSH_S = 0.5
+_MONITOR_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                   | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+"""What the trainer's socket monitor reports: closed connections, failed security handshakes."""
 """On close, seconds at most to send what is queued (a peer that grants no credit holds its queue)."""
 _DEAD_READ_S = 2.0
 """On close, seconds at most to wait until every peer read ``Dead`` (it answers ``Hello``)."""
@@ -182,6 +185,7 @@ class RolloutClient(ClientReceive):
         """The generators' weights groups (``collective``)."""
         self._ctx: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
         self._channel: Channel[Any] | None = None
         self._tg: TaskGroup | None = None
         self._outboxes: Outboxes | None = None
@@ -209,11 +213,13 @@ class RolloutClient(ClientReceive):
                 self._auth = RunAuthenticator(self._ctx, self.curve, self.refusals)
                 self._auth.start()
             self._socket = make_socket(self._ctx, zmq.ROUTER, bind=self.bind, hwm=self.hwm,
-                                       allow_public=self.allow_public, curve=self.curve)
+                                       allow_public=self.allow_public, curve=self.curve,
+                                       monitor_events=_MONITOR_EVENTS)
         except BaseException:
             self._stop_auth()
             self._ctx.term()
             raise
+        self._monitor = self._socket.get_monitor_socket()  # attached before the bind
         self.endpoint = last_endpoint(self._socket)
         self._channel = Channel(self._socket, ToTrainer, window=self.window)
         self._tg = anyio.create_task_group()
@@ -247,8 +253,13 @@ class RolloutClient(ClientReceive):
             self._tg = None
             with anyio.CancelScope(shield=True):
                 await self._say_dead([*self.coordinator.generators, *self.drafters.drafters])
+                if self._monitor is not None:
+                    self._monitor.close(linger=0)
                 if self._socket is not None:
                     close_socket(self._socket, linger_ms=_DEAD_LINGER_MS)
+                if self.refusals.count:
+                    log.info("refused %d connection attempts and messages in all (%d kinds logged above)",
+                             self.refusals.count, len(self.refusals.seen - {""}))
                 self._stop_auth()
                 if self._ctx is not None:
                     self._ctx.term()
@@ -466,13 +477,15 @@ class RolloutClient(ClientReceive):
         """Tell the liveness which connections closed (the socket monitor's ``EVENT_DISCONNECTED``),
         and log each kind of failed security handshake once (the authenticator logs refused keys)."""
         assert self._socket is not None
-        # (a handshake that fails without detail — the peer hung up half-way — follows one of these, or is noise)
-        monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        monitor = self._monitor
+        assert monitor is not None
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_DISCONNECTED:
                     self._liveness.disconnected(int(event["value"]), time.monotonic())
+                elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # the peer found the mismatch first
+                    self.refusals.refused("handshake:hung-up", hung_up_refusal(self.curve is not None))
                 else:
                     code = int(event["value"])
                     self.refusals.refused(f"handshake:{code}", handshake_refusal(code, self.curve is not None))
