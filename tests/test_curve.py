@@ -87,6 +87,63 @@ def test_keys_init_command_and_an_incomplete_folder(tmp_path: Path, capsys) -> N
     assert "exists and is not a directory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("case", ["mixed_runs", "garbage", "exposed_secret", "open_folder", "pair_of_another_key"])
+def test_a_kept_keys_folder_is_checked_whole(tmp_path: Path, case: str, capsys) -> None:
+    """``keys init`` (and the launcher, through ``init_keys``) keeps a complete folder only if every
+    key in it is sound: a key pair mixed from two runs, a garbage file, an exposed secret or a folder
+    others may write are refused (exit 2, one line), nothing changed."""
+    from specroll.actors.cli import main
+
+    keys = tmp_path / "keys"
+    init_keys(keys)
+    init_keys(tmp_path / "other")
+    expected = {
+        "mixed_runs": "generator.key is not the public key of generator.key_secret",
+        "garbage": "drafter.key: not a ZeroMQ certificate",
+        "exposed_secret": "server.key_secret has mode 0644",
+        "open_folder": "has mode 0777: others may replace its keys",
+        "pair_of_another_key": "generator.key_secret: its public key is not the one of its secret key",
+    }[case]
+    if case == "mixed_runs":
+        (keys / "generator.key_secret").write_bytes((tmp_path / "other" / "generator.key_secret").read_bytes())
+    elif case == "garbage":
+        (keys / "drafter.key").write_text("garbage\n")
+    elif case == "exposed_secret":
+        (keys / "server.key_secret").chmod(0o644)
+    elif case == "open_folder":
+        keys.chmod(0o777)
+    else:  # a secret file whose public line names another key
+        text = (keys / "generator.key_secret").read_text()
+        public = text.split('public-key = "')[1][:40]
+        other = (tmp_path / "other" / "generator.key").read_text().split('public-key = "')[1][:40]
+        (keys / "generator.key_secret").write_text(text.replace(public, other))
+    before = {f.name: f.read_bytes() for f in keys.iterdir()}
+    assert main(["keys", "init", "--out", str(keys)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specroll keys init: error: ") and expected in err and err.count("\n") == 1, err
+    assert {f.name: f.read_bytes() for f in keys.iterdir()} == before
+    with pytest.raises(KeysError, match=expected):
+        init_keys(keys)
+
+
+def test_keys_dir_and_keys_flag_values(tmp_path: Path, monkeypatch, capsys) -> None:
+    from specroll.actors.cli import main
+    from specroll.actors.config import ConfigError, RunConfig, load_config
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = load_config(None, ['network.keys_dir="~/keys"'])
+    assert config.network.keys_path("run") == tmp_path / "keys"
+    assert RunConfig().network.keys_path("run") == Path("run") / "keys"
+    for blank in ("  ", " keys"):
+        with pytest.raises(ConfigError, match="keys_dir"):
+            load_config(None, [f'network.keys_dir="{blank}"'])
+    with pytest.raises(SystemExit) as exit_:
+        main(["generator", "--connect", "tcp://127.0.0.1:5", "--keys", ""])
+    assert exit_.value.code == 2 and "--keys: '': expected the directory" in capsys.readouterr().err
+    assert main(["keys", "init"]) == 2
+    assert "expected a run directory or --out DIR" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("role", ["trainer", "generator", "drafter"])
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
 def test_a_key_file_others_may_read_is_refused(tmp_path: Path, role: str, mode: int) -> None:

@@ -274,13 +274,14 @@ def _add_keys(sub: argparse._SubParsersAction) -> None:
     ksub = p.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
     i = ksub.add_parser(
         "init", help="make the run's keys in RUN_DIR/keys",
-        description="Make the run's CURVE keys in RUN_DIR/keys (or --out DIR): the trainer's key pair and one "
+        description="Make the run's CURVE keys in RUN_DIR/keys (or in --out DIR): the trainer's key pair and one "
         "pair per role kind (generator, drafter), ZeroMQ certificate files, folder 0700, files 0600. "
         "'specroll launch' makes them on its first start. A complete keys folder is kept as it is (its keys "
         "stay valid); an incomplete one is an error. Copy to another host only what its roles read: "
         "server.key and generator.key_secret for generators, server.key and drafter.key_secret for the "
         "drafter trainer; server.key_secret never leaves the trainer's host.")
-    i.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (its run_dir)")
+    i.add_argument("run_dir", metavar="RUN_DIR", nargs="?", default=None,
+                   help="the run directory (its run_dir); may be left out with --out")
     i.add_argument("--out", default=None, metavar="DIR", help="the keys folder (default: RUN_DIR/keys)")
 
 

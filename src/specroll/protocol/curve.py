@@ -90,11 +90,16 @@ def init_keys(directory: str | Path) -> bool:
     if directory.exists() or directory.is_symlink():
         if not directory.is_dir():
             raise KeysError(f"keys directory {directory} exists and is not a directory")
-        missing = [name for name in all_files() if not (directory / name).is_file()]
-        if not missing:
-            return False
-        raise KeysError(f"keys directory {directory} lacks {', '.join(missing)}; expected a complete keys directory "
-                        "('specroll keys init' makes one) or none (nothing is overwritten)")
+        _check_folder(directory)
+        try:
+            missing = [name for name in all_files() if not (directory / name).is_file()]
+        except OSError as exc:
+            raise KeysError(f"keys directory {directory}: cannot read it ({exc.strerror or exc})") from None
+        if missing:
+            raise KeysError(f"keys directory {directory} lacks {', '.join(missing)}; expected a complete keys "
+                            "directory ('specroll keys init' makes one) or none (nothing is overwritten)")
+        check_keys(directory)
+        return False
     parent = directory.absolute().parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -114,6 +119,44 @@ def init_keys(directory: str | Path) -> bool:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return True
+
+
+def check_keys(directory: str | Path) -> None:
+    """Check a whole keys directory: every file readable, private and well-formed, each public key
+    file the same key as its secret file, and each secret key the secret of its public key.
+
+    Raises:
+        KeysError: the first problem, naming the file.
+    """
+    directory = Path(directory)
+    _check_folder(directory)
+    for name in (SERVER, *CLIENT_ROLES):
+        public, _ = _read(directory, public_file(name), want_secret=False)
+        pair_public, _ = _read(directory, secret_file(name), want_secret=True)
+        if public != pair_public:
+            raise KeysError(f"keys directory {directory}: {public_file(name)} is not the public key of "
+                            f"{secret_file(name)} (files of two runs mixed?); expected one run's keys")
+    ServerKeys.load(directory)  # two roles sharing a key
+
+
+def _check_folder(directory: Path) -> None:
+    """The keys directory is a directory only its owner may change (like ``ssh``'s ``~/.ssh``).
+
+    Raises:
+        KeysError: it is missing, not a directory, unreadable, or writable by group or others.
+    """
+    try:
+        st = directory.stat()
+    except FileNotFoundError:
+        raise KeysError(f"keys directory {directory} not found; expected the run's keys ('specroll keys init "
+                        f"RUN_DIR' makes them in RUN_DIR/{KEYS_DIRNAME})") from None
+    except OSError as exc:
+        raise KeysError(f"keys directory {directory}: cannot read it ({exc.strerror or exc})") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise KeysError(f"keys directory {directory} is not a directory; expected the folder of the run's keys")
+    if st.st_mode & 0o022:
+        raise KeysError(f"keys directory {directory} has mode {stat.S_IMODE(st.st_mode):04o}: others may replace its "
+                        f"keys; expected 0700 (chmod 700 {directory})")
 
 
 def _read(directory: Path, name: str, want_secret: bool) -> tuple[bytes, bytes | None]:
@@ -147,6 +190,14 @@ def _read(directory: Path, name: str, want_secret: bool) -> tuple[bytes, bytes |
             what = "secret" if key is secret else "public"
             raise KeysError(f"key file {path}: no {what} key of 40 z85 characters; expected a file "
                             "'specroll keys init' wrote")
+    if want_secret:
+        try:
+            derived = zmq.curve_public(secret)
+        except (ValueError, zmq.ZMQError) as exc:
+            raise KeysError(f"key file {path}: not a CURVE secret key ({exc})") from None
+        if derived != public:
+            raise KeysError(f"key file {path}: its public key is not the one of its secret key; expected a file "
+                            "'specroll keys init' wrote")
     return public, secret
 
 
@@ -167,6 +218,7 @@ class ServerKeys:
             KeysError: a key file is missing, unreadable, exposed or malformed.
         """
         directory = Path(directory)
+        _check_folder(directory)
         public, secret = _read(directory, secret_file(SERVER), want_secret=True)
         clients = {_read(directory, public_file(role), want_secret=False)[0]: role for role in CLIENT_ROLES}
         if len(clients) != len(CLIENT_ROLES):
@@ -193,6 +245,7 @@ class ClientKeys:
         """
         files_for(role)
         directory = Path(directory)
+        _check_folder(directory)
         server_public, _ = _read(directory, public_file(SERVER), want_secret=False)
         public, secret = _read(directory, secret_file(role), want_secret=True)
         assert secret is not None

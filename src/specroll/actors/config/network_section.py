@@ -27,7 +27,7 @@ class NetworkConfig(_Section):
     key's role must be the role its ``Hello`` names (``protocol/curve.py``). ``none`` (default):
     plain TCP, for loopback runs."""
     keys_dir: str = ""
-    """The run's keys with ``security = "curve"`` (``specroll keys init``); empty (default):
+    """The run's keys with ``security = "curve"`` (``specroll keys init``; ``~`` is expanded); empty (default):
     ``RUN_DIR/keys``, which ``specroll launch`` makes on its first start. Roles started by hand on
     other hosts take ``--keys DIR``."""
     allow_insecure: bool = False
@@ -74,6 +74,8 @@ class NetworkConfig(_Section):
                  "a loopback address (127.0.0.1, ::1, localhost) unless security = 'curve' (or allow_insecure = true: "
                  "then anyone who reaches the port can join the run)")
         _require(0 <= self.trainer_port <= 65535, "trainer_port", self.trainer_port, "a port in [0, 65535]")
+        _require(self.keys_dir == self.keys_dir.strip() and "\0" not in self.keys_dir, "keys_dir", self.keys_dir,
+                 "a directory path without leading or trailing spaces (empty: RUN_DIR/keys)")
         _require(self.hwm >= 1, "hwm", self.hwm, "a positive integer")
         _require(2 <= self.window < self.hwm, "window", self.window, f"an integer in [2, hwm = {self.hwm})")
         _require(self.heartbeat_timeout_s > 0 and math.isfinite(self.heartbeat_timeout_s), "heartbeat_timeout_s",
@@ -96,8 +98,8 @@ class NetworkConfig(_Section):
                 "network.security = 'curve'")
 
     def keys_path(self, run_dir: str) -> Path:
-        """``keys_dir``, or ``RUN_DIR/keys`` when it is empty."""
-        return Path(self.keys_dir) if self.keys_dir else Path(run_dir) / KEYS_DIRNAME
+        """``keys_dir`` (``~`` expanded), or ``RUN_DIR/keys`` when it is empty."""
+        return Path(self.keys_dir).expanduser() if self.keys_dir else Path(run_dir) / KEYS_DIRNAME
 
     def curve_keys(self, run_dir: str, role: str) -> ServerKeys | ClientKeys | None:
         """The keys ``role`` (``trainer``, ``generator``, ``drafter``) runs with: None without CURVE.

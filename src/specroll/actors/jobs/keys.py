@@ -9,15 +9,15 @@ from specroll.actors.exit_codes import EXIT_OK, EXIT_REFUSED
 from specroll.protocol.curve import CLIENT_ROLES, KEYS_DIRNAME, KeysError, files_for, init_keys
 
 
-def run_keys_init(run_dir: str, out: str | None = None) -> int:
-    """Make the keys in ``out`` (default ``RUN_DIR/keys``), or keep a complete keys folder; print
-    where they are and which files each host needs; return the exit code (2: an incomplete keys
-    folder, a file in the way, an unwritable place — nothing is written then)."""
-    if not run_dir.strip() or (out is not None and not out.strip()):
-        print("specroll keys init: error: expected a run directory (and --out, if given) that is not empty",
-              file=sys.stderr)
+def run_keys_init(run_dir: str | None, out: str | None = None) -> int:
+    """Make the keys in ``out`` (default ``RUN_DIR/keys``), or keep a complete keys folder after
+    checking it (:func:`~specroll.protocol.curve.check_keys`); print where they are and which files
+    each host needs; return the exit code (2: neither a run directory nor ``out``, an incomplete or
+    inconsistent keys folder, a file in the way, an unwritable place — nothing is written then)."""
+    if (run_dir is None and out is None) or any(v is not None and not v.strip() for v in (run_dir, out)):
+        print("specroll keys init: error: expected a run directory or --out DIR (not empty)", file=sys.stderr)
         return EXIT_REFUSED
-    directory = Path(out) if out is not None else Path(run_dir) / KEYS_DIRNAME
+    directory = Path(out).expanduser() if out is not None else Path(run_dir or "") / KEYS_DIRNAME
     try:
         made = init_keys(directory)
     except KeysError as e:
