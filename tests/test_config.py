@@ -243,6 +243,7 @@ FILE_ERRORS = [
     ('[network]\nhost = "0.0.0.0"\n', [], ["network.host='0.0.0.0', expected a loopback address",
                                           "unless security = 'curve' (or allow_insecure = true"]),
     ('[network]\nsecurity = "tls"\n', [], ["network.security='tls', expected one of", "'curve'"]),
+    ('[network]\nhost = "999.1.1.1"\nsecurity = "curve"\n', [], ["network.host='999.1.1.1', expected a valid IP"]),
     ("[network]\nwindow = 2000\n", [], ["network.window=2000, expected an integer in [2, hwm = 1000)"]),
     ("[network]\nheartbeat_timeout_s = 0.5\n", [],
      ["network.heartbeat_timeout_s=0.5, expected more than generator.heartbeat_s = 1.0"]),

@@ -70,6 +70,8 @@ class NetworkConfig(_Section):
         _check_literals(self)
         _require(self.weights_bucket_mb >= 1, "weights_bucket_mb", self.weights_bucket_mb, "a positive number of MiB")
         _require(bool(self.host), "host", self.host, "an address")
+        _require(not _looks_numeric(self.host) or _is_ip(self.host), "host", self.host,
+                 "a valid IP address, a host name or an interface name")
         _require(self.public_bind_allowed() or _is_loopback(self.host), "host", self.host,
                  "a loopback address (127.0.0.1, ::1, localhost) unless security = 'curve' (or allow_insecure = true: "
                  "then anyone who reaches the port can join the run)")
@@ -121,6 +123,19 @@ class NetworkConfig(_Section):
     def reconnect_s(self) -> float:
         """``reconnect_timeout_s``, or when unset the larger of 60 s and ``heartbeat_timeout_s``."""
         return self.reconnect_timeout_s if self.reconnect_timeout_s is not None else max(60.0, self.heartbeat_timeout_s)
+
+
+def _looks_numeric(host: str) -> bool:
+    """An IPv4 literal's alphabet (digits and dots): meant as an address, not a name."""
+    return all(c.isdigit() or c == "." for c in host)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        return False
+    return True
 
 
 def _is_loopback(host: str) -> bool:
