@@ -393,7 +393,8 @@ async def test_a_drafter_trainer_and_a_generator_with_keys_carry_a_drafter_versi
                     await anyio.sleep(0.05)
             assert client.drafters.checksums_match()
             assert not client.refusals.count
-    assert "CURVE security: this run's drafter key from" in (tmp_path / "drafter.log").read_text()
+    log = (tmp_path / "drafter.log").read_text()
+    assert "CURVE security: the drafter key pair and the trainer's public key from" in log
 
 
 

@@ -361,7 +361,8 @@ async def run_drafter(config: RunConfig, connect: str, actor_id: str) -> int:
              f"warm start from {init}" if init else "cold start", connect)
     keys = config.network.client_keys(config.run_dir, "drafter")
     if keys is not None:
-        log.info("CURVE security: this run's drafter key from %s", config.network.keys_path(config.run_dir))
+        log.info("CURVE security: the drafter key pair and the trainer's public key from %s",
+                 config.network.keys_path(config.run_dir))
     async with trainer_channel(connect, actor_id, ToDrafter, config.network.window, config.drafter.linger_s,
                                keys) as channel:
         return await DrafterActor(config, learner, channel, connect=connect, actor_id=actor_id).run()

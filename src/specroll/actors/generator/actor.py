@@ -463,7 +463,8 @@ async def run_generator(config: RunConfig, connect: str, actor_id: str) -> int:
              engine.dtype, engine.device, connect)
     keys = config.network.client_keys(config.run_dir, "generator")
     if keys is not None:
-        log.info("CURVE security: this run's generator key from %s", config.network.keys_path(config.run_dir))
+        log.info("CURVE security: the generator key pair and the trainer's public key from %s",
+                 config.network.keys_path(config.run_dir))
     async with trainer_channel(connect, actor_id, ToGenerator, config.network.window, config.generator.linger_s,
                                keys) as channel:
         return await GeneratorActor(config, engine, channel, counter, connect=connect, actor_id=actor_id).run()
