@@ -287,11 +287,14 @@ async def test_peers_without_the_runs_keys_or_with_the_wrong_roles_key_are_refus
             for name in ("drafter_key_as_generator", "generator_key_as_drafter"):
                 await _until(lambda name=name: peers[name].sock.get(zmq.EVENTS) & zmq.POLLIN, f"{name}'s Refuse")
                 await peers[name].hello(bad[name][1])
-            expected = {"handshake:285212674", "handshake:285212673", f"key:{public.decode()}",
-                        "role:drafter:generator", "role:generator:drafter"}
+            expected = {"handshake:285212673", f"key:{public.decode()}", "role:drafter:generator",
+                        "role:generator:drafter"}
+            # the peer without keys: the trainer sees the mechanism mismatch, or — when the peer saw it first
+            # and hung up — a handshake cut short; either way once, and the peer does not try again
+            mismatch = {"handshake:285212674", "handshake:hung-up"}
             # every refusal seen, and the retrying ones (another run's keys: ~10 reconnects a second) more than once
-            await _until(lambda: expected <= client.refusals.seen and client.refusals.count >= len(expected) + 5,
-                         f"refusals {expected} (seen {client.refusals.seen})")
+            await _until(lambda: expected <= client.refusals.seen and client.refusals.seen & mismatch
+                         and client.refusals.count >= len(expected) + 6, "every refusal")
             # the run goes on: the good generator gets the prompt, no other peer gets anything but Refuse
             await good.channel.send(Heartbeat(policy_version=0, batch_size=0, free_groups=4, free_seqs=16))
             await _until(lambda: client.coordinator.generators.get("good") is not None, "good registered")
@@ -316,9 +319,10 @@ async def test_peers_without_the_runs_keys_or_with_the_wrong_roles_key_are_refus
     # one line per refusal, however often it came (a peer that hung up half-way, having found the
     # mismatch first, is one more kind)
     assert len(lines) == len(set(lines)), lines
-    assert len([line for line in lines if "hung up during its handshake" not in line]) == len(expected), lines
+    assert len(lines) == len(expected) + len(client.refusals.seen & mismatch), lines
     text = "\n".join(lines)
-    for part in ("without CURVE security", "made for another server key", f"unknown public key {public.decode()[:8]}",
+    assert "without CURVE security" in text or "hung up during its handshake" in text, text
+    for part in ("made for another server key", f"unknown public key {public.decode()[:8]}",
                  "refused drafter_key_as_generator: its key is the run's 'drafter' key, and it speaks as 'generator'",
                  "refused generator_key_as_drafter: its key is the run's 'generator' key, and it speaks as 'drafter'"):
         assert part in text, (part, text)
