@@ -139,19 +139,24 @@ def check_keys(directory: str | Path) -> None:
     ServerKeys.load(directory)  # two roles sharing a key
 
 
+def _stat(path: Path, what: str, hint: str) -> os.stat_result:
+    """``path.stat()``, or a KeysError naming ``what`` (``key file``, ``keys directory``)."""
+    try:
+        return path.stat()
+    except FileNotFoundError:
+        raise KeysError(f"{what} {path} not found; expected the run's keys ('specroll keys init RUN_DIR' makes "
+                        f"them in RUN_DIR/{KEYS_DIRNAME}{hint})") from None
+    except OSError as exc:
+        raise KeysError(f"{what} {path}: cannot read it ({exc.strerror or exc})") from None
+
+
 def _check_folder(directory: Path) -> None:
     """The keys directory is a directory only its owner may change (like ``ssh``'s ``~/.ssh``).
 
     Raises:
         KeysError: it is missing, not a directory, unreadable, or writable by group or others.
     """
-    try:
-        st = directory.stat()
-    except FileNotFoundError:
-        raise KeysError(f"keys directory {directory} not found; expected the run's keys ('specroll keys init "
-                        f"RUN_DIR' makes them in RUN_DIR/{KEYS_DIRNAME})") from None
-    except OSError as exc:
-        raise KeysError(f"keys directory {directory}: cannot read it ({exc.strerror or exc})") from None
+    st = _stat(directory, "keys directory", "")
     if not stat.S_ISDIR(st.st_mode):
         raise KeysError(f"keys directory {directory} is not a directory; expected the folder of the run's keys")
     if st.st_mode & 0o022:
@@ -167,13 +172,7 @@ def _read(directory: Path, name: str, want_secret: bool) -> tuple[bytes, bytes |
             (with a secret key when ``want_secret``).
     """
     path = directory / name
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        raise KeysError(f"key file {path} not found; expected the run's keys ('specroll keys init RUN_DIR' makes "
-                        f"them in RUN_DIR/{KEYS_DIRNAME}; copy {name} there from the run's keys)") from None
-    except OSError as exc:
-        raise KeysError(f"key file {path}: cannot read it ({exc.strerror or exc})") from None
+    st = _stat(path, "key file", f"; copy {name} there from the run's keys")
     if not stat.S_ISREG(st.st_mode):
         raise KeysError(f"key file {path} is not a regular file")
     if st.st_mode & 0o077:
@@ -275,6 +274,20 @@ class RefusalLog:
         self.log = logger
         self.seen: set[str] = set()
         self.count = 0
+
+    def handshake_failed(self, event: int, value: int, secured: bool) -> None:
+        """A failed handshake the trainer's socket monitor reported (``EVENT_HANDSHAKE_FAILED_*``):
+        a ZMTP protocol error ``value``, or a peer that hung up half-way (it found the mismatch first)."""
+        if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            self.refused("handshake:hung-up", hung_up_refusal(secured))
+        else:
+            self.refused(f"handshake:{value}", handshake_refusal(value, secured))
+
+    def summary(self) -> str | None:
+        """The line to log when the trainer closes (None: nothing was refused)."""
+        if not self.count:
+            return None
+        return f"refused {self.count} connection attempts and messages in all ({len(self.seen - {''})} kinds logged)"
 
     def refused(self, key: str, message: str) -> None:
         self.count += 1

@@ -39,6 +39,7 @@ from specroll.actors.config import RunConfig
 from specroll.actors.exit_codes import EXIT_REFUSED
 from specroll.actors.peer.lifecycle import PeerConnection, trainer_channel
 from specroll.actors.peer.weights_fetch import FetchAbandoned, WeightsFetch, check_announcement
+from specroll.actors.security import peer_keys
 from specroll.drafter.eagle_head import DrafterError, EagleHead
 from specroll.drafter.learner import DrafterLearner, DrafterSnapshot
 from specroll.engine.checkpoint import load_checkpoint
@@ -359,10 +360,7 @@ async def run_drafter(config: RunConfig, connect: str, actor_id: str) -> int:
     init = config.drafter.path
     log.info("drafter trainer %s: model %s loaded; %s; connecting to %s", actor_id, config.model.name,
              f"warm start from {init}" if init else "cold start", connect)
-    keys = config.network.client_keys(config.run_dir, "drafter")
-    if keys is not None:
-        log.info("CURVE security: the drafter key pair and the trainer's public key from %s",
-                 config.network.keys_path(config.run_dir))
+    keys = peer_keys(config, "drafter", log)
     async with trainer_channel(connect, actor_id, ToDrafter, config.network.window, config.drafter.linger_s,
                                keys) as channel:
         return await DrafterActor(config, learner, channel, connect=connect, actor_id=actor_id).run()

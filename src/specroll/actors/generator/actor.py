@@ -56,6 +56,7 @@ from specroll.actors.generator.weights_group import Result, WeightsGroupLink
 from specroll.actors.peer.lifecycle import PeerConnection, trainer_channel
 from specroll.actors.peer.weights_collective import ChecksumMismatch, CollectiveError, endpoint_host
 from specroll.actors.peer.weights_fetch import FetchAbandoned, WeightsFetch, check_announcement
+from specroll.actors.security import peer_keys
 from specroll.drafter.eagle_head import DrafterError
 from specroll.engine.engine import Engine
 from specroll.engine.model_config import expected_weight_shapes
@@ -461,10 +462,7 @@ async def run_generator(config: RunConfig, connect: str, actor_id: str) -> int:
     engine, counter = build_engine(config)
     log.info("generator %s: model %s loaded (%s, %s); connecting to %s", actor_id, config.generator.engine.model,
              engine.dtype, engine.device, connect)
-    keys = config.network.client_keys(config.run_dir, "generator")
-    if keys is not None:
-        log.info("CURVE security: the generator key pair and the trainer's public key from %s",
-                 config.network.keys_path(config.run_dir))
+    keys = peer_keys(config, "generator", log)
     async with trainer_channel(connect, actor_id, ToGenerator, config.network.window, config.generator.linger_s,
                                keys) as channel:
         return await GeneratorActor(config, engine, channel, counter, connect=connect, actor_id=actor_id).run()

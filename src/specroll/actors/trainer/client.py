@@ -55,7 +55,7 @@ from specroll.actors.trainer.weights_publish import PublishedWeights
 from specroll.actors.wakeup import Wakeup
 from specroll.protocol.channel import DEFAULT_WINDOW, Channel
 from specroll.protocol.codec import ProtocolError
-from specroll.protocol.curve import RefusalLog, RunAuthenticator, ServerKeys, handshake_refusal, hung_up_refusal
+from specroll.protocol.curve import RefusalLog, RunAuthenticator, ServerKeys
 from specroll.protocol.messages import (
     Abort,
     Dead,
@@ -257,9 +257,8 @@ class RolloutClient(ClientReceive):
                     self._monitor.close(linger=0)
                 if self._socket is not None:
                     close_socket(self._socket, linger_ms=_DEAD_LINGER_MS)
-                if self.refusals.count:
-                    log.info("refused %d connection attempts and messages in all (%d kinds logged above)",
-                             self.refusals.count, len(self.refusals.seen - {""}))
+                if (summary := self.refusals.summary()) is not None:
+                    log.info("%s", summary)
                 self._stop_auth()
                 if self._ctx is not None:
                     self._ctx.term()
@@ -484,11 +483,8 @@ class RolloutClient(ClientReceive):
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_DISCONNECTED:
                     self._liveness.disconnected(int(event["value"]), time.monotonic())
-                elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # the peer found the mismatch first
-                    self.refusals.refused("handshake:hung-up", hung_up_refusal(self.curve is not None))
                 else:
-                    code = int(event["value"])
-                    self.refusals.refused(f"handshake:{code}", handshake_refusal(code, self.curve is not None))
+                    self.refusals.handshake_failed(event["event"], int(event["value"]), self.curve is not None)
         finally:
             self._socket.disable_monitor()
             monitor.close(linger=0)
