@@ -473,3 +473,29 @@ async def test_sigterm_while_waiting_for_welcome_stops_it(tiny_checkpoint, tmp_p
             proc.send_signal(signal.SIGTERM)
             assert await wait_exit(proc) == 0, log.read_text()  # HANG_S, far below the 600 s handshake timeout
     assert "received SIGTERM" in log.read_text()
+
+
+async def test_a_prompt_longer_than_the_prefill_budget_with_speculation_on(tiny_checkpoint, tmp_path: Path) -> None:
+    """A 2,100-token prompt under the default budget of 2,048 tokens a step: its first prefill chunk
+    samples nothing, with drafts to verify for no sequence. The group comes back whole, equal to
+    plain greedy decoding, and the generator keeps serving."""
+    model = tiny_checkpoint("llama", max_position_embeddings=LONG_CONTEXT)
+    motif = [5, 17, 42, 9, 77, 3, 250]
+    prompt = (motif * 300)[:2100]
+    sampling = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    reference = local_engine(model)
+    assert reference.config.max_num_batched_tokens < len(prompt)
+    reference.add_request(prompt, sampling, "ref")
+    expected = run_to_completion(reference)["ref"].token_ids
+    async with fake_trainer() as trainer:
+        with generator_process(trainer.endpoint, model, tmp_path / "gen.log", "--speculative", "suffix",
+                               "--num-draft-tokens", "4") as proc:
+            await trainer.handshake()
+            await trainer.send(SubmitGroup(group_id="g", prompt_token_ids=prompt, n=2, sampling=sampling))
+            chunks = await collect(trainer, "g", {0, 1})
+            for i in (0, 1):
+                assert joined(chunks[i])[0] == expected
+                assert chunks[i][-1].finish_reason == "length"
+            await trainer.send(SubmitGroup(group_id="g2", prompt_token_ids=prompt[:50], n=1, sampling=sampling))
+            assert len(joined((await collect(trainer, "g2", {0}))[0])[0]) == sampling.max_tokens
+            assert proc.poll() is None

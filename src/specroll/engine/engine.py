@@ -289,7 +289,9 @@ class Engine:
             s.seq.num_computed_tokens += s.num_new_tokens + len(drafts.get(s.seq, ()))
         samplers = [s.seq for s in scheduled if s.samples]
         paths: dict[Sequence, list[int]] | None = None
-        if trees:
+        if not samplers:  # only prefill chunks that stop short of their last token: nothing to sample or verify
+            emitted = []
+        elif trees:
             emitted, paths = self._verify_trees(logits, samplers, trees, stats)
         elif k:
             emitted = self._verify(logits, samplers, drafts, draft_probs, k, stats)
