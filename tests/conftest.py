@@ -99,3 +99,11 @@ def generator_process(
            "--actor-id", actor_id, "--dtype", "float32", "--kv-cache-gb", str(kv_gb), "--threads", "1",
            "--heartbeat-s", "0.2", "--stats-s", "0.5", "--trainer-timeout-s", "30", *extra]
     return actor_process(cmd, log)
+
+
+def drafter_process(
+    endpoint: str, config: Path, log: Path, actor_id: str = "drafter-0"
+) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
+    """``python -m specroll.actors.drafter_trainer`` with run config ``config``, as an :func:`actor_process`."""
+    return actor_process([sys.executable, "-m", "specroll.actors.drafter_trainer", "--connect", endpoint, "--config",
+                          str(config), "--actor-id", actor_id], log)

@@ -4,11 +4,8 @@ tiny random checkpoint over real sockets. Every process is killed and reaped on 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,7 +13,7 @@ import anyio
 import msgspec
 import pytest
 import torch
-from conftest import actor_process, generator_process, write_tiny_checkpoint
+from conftest import drafter_process, generator_process, write_tiny_checkpoint
 
 from specroll.actors.config import DrafterConfig, ModelSection, RunConfig, write_resolved
 from specroll.actors.drafter_trainer.actor import DrafterActor
@@ -55,13 +52,6 @@ def model(tmp_path_factory) -> Path:
     path.mkdir()
     write_tiny_checkpoint(path)
     return path
-
-
-def drafter_process(
-    endpoint: str, config: Path, log: Path
-) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
-    return actor_process([sys.executable, "-m", "specroll.actors.drafter_trainer", "--connect", endpoint, "--config",
-                          str(config), "--actor-id", "drafter-0"], log)
 
 
 def run_config(model: Path, run_dir: Path) -> Path:

@@ -76,6 +76,32 @@ async def test_sequence_numbers_in_order():
         tg.cancel_scope.cancel()
 
 
+async def test_recv_reports_idle_moments_while_nothing_arrives_and_loses_nothing():
+    """``on_idle`` fires again and again while the socket stays empty (a lone peer's silence is then
+    seen by the clock), never while a message waits, and every message sent meanwhile is received."""
+    async with loopback() as (trainer, gen, _), anyio.create_task_group() as tg:
+        tg.start_soon(drain, gen, [])
+        idle: list[float] = []
+        got: list[Received] = []
+
+        async def receive() -> None:
+            while True:
+                got.append(await trainer.recv(on_idle=lambda: idle.append(anyio.current_time()), idle_s=0.01))
+
+        tg.start_soon(receive)
+        with anyio.fail_after(HANG_S):
+            while len(idle) < 5:  # nothing sent: only the clock moves it
+                await anyio.sleep(0.01)
+            for i in range(50):
+                await gen.send(chunk(i))
+                if i % 10 == 0:
+                    await anyio.sleep(0.02)
+            while len(got) < 50:
+                await anyio.sleep(0.01)
+        assert [r.msg.offset for r in got] == list(range(50))
+        tg.cancel_scope.cancel()
+
+
 async def test_gap_and_duplicate_are_reported_not_hidden():
     async with loopback() as (trainer, _, dealer):
         for seq in (0, 1, 3, 4, 4, 5):  # 2 lost, 4 twice: written raw, as a broken sender would

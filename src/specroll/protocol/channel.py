@@ -30,7 +30,7 @@ an ``Error`` when :meth:`Channel.can_send` says it would not wait, and logs it o
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -215,8 +215,15 @@ class Channel(Generic[M]):
             return False
         return True
 
-    async def recv(self) -> Received[M]:
+    async def recv(self, on_idle: Callable[[], None] | None = None, idle_s: float = 0.25) -> Received[M]:
         """The next message from any peer, in each peer's order; credit grants are consumed here.
+
+        Args:
+            on_idle: called whenever the socket holds nothing to read — before waiting, and every
+                ``idle_s`` seconds while the wait goes on — so a caller knows every message sent
+                before that moment was read, also while no message comes at all (a peer's silence
+                is then measured by the clock, not by the next arrival).
+            idle_s: seconds between two ``on_idle`` calls while waiting.
 
         Raises:
             SequenceError: a gap or a duplicate (the stream then continues after ``seq``).
@@ -224,6 +231,11 @@ class Channel(Generic[M]):
                 number is unknown, so the next one from that peer also reports it as a gap.
         """
         while True:
+            if on_idle is not None:
+                # poll takes nothing off the socket, so a wait cut short loses no message
+                while not self.socket.get(zmq.EVENTS) & zmq.POLLIN:
+                    on_idle()
+                    await self.socket.poll(int(idle_s * 1000), zmq.POLLIN)
             frames = await self.socket.recv_multipart(copy=False)
             peer = bytes(frames[0]) if self.router else None
             body = frames[1:] if self.router else frames

@@ -134,11 +134,12 @@ class ClientReceive:
 
     async def _receive_loop(self) -> None:
         assert self._channel is not None
+        def drained() -> None:  # the socket is empty: every message sent before now was read
+            self._liveness.drained(time.monotonic())
+
         while True:
-            if self._socket is not None and not self._socket.get(zmq.EVENTS) & zmq.POLLIN:
-                self._liveness.drained(time.monotonic())  # every message sent before now was read
             try:
-                received = await self._channel.recv()
+                received = await self._channel.recv(on_idle=drained)
             except SequenceError as e:
                 self.protocol_errors += 1
                 log.warning("%s", e)

@@ -15,6 +15,11 @@ A peer is declared gone on either of two grounds:
   busy (or starved of CPU) never declares peers dead because it had not read their heartbeats yet.
   A peer that is slow but connected is not dead.
 
+Both grounds move with the clock alone: while it waits, the receive loop reports an empty socket
+every quarter second (``Channel.recv(on_idle=...)``), so a lone peer that died — no other peer
+sending, nothing arriving at all — is still declared gone (a killed one after the grace, a stopped
+one after ``timeout_s``).
+
 A pure state machine: the client feeds it what the receive loop and the monitor see, with times.
 """
 
