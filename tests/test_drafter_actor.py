@@ -319,6 +319,29 @@ def test_a_drafter_attached_after_the_prefix_cache_is_warm_still_drafts(model):
     assert engine.spec_stats.num_draft_steps > 0
 
 
+def test_a_fetch_overtaken_by_a_newer_drafter_version_is_answered_with_its_announcement_not_an_error():
+    """A drafter trainer publishing faster than a fetch's round trip: the generator's fetch of version 2
+    arrives after version 3 was published. Nothing is lost (version 3 is announced, and the generator
+    fetches it), so it is no error; a version never published still is one."""
+    from specroll.actors.trainer.drafter_relay import DrafterRelay
+    from specroll.protocol.messages import DrafterAvailable, DrafterWeights, Error, FetchDrafter
+
+    sent: list[tuple[str, object]] = []
+    relay = DrafterRelay(lambda actor, msg, tensors: sent.append((actor, msg)))
+    for version in (2, 3):
+        relay.on_publish("drafter-0", PublishDrafter(version=version, policy_version=1, config="{}", checksum="c",
+                                                     tensors=()), {})
+    sent.clear()
+    relay.on_fetch("gen-0", FetchDrafter(version=2))
+    assert [type(m) for _, m in sent] == [DrafterAvailable] and sent[0][1].version == 3
+    sent.clear()
+    relay.on_fetch("gen-0", FetchDrafter(version=3))
+    assert [type(m) for _, m in sent] == [DrafterWeights] and sent[0][1].version == 3
+    sent.clear()
+    relay.on_fetch("gen-0", FetchDrafter(version=9))
+    assert [type(m) for _, m in sent] == [Error, DrafterAvailable] and "version 9 is not published" in sent[0][1].message
+
+
 def test_acceptance_is_reported_per_version_and_a_drop_below_the_floor_warns(caplog):
     from specroll.actors.trainer.drafter_relay import DrafterRelay
     from specroll.protocol.messages import SpecStats

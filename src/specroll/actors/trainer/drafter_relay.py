@@ -146,7 +146,15 @@ class DrafterRelay:
                 self._send(actor, self._announcement(), None)
 
     def on_fetch(self, actor: str, msg: FetchDrafter) -> None:
+        """Answer a generator's fetch with the current version. A fetch of an older version is not an
+        error: only the newest is kept, and a drafter trainer publishing faster than a fetch's round
+        trip overtakes it (the generator dropped the old fetch when the newer announcement reached it,
+        and fetches that one); it is answered with the current announcement only, in case it did not.
+        A version never published is a bad request."""
         p = self.published
+        if p is not None and msg.version < p.version:
+            self._send(actor, self._announcement(), None)
+            return
         if p is None or p.version != msg.version:
             self._send(actor, Error(code="bad_request", message=f"drafter version {msg.version} is not published "
                                     f"(current: {p.version if p else None})"), None)
