@@ -311,6 +311,30 @@ async def test_the_client_refuses_chunks_past_max_tokens_and_bad_group_ids_and_k
     assert group.group_id == group_id and [len(s.token_ids) for s in group.samples] == [8, 8]
 
 
+async def test_a_frame_over_the_clients_cap_is_dropped_unread_and_the_generator_goes_on() -> None:
+    """A chunk whose frame is over the client's ``max_frame_bytes`` never reaches the codec: the
+    socket drops that connection before reading the frame's body (``MAXMSGSIZE``). The generator's
+    connection comes back by itself, its next message shows the lost one as a sequence gap, and it
+    is told to register again; nothing of the chunk is held."""
+    async with RolloutClient(heartbeat_timeout_s=60, max_frame_bytes=1 << 20) as client, \
+            fake_generator(client.endpoint) as gen:
+        await gen.channel.send(Hello(protocol_version=PROTOCOL_VERSION, role="generator", actor_id="fake-gen"))
+        await gen.expect(Welcome)
+        await gen.channel.send(Heartbeat(policy_version=0, batch_size=0, free_groups=1, free_seqs=4))
+        group_id = await client.submit([5, 6, 7], 2, SamplingParams(max_tokens=8))
+        assert (await gen.expect(SubmitGroup)).group_id == group_id
+        await gen.channel.send(chunk(group_id, 0, 200_000))  # a 2 MB frame
+        with anyio.fail_after(60):
+            while True:  # a heartbeat carries the next number: the first that gets through shows the gap
+                await gen.channel.send(Heartbeat(policy_version=0, batch_size=1, free_groups=0, free_seqs=3))
+                with contextlib.suppress(TimeoutError):
+                    err = await gen.expect(Error, timeout=0.2)
+                    break
+        assert err.code == "unknown_peer" and "never arrived" in err.message, err
+        assert [len(s.token_ids) for s in client.coordinator.groups[group_id].samples] == [0, 0]
+        assert client.coordinator.groups[group_id].generator is None  # queued again
+
+
 async def test_a_generator_whose_messages_were_lost_registers_again_and_its_groups_resume() -> None:
     """A connection that dropped and came back (a trainer paused past the ZeroMQ heartbeat) loses
     what was in flight: the next message shows a sequence gap. The generator's groups would wait
@@ -412,3 +436,41 @@ async def test_a_drafter_trainer_refuses_oversized_rollouts_and_weights_and_keep
         close_socket(sock)
         close_socket(trainer.sock)
         ctx.term()
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident memory (``VmHWM``), in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmHWM for process {pid}")
+
+
+async def test_a_huge_resume_list_costs_a_generator_no_memory_and_it_keeps_serving(tiny_checkpoint, tmp_path):
+    """A 3M-token resume (a 33 MB frame) is over what this generator accepts as a message (its
+    context and sequences: ``SubmitLimits.max_header_bytes``) and over any tensor of its model, so
+    its socket drops the frame unread (``MAXMSGSIZE``); decoded, its lists would take ~160 MB. The
+    trainer's next message reports the lost one (a sequence gap), and the generator serves it."""
+    model = tiny_checkpoint("llama")
+    tokens = 3_000_000
+    huge = SubmitGroup(group_id="huge", prompt_token_ids=[5, 6, 7], n=1, sampling=SAMPLING,
+                       resume=(SampleResume(index=0, token_ids=[9] * tokens, logprobs=[-0.5] * tokens,
+                                            versions=[0] * tokens),))
+    async with fake_trainer() as trainer:
+        with generator_process(trainer.endpoint, model, tmp_path / "gen.log", "--max-num-seqs", str(MAX_NUM_SEQS),
+                               "--max-model-len", str(MAX_MODEL_LEN)) as proc:
+            await trainer.handshake()
+            await serves_a_normal_group(trainer, "before")
+            before = peak_rss_mb(proc.pid)
+            await trainer.send(huge)
+            log = tmp_path / "gen.log"
+            with anyio.fail_after(60):  # dropped unread, the connection is made afresh
+                while log.read_text().count("connected to the trainer") < 2:
+                    await anyio.sleep(0.05)
+            await trainer.send(SubmitGroup(group_id="after", prompt_token_ids=[5, 6, 7], n=2, sampling=SAMPLING))
+            err = await trainer.expect(Error)
+            assert err.code == "sequence" and "gap" in err.message, err
+            await finish(trainer, "after", {0, 1})
+            grown = peak_rss_mb(proc.pid) - before
+            assert grown < 40, f"the generator's peak memory grew by {grown:.0f} MiB"
+            assert proc.poll() is None

@@ -341,3 +341,22 @@ def test_fuzz_decode_raises_only_protocol_error():
         except ProtocolError:
             outcomes["error"] += 1
     assert outcomes["error"] > 5_000, outcomes  # the corruption mostly bites
+
+
+def test_a_token_list_past_the_protocol_limit_is_refused_before_its_elements_are_decoded():
+    """msgspec checks a list's length prefix against ``MAX_SEQUENCE_TOKENS`` (declared on the wire
+    types) before it decodes an element: a 3M-token resume costs no decoding; at the limit it decodes."""
+
+    from specroll.protocol.limits import MAX_SEQUENCE_TOKENS
+    from specroll.protocol.messages import SampleResume, SubmitGroup, ToGenerator
+    from specroll.protocol.sampling import SamplingParams
+
+    def submit(tokens: int) -> list:
+        resume = SampleResume(index=0, token_ids=[9] * tokens, logprobs=[-0.5] * tokens, versions=[0] * tokens)
+        return encode(SubmitGroup(group_id="g", prompt_token_ids=[1], n=1, sampling=SamplingParams(),
+                                  resume=(resume,)), session=1, seq=0)
+
+    frames = submit(3_000_000)
+    with pytest.raises(ProtocolError, match=rf"length <= {MAX_SEQUENCE_TOKENS} - at `.*resume\[0\]\.token_ids`"):
+        decode(frames, ToGenerator)
+    assert len(decode(submit(MAX_SEQUENCE_TOKENS), ToGenerator).msg.resume[0].token_ids) == MAX_SEQUENCE_TOKENS

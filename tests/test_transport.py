@@ -14,6 +14,7 @@ import zmq.asyncio
 
 from specroll.protocol.channel import Channel, Received, SequenceError
 from specroll.protocol.codec import ProtocolError, encode, pack_tensors
+from specroll.protocol.limits import DEFAULT_MAX_FRAME_BYTES
 from specroll.protocol.messages import Abort, Heartbeat, RolloutChunk, ToGenerator, ToTrainer, WeightsChunk
 from specroll.protocol.sockets import close_socket, last_endpoint, make_socket
 
@@ -236,10 +237,16 @@ def test_make_socket_options_and_local_binds(tmp_path):
                 endpoint = last_endpoint(s)
                 assert not endpoint.endswith((":0", ":*"))
                 assert (s.getsockopt(zmq.SNDHWM), s.getsockopt(zmq.RCVHWM), s.getsockopt(zmq.LINGER)) == (7, 7, 0)
+                assert s.getsockopt(zmq.MAXMSGSIZE) == DEFAULT_MAX_FRAME_BYTES
             finally:
                 close_socket(s)
         s = make_socket(ctx, zmq.ROUTER, bind="tcp://0.0.0.0:0", allow_public=True)
         close_socket(s)
+        s = make_socket(ctx, zmq.DEALER, connect="tcp://127.0.0.1:9", max_frame_bytes=12345)
+        assert s.getsockopt(zmq.MAXMSGSIZE) == 12345
+        close_socket(s)
+        with pytest.raises(ValueError, match="max_frame_bytes=0"):
+            make_socket(ctx, zmq.DEALER, connect="tcp://127.0.0.1:9", max_frame_bytes=0)
         with pytest.raises(ValueError, match="no PUB/SUB"):
             make_socket(ctx, zmq.PUB, bind="tcp://127.0.0.1:0")
         with pytest.raises(ValueError, match="exactly one of bind= and connect="):

@@ -33,6 +33,7 @@ vLLM and SGLang load.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import tempfile
 from collections.abc import Callable, Mapping
@@ -48,7 +49,7 @@ from torch import nn
 from specroll.drafter.eagle3_layer import Eagle3Layer
 from specroll.engine.attention import AttentionBackend
 from specroll.engine.model import CausalLM, DecoderLayer, RMSNorm, RotaryEmbedding
-from specroll.engine.model_config import ModelConfig
+from specroll.engine.model_config import ModelConfig, expected_weight_shapes
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
@@ -160,6 +161,20 @@ def draft_lm_head(target: CausalLM, config: EagleConfig, draft_to_target: torch.
         return None
     weight = target.lm_head_weight.detach()
     return weight.index_select(0, draft_to_target.to(weight.device)).float().cpu()
+
+
+def max_tensor_bytes(target: ModelConfig) -> int:
+    """The largest tensor frame a peer sends about ``target``, in bytes: one of its weights (a policy
+    version, float32 at most) or of an EAGLE head for it (float32; its int64 ``draft_to_target`` is
+    shorter than its LM head). A head's biggest tensors are its LM head (a draft vocabulary at most
+    the target's), the fusion over its taps (at most one per layer and the embeddings) and its
+    midlayer's fused gate/up and qkv over ``2H`` (``EagleHead``, ``Eagle3Layer``). What a receiver
+    sizes ``MAXMSGSIZE`` from (``protocol.limits.frame_limit``)."""
+    h = target.hidden_size
+    head = max(target.vocab_size * h, (target.num_layers + 1) * h * h, 2 * target.intermediate_size * h,
+               (target.num_heads + 2 * target.num_kv_heads) * target.head_dim * 2 * h)
+    weights = max(math.prod(shape) for shape in expected_weight_shapes(target).values())
+    return 4 * max(head, weights)
 
 
 def build_draft_vocab(token_counts: torch.Tensor, size: int) -> torch.Tensor:

@@ -4,14 +4,14 @@ versions from it to the generators through the trainer (see ``messages.py`` for 
 from __future__ import annotations
 
 from specroll.protocol.weights_messages import TensorRef
-from specroll.protocol.wire import NonNegative, Positive, WireMessage, WireStruct
+from specroll.protocol.wire import NonNegative, Positive, TokenIds, WireMessage, WireStruct
 
 
 class RolloutTokens(WireStruct):
     """One finished rollout as the drafter trainer needs it: token ids only."""
 
-    prompt_token_ids: list[int]
-    token_ids: list[int]
+    prompt_token_ids: TokenIds
+    token_ids: TokenIds
     """Response token ids."""
     policy_version: int
     """The newest policy version among its tokens."""

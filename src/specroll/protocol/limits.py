@@ -35,6 +35,16 @@ MAX_SEQS = 1 << 32
 ``free_groups``): far above any engine's batch, and low enough that the trainer's sums over its
 generators stay within the wire's 64-bit integers (``Capacity``)."""
 
+MAX_SEQUENCE_TOKENS = 1 << 20
+"""Tokens of one sequence any message may carry (a prompt, a response, a resumed sample, a chunk):
+above every context a served model has (1M tokens at the long end). Declared on the wire types, so
+msgspec refuses a longer list from its length prefix, before one element is decoded."""
+
+DEFAULT_MAX_FRAME_BYTES = 1 << 31
+"""The largest frame a receiver that does not know the model accepts (``ZMQ_MAXMSGSIZE``): an
+float32 embedding of a 128k vocabulary at hidden size 4096. Receivers that know the model size it
+from the model (:func:`frame_limit`)."""
+
 MAX_STOP_TOKEN_IDS = 1024
 """``SamplingParams.stop_token_ids`` of one group: every emitted token is looked up in it."""
 
@@ -79,3 +89,11 @@ def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
     if ids and not (min(ids) >= 0 and max(ids) < vocab_size):
         i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
         raise LimitExceeded(f"{field}[{i}] = {t} is outside the model's vocabulary [0, {vocab_size})")
+
+
+def frame_limit(max_header_bytes: int, max_tensor_bytes: int) -> int:
+    """``ZMQ_MAXMSGSIZE`` for a receiver: the largest frame a legitimate peer sends it — its header
+    limit, or its largest tensor frame. libzmq reads a frame's length before its body and drops a
+    connection whose frame is longer, so no memory is spent on it (the peer reconnects; what it sent
+    after is then a sequence gap, handled as any lost message)."""
+    return max(max_header_bytes, max_tensor_bytes)

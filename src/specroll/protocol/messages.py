@@ -83,7 +83,18 @@ from specroll.protocol.weights_messages import (
     WeightsGroup,
     WeightsTransport,
 )
-from specroll.protocol.wire import ErrorCode, FinishReason, NonNegative, Positive, WireDtype, WireMessage, WireStruct
+from specroll.protocol.wire import (
+    ErrorCode,
+    FinishReason,
+    Logprobs,
+    NonNegative,
+    Positive,
+    TokenIds,
+    Versions,
+    WireDtype,
+    WireMessage,
+    WireStruct,
+)
 
 PROTOCOL_VERSION = 3
 """Bumped on every change to a message; peers of different versions refuse each other."""
@@ -130,11 +141,11 @@ class SampleResume(WireStruct):
 
     index: NonNegative
     """Sample index within the group, in ``[0, n)``."""
-    token_ids: list[int]
+    token_ids: TokenIds
     """Response token ids streamed so far (never re-tokenized text)."""
-    logprobs: list[float]
+    logprobs: Logprobs
     """Behavior logprob (natural log) of each token."""
-    versions: list[int]
+    versions: Versions
     """Policy version that produced each token."""
 
     def __post_init__(self) -> None:
@@ -155,7 +166,7 @@ class SubmitGroup(WireMessage, tag="submit_group"):
     """
 
     group_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: TokenIds
     n: Positive
     sampling: SamplingParams
     resume: tuple[SampleResume, ...] = ()
@@ -202,9 +213,9 @@ class RolloutChunk(WireMessage, tag="rollout_chunk"):
     """Sequence position: response tokens of this sample before this chunk's first token. It is
     the same on any generator, so the trainer checks it against what it holds (no gap, no
     duplicate) also after a group resumed elsewhere."""
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
+    token_ids: TokenIds
+    logprobs: Logprobs
+    versions: Versions
     finished: bool = False
     finish_reason: FinishReason | None = None
     """Set exactly when ``finished``."""

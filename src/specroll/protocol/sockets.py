@@ -11,6 +11,7 @@ from typing import TypeVar
 import zmq
 
 from specroll.protocol.curve import ClientKeys, ServerKeys, apply
+from specroll.protocol.limits import DEFAULT_MAX_FRAME_BYTES
 
 S = TypeVar("S", bound=zmq.Socket)  # type: ignore[type-arg]
 
@@ -60,6 +61,7 @@ def make_socket(
     heartbeat_timeout_ms: int = DEFAULT_HEARTBEAT_TIMEOUT_MS,
     curve: ServerKeys | ClientKeys | None = None,
     monitor_events: int = 0,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
 ) -> S:
     """Create a socket of ``ctx`` (sync or ``zmq.asyncio``), set its options, bind or connect it.
 
@@ -84,12 +86,17 @@ def make_socket(
             connect, so no event is missed (a refused first handshake included); read it with
             ``sock.get_monitor_socket()``, which returns that same monitor, and close it before the
             context is terminated. 0: none.
+        max_frame_bytes: ``MAXMSGSIZE``: a peer whose frame is longer is disconnected before the
+            frame's body is read, so no memory is spent on it (size it with
+            :func:`~specroll.protocol.limits.frame_limit` from what the receiver accepts).
 
     Raises:
         ValueError: an unsupported kind, not exactly one endpoint, a malformed endpoint, or a public
             bind without ``allow_public`` (the message names the address).
         zmq.ZMQError: the bind or connect itself failed (e.g. the port is taken).
     """
+    if max_frame_bytes < 1:
+        raise ValueError(f"max_frame_bytes={max_frame_bytes}, expected a positive number of bytes")
     if kind not in KINDS:
         raise ValueError(f"socket kind {kind}: expected one of {sorted(KINDS.values())} (no PUB/SUB for data)")
     if (bind is None) == (connect is None):
@@ -113,6 +120,7 @@ def make_socket(
         sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ivl_ms)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_timeout_ms)
         sock.setsockopt(zmq.HEARTBEAT_TTL, heartbeat_timeout_ms)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         if kind == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)

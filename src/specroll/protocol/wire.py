@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from specroll.protocol.limits import MAX_SEQUENCE_TOKENS
+
 WireDtype = Literal["float32", "bfloat16", "float16", "int64", "int32", "uint8", "bool"]
 """Tensor element types that may travel (torch names)."""
 FinishReason = Literal["stop", "length", "abort"]
@@ -19,6 +21,12 @@ not acceptable now (e.g. a weight version never published); ``internal``: the pe
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
+TokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_SEQUENCE_TOKENS)]
+"""Token ids of one sequence; a longer list is refused from its length prefix, before decoding."""
+Logprobs = Annotated[list[float], msgspec.Meta(max_length=MAX_SEQUENCE_TOKENS)]
+"""A behavior logprob per token (natural log)."""
+Versions = Annotated[list[int], msgspec.Meta(max_length=MAX_SEQUENCE_TOKENS)]
+"""The policy version of each token."""
 
 
 class WireStruct(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True, gc=False):

@@ -40,7 +40,7 @@ from specroll.actors.exit_codes import EXIT_REFUSED
 from specroll.actors.peer.lifecycle import PeerConnection, trainer_channel
 from specroll.actors.peer.weights_fetch import FetchAbandoned, WeightsFetch, check_announcement
 from specroll.actors.security import peer_keys
-from specroll.drafter.eagle_head import DrafterError, EagleHead
+from specroll.drafter.eagle_head import DrafterError, EagleHead, max_tensor_bytes
 from specroll.drafter.learner import DrafterLearner, DrafterSnapshot
 from specroll.engine.checkpoint import load_checkpoint
 from specroll.engine.model import CausalLM
@@ -362,5 +362,5 @@ async def run_drafter(config: RunConfig, connect: str, actor_id: str) -> int:
              f"warm start from {init}" if init else "cold start", connect)
     keys = peer_keys(config, "drafter", log)
     async with trainer_channel(connect, actor_id, ToDrafter, config.network.window, config.drafter.linger_s,
-                               keys) as channel:
+                               keys, max_tensor_bytes=max_tensor_bytes(learner.target.config)) as channel:
         return await DrafterActor(config, learner, channel, connect=connect, actor_id=actor_id).run()

@@ -57,7 +57,7 @@ from specroll.actors.peer.lifecycle import PeerConnection, trainer_channel
 from specroll.actors.peer.weights_collective import ChecksumMismatch, CollectiveError, endpoint_host
 from specroll.actors.peer.weights_fetch import FetchAbandoned, WeightsFetch, check_announcement
 from specroll.actors.security import peer_keys
-from specroll.drafter.eagle_head import DrafterError
+from specroll.drafter.eagle_head import DrafterError, max_tensor_bytes
 from specroll.engine.engine import Engine
 from specroll.engine.model_config import expected_weight_shapes
 from specroll.protocol.channel import Channel, Received
@@ -463,6 +463,8 @@ async def run_generator(config: RunConfig, connect: str, actor_id: str) -> int:
     log.info("generator %s: model %s loaded (%s, %s); connecting to %s", actor_id, config.generator.engine.model,
              engine.dtype, engine.device, connect)
     keys = peer_keys(config, "generator", log)
+    limits = SubmitLimits.of(engine, config.generator.engine.max_num_seqs)
     async with trainer_channel(connect, actor_id, ToGenerator, config.network.window, config.generator.linger_s,
-                               keys) as channel:
+                               keys, max_header_bytes=limits.max_header_bytes(),
+                               max_tensor_bytes=max_tensor_bytes(engine.model_config)) as channel:
         return await GeneratorActor(config, engine, channel, counter, connect=connect, actor_id=actor_id).run()

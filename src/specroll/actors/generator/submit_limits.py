@@ -53,6 +53,16 @@ class SubmitLimits:
         """The bounds of ``engine`` (its context and vocabulary) decoding ``max_num_seqs`` sequences."""
         return cls(max_num_seqs, engine.max_model_len, engine.model_config.vocab_size)
 
+    def max_header_bytes(self) -> int:
+        """The longest message header a trainer may send this generator: a ``SubmitGroup`` that resumes
+        ``max_num_seqs`` samples, each and the prompt a whole context long (msgpack: at most 9 bytes an
+        integer, 9 a float, so 27 a resumed token: id, logprob, version), with room for the ids, the
+        sampling (its stop tokens) and the other messages (4 MiB: a weight announcement names every
+        tensor of the model). The channel refuses a longer header before decoding it; the socket
+        takes no frame longer than it or the largest tensor."""
+        tokens = 9 * self.max_model_len + self.max_num_seqs * (27 * self.max_model_len + 64)
+        return tokens + (4 << 20)
+
     def check(self, msg: SubmitGroup | Abort) -> None:
         """Raise :class:`~specroll.protocol.limits.LimitExceeded` (the message names the group,
         the field, its value and the limit) unless every bound holds. Work: one pass over the token

@@ -50,6 +50,8 @@ class TrainerLiveness:
         self.on_connected = on_connected
         self.on_refused = on_refused
         self._handshake_failed = False
+        self._handshaken = False
+        """The current connection completed its handshake (a later close is reconnected here)."""
         # Assumed up until the socket monitor says otherwise (a trainer never reached is caught by
         # the handshake's own timeout).
         self.connected = True
@@ -78,6 +80,13 @@ class TrainerLiveness:
                 was_connected = self.connected
                 self.connected = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
                 self.last_alive = time.monotonic()
+                if event["event"] == zmq.EVENT_DISCONNECTED and self._handshaken:
+                    # libzmq reconnects after a lost connection, but not after a protocol error — a
+                    # frame over the socket's MAXMSGSIZE from the trainer: connect afresh either way,
+                    # so no message can end the connection for good (a refused handshake stays final)
+                    socket.disconnect(self.endpoint)
+                    socket.connect(self.endpoint)
+                self._handshaken = self.connected
                 if self.connected or was_connected:  # not once per failed reconnect
                     self.log.info("%s the trainer at %s",
                                   "connected to" if self.connected else "lost the connection to", self.endpoint)

@@ -56,6 +56,7 @@ from specroll.actors.wakeup import Wakeup
 from specroll.protocol.channel import DEFAULT_WINDOW, Channel
 from specroll.protocol.codec import ProtocolError
 from specroll.protocol.curve import RefusalLog, RunAuthenticator, ServerKeys
+from specroll.protocol.limits import DEFAULT_MAX_FRAME_BYTES
 from specroll.protocol.messages import (
     Abort,
     Dead,
@@ -120,6 +121,10 @@ class RolloutClient(ClientReceive):
         curve: the run's server keys: the socket is a CURVE server that admits only the clients'
             keys, and a message whose key's role is not the role its sender speaks as is refused
             (``protocol/curve.py``); None: no security.
+        max_frame_bytes: the socket takes no longer frame from a peer (``MAXMSGSIZE``: the peer is
+            disconnected before the frame's body is read); it must hold the largest drafter tensor a
+            drafter trainer publishes (``specroll.drafter.eagle_head.max_tensor_bytes`` of the model).
+            Message headers are bounded apart (``codec.MAX_HEADER_BYTES``), before decoding.
     """
 
     def __init__(
@@ -141,8 +146,10 @@ class RolloutClient(ClientReceive):
         weights_backend: BackendChoice = "auto",
         weights_host: str | None = None,
         curve: ServerKeys | None = None,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
         self.bind = bind
+        self.max_frame_bytes = max_frame_bytes
         self.curve = curve
         self.refusals = RefusalLog(log)
         """Peers refused by the security layer (each distinct one logged once)."""
@@ -214,7 +221,7 @@ class RolloutClient(ClientReceive):
                 self._auth.start()
             self._socket = make_socket(self._ctx, zmq.ROUTER, bind=self.bind, hwm=self.hwm,
                                        allow_public=self.allow_public, curve=self.curve,
-                                       monitor_events=_MONITOR_EVENTS)
+                                       monitor_events=_MONITOR_EVENTS, max_frame_bytes=self.max_frame_bytes)
         except BaseException:
             self._stop_auth()
             self._ctx.term()
