@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -107,3 +108,14 @@ def drafter_process(
     """``python -m specroll.actors.drafter_trainer`` with run config ``config``, as an :func:`actor_process`."""
     return actor_process([sys.executable, "-m", "specroll.actors.drafter_trainer", "--connect", endpoint, "--config",
                           str(config), "--actor-id", actor_id], log)
+
+
+async def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> None:
+    """Poll ``predicate`` until it is true; a hang guard of ``timeout`` seconds names ``what`` was awaited."""
+    import anyio
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await anyio.sleep(0.05)

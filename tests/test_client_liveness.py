@@ -9,9 +9,8 @@ import signal
 import time
 from pathlib import Path
 
-import anyio
 import pytest
-from conftest import drafter_process, generator_process
+from conftest import drafter_process, generator_process, wait_until
 
 from specroll.actors.config import DrafterConfig, GeneratorConfig, ModelSection, RunConfig, write_resolved
 from specroll.actors.trainer.client import RolloutClient
@@ -33,14 +32,6 @@ LONG_CONTEXT = 4096
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-async def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await anyio.sleep(0.05)
 
 
 def stop(pid: int, how: signal.Signals) -> None:

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
-import anyio
 import msgspec
 import pytest
 import torch
-from conftest import drafter_process, generator_process, write_tiny_checkpoint
+from conftest import drafter_process, generator_process, wait_until, write_tiny_checkpoint
 
 from specroll.actors.config import DrafterConfig, ModelSection, RunConfig, write_resolved
 from specroll.actors.drafter_trainer.actor import DrafterActor
@@ -59,14 +57,6 @@ def run_config(model: Path, run_dir: Path) -> Path:
                             draft_vocab_size=128, duty_cycle=1.0, num_threads=1)
     config = RunConfig(run_dir=str(run_dir), model=ModelSection(name=str(model)), drafter=drafter)
     return write_resolved(config)
-
-
-async def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await anyio.sleep(0.05)
 
 
 async def test_drafter_versions_reach_the_generator_and_survive_the_drafter_trainer(model, tmp_path):
