@@ -4,7 +4,7 @@ Both loops run in one process tree, one after the other, against the same genera
 :class:`~specroll.actors.generator.actor.GeneratorActor` processes (``--generators``, real ZeroMQ sockets,
 credit, heartbeats, weight fetches) serving a :class:`fake_engine.FakeEngine` that costs ``--step-s``
 per step whatever its batch (up to ``--max-num-seqs``) and emits one token per running request, and a
-:class:`~specroll.actors.trainer.client.RolloutClient` in this process playing the trainer. Each loop trains
+:class:`~specroll.actors.rollout.client.RolloutClient` in this process playing the trainer. Each loop trains
 ``--steps`` steps of ``--batch-groups`` (B) groups of ``--n`` samples, on the same prompts in the same
 order; "training" is a sleep of ``--train-s`` and a publish of a small dummy tensor as the next policy
 version.
@@ -90,7 +90,7 @@ from typing import IO, TYPE_CHECKING
 from fake_engine import Timeline, encode_prompt, start_fake_generator, stop_processes
 
 if TYPE_CHECKING:  # torch and zmq load only after the arguments parsed
-    from specroll.actors.trainer.client import RolloutClient
+    from specroll.actors.rollout.client import RolloutClient
     from specroll.rl.coordinator import Group
 
 NEXT_FINISHED_TIMEOUT_S = 120.0
@@ -251,7 +251,7 @@ async def bench(wl: Workload, s: Settings, workdir: Path, procs: list[Popen[byte
     """Start the generators, run both loops against them, stop them (they write their timelines)."""
     import anyio
 
-    from specroll.actors.trainer.client import RolloutClient
+    from specroll.actors.rollout.client import RolloutClient
 
     async with RolloutClient(max_groups_in_flight=s.max_groups_in_flight, heartbeat_timeout_s=30.0) as client:
         try:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 from common import int_list
 
 if TYPE_CHECKING:
-    from specroll.actors.trainer.client import RolloutClient
+    from specroll.actors.rollout.client import RolloutClient
 
 DTYPES = ("bfloat16", "float32")
 TRANSPORTS = ("zmq", "collective")
@@ -92,7 +92,7 @@ async def measure(args: argparse.Namespace, weights: dict, model: str, workdir: 
     publish."""
     import anyio
 
-    from specroll.actors.trainer.client import RolloutClient
+    from specroll.actors.rollout.client import RolloutClient
     from specroll.protocol.curve import ServerKeys, init_keys
 
     keys = workdir / "keys"

@@ -49,7 +49,7 @@ async def main(args: argparse.Namespace) -> None:
 
     import torch
 
-    from specroll.actors.trainer.client import RolloutClient
+    from specroll.actors.rollout.client import RolloutClient
     from specroll.engine.checkpoint import load_checkpoint
 
     weights = {name: t.to(getattr(torch, args.hold)) for name, t in load_checkpoint(args.model).weights.items()}

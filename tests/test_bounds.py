@@ -26,8 +26,8 @@ from test_generator_actor import FakeTrainer, fake_trainer, generator_process
 
 from specroll.actors.config import DrafterConfig, ModelSection, RunConfig
 from specroll.actors.drafter_trainer.actor import DrafterActor, build_learner
-from specroll.actors.trainer.client import RolloutClient
-from specroll.actors.trainer.drafter_relay import DrafterRelay
+from specroll.actors.rollout.client import RolloutClient
+from specroll.actors.rollout.drafter_relay import DrafterRelay
 from specroll.drafter.eagle_head import EagleConfig, EagleHead, eagle3_feature_layers, head_checksum
 from specroll.engine.checkpoint import load_checkpoint
 from specroll.engine.model_config import expected_weight_shapes

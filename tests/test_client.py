@@ -16,8 +16,8 @@ import zmq
 import zmq.asyncio
 from conftest import generator_process
 
-from specroll.actors.trainer.client import RolloutClient
-from specroll.actors.trainer.sync_client import SyncRolloutClient
+from specroll.actors.rollout.client import RolloutClient
+from specroll.actors.rollout.sync_client import SyncRolloutClient
 from specroll.engine.checkpoint import load_checkpoint
 from specroll.protocol.codec import encode
 from specroll.protocol.messages import AckWeights, FetchWeights, Heartbeat, RolloutChunk
@@ -153,7 +153,7 @@ async def test_an_unreachable_peer_is_logged_once_per_change_of_state(caplog) ->
     line when it becomes unreachable (and one when it is back), not one per dropped message."""
     import logging
 
-    from specroll.actors.trainer.peer_outboxes import Outboxes
+    from specroll.actors.rollout.outboxes import Outboxes
     from specroll.protocol.channel import Channel
     from specroll.protocol.messages import PROTOCOL_VERSION, Capacity, Hello, ToDrafter, ToTrainer
     from specroll.protocol.sockets import last_endpoint
@@ -224,4 +224,4 @@ async def test_a_client_cancelled_from_outside_closes_cleanly() -> None:
         await started.wait()
         tg.cancel_scope.cancel()
     client = box[0]
-    assert client._tg is None and client._ctx is not None and client._ctx.closed
+    assert client._tg is None and client._socket.ctx is not None and client._socket.ctx.closed

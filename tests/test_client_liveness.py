@@ -13,7 +13,7 @@ import pytest
 from conftest import drafter_process, generator_process, wait_until
 
 from specroll.actors.config import DrafterConfig, GeneratorConfig, ModelSection, RunConfig, write_resolved
-from specroll.actors.trainer.client import RolloutClient
+from specroll.actors.rollout.client import RolloutClient
 from specroll.protocol.messages import RolloutChunk
 from specroll.protocol.sampling import SamplingParams
 

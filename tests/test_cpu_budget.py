@@ -34,7 +34,7 @@ def test_set_thread_counts_are_kept_and_bad_core_counts_refused() -> None:
 
 
 def test_generators_are_idle_only_while_no_group_is_queued_or_generating() -> None:
-    from specroll.actors.trainer.client import RolloutClient
+    from specroll.actors.rollout.client import RolloutClient
     from specroll.protocol.sampling import SamplingParams
 
     client = RolloutClient()  # not started: the coordinator alone

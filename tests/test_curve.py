@@ -26,7 +26,7 @@ from test_drafter_actor import run_config
 from test_launch import assert_nothing_left, children_of, finish, launch, write_config
 from zmq.utils.monitor import parse_monitor_message
 
-from specroll.actors.trainer.client import RolloutClient
+from specroll.actors.rollout.client import RolloutClient
 from specroll.protocol.channel import Channel
 from specroll.protocol.curve import (
     MECHANISM_MISMATCH,

@@ -15,7 +15,7 @@ from conftest import drafter_process, generator_process, wait_until, write_tiny_
 
 from specroll.actors.config import DrafterConfig, ModelSection, RunConfig, write_resolved
 from specroll.actors.drafter_trainer.actor import DrafterActor
-from specroll.actors.trainer.client import RolloutClient
+from specroll.actors.rollout.client import RolloutClient
 from specroll.drafter.eagle import EagleProposer
 from specroll.drafter.eagle_head import EagleConfig, EagleHead, eagle3_feature_layers, head_checksum
 from specroll.drafter.learner import DrafterLearner, LearnerConfig
@@ -313,7 +313,7 @@ def test_a_fetch_overtaken_by_a_newer_drafter_version_is_answered_with_its_annou
     """A drafter trainer publishing faster than a fetch's round trip: the generator's fetch of version 2
     arrives after version 3 was published. Nothing is lost (version 3 is announced, and the generator
     fetches it), so it is no error; a version never published still is one."""
-    from specroll.actors.trainer.drafter_relay import DrafterRelay
+    from specroll.actors.rollout.drafter_relay import DrafterRelay
     from specroll.protocol.messages import DrafterAvailable, DrafterWeights, Error, FetchDrafter
 
     sent: list[tuple[str, object]] = []
@@ -334,7 +334,7 @@ def test_a_fetch_overtaken_by_a_newer_drafter_version_is_answered_with_its_annou
 
 
 def test_acceptance_is_reported_per_version_and_a_drop_below_the_floor_warns(caplog):
-    from specroll.actors.trainer.drafter_relay import DrafterRelay
+    from specroll.actors.rollout.drafter_relay import DrafterRelay
     from specroll.protocol.messages import SpecStats
 
     relay = DrafterRelay(lambda actor, msg, tensors: None)

@@ -1,8 +1,8 @@
-"""The trainer-side liveness rules (``actors/trainer/peer_liveness.py``), without sockets: times are given."""
+"""The trainer-side liveness rules (``actors/rollout/liveness.py``), without sockets: times are given."""
 
 from __future__ import annotations
 
-from specroll.actors.trainer.peer_liveness import PeerLiveness
+from specroll.actors.rollout.liveness import PeerLiveness
 
 
 def _live(timeout: float = 10.0, grace: float = 2.0) -> PeerLiveness:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from conftest import generator_process
 
-from specroll.actors.trainer.drafter_relay import DrafterRelay
-from specroll.actors.trainer.sync_client import SyncRolloutClient
-from specroll.actors.trainer.timeline import Timeline
+from specroll.actors.rollout.drafter_relay import DrafterRelay
+from specroll.actors.rollout.sync_client import SyncRolloutClient
+from specroll.actors.rollout.timeline import Timeline
 from specroll.engine.checkpoint import load_checkpoint
 from specroll.protocol.messages import AckDrafter, PublishDrafter
 from specroll.protocol.sampling import SamplingParams

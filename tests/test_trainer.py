@@ -27,6 +27,7 @@ import zmq.asyncio
 
 from specroll.actors.config import RunConfig, load_config
 from specroll.actors.exit_codes import EXIT_PEER_LOST
+from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.trainer.checkpoint import (
     CHECKPOINT_DIRNAME,
     TrainerState,
@@ -34,7 +35,6 @@ from specroll.actors.trainer.checkpoint import (
     load_trainer_checkpoint,
     save_checkpoint,
 )
-from specroll.actors.trainer.client import RolloutClient
 from specroll.actors.trainer.process import run_trainer
 from specroll.actors.trainer.trainer import ENDPOINT_FILENAME, METRICS_FILENAME
 from specroll.engine.checkpoint import expected_weight_shapes, load_checkpoint

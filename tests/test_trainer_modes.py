@@ -20,10 +20,10 @@ from tqdm import tqdm
 
 from specroll.actors.launch.metrics_tail import format_metrics
 from specroll.actors.launch.preflight import preflight
-from specroll.actors.trainer.client import RolloutClient
+from specroll.actors.rollout.client import RolloutClient
+from specroll.actors.rollout.timeline import TIMELINE_FILENAME
 from specroll.actors.trainer.process import run_trainer
 from specroll.actors.trainer.setup import TrainerError, load_setup
-from specroll.actors.trainer.timeline import TIMELINE_FILENAME
 from specroll.actors.trainer.trainer import Trainer
 from specroll.engine.config import EngineConfig
 from specroll.engine.engine import Engine

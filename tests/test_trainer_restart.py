@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 from conftest import generator_process
 
-from specroll.actors.trainer.client import RolloutClient
+from specroll.actors.rollout.client import RolloutClient
 from specroll.engine.checkpoint import load_checkpoint
 from specroll.protocol.channel import Channel
 from specroll.protocol.messages import (

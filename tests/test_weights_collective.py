@@ -38,8 +38,8 @@ from specroll.actors.peer.weights_collective import (
     send_buckets,
 )
 from specroll.actors.peer.weights_fetch import check_announcement
-from specroll.actors.trainer.client import RolloutClient
-from specroll.actors.trainer.weights_publish import PublishedWeights
+from specroll.actors.rollout.client import RolloutClient
+from specroll.actors.rollout.weights_publish import PublishedWeights
 from specroll.engine.config import EngineConfig
 from specroll.engine.driver import run_to_completion
 from specroll.engine.engine import Engine

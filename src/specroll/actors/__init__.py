@@ -1,5 +1,6 @@
-"""The I/O shell: one package per owner (``trainer``, ``generator``, ``drafter_trainer``, ``peer``
-for what both peers share, ``launch``, ``config``, ``jobs`` for the offline CLI jobs) and the
+"""The I/O shell: one package per owner (``rollout`` the hub every trainer drives, ``trainer`` the
+built-in GRPO trainer, ``generator``, ``drafter_trainer``, ``peer`` for what both peers share,
+``launch``, ``config``, ``jobs`` for the offline CLI jobs) and the
 ``specroll`` command (``cli.py``).
 
 This module is also the embedding API for another RL stack: the rollout client, the run config and
@@ -16,14 +17,14 @@ from specroll.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from specroll.actors.config import ConfigError, RunConfig, load_config
-    from specroll.actors.trainer.client import RolloutClient
-    from specroll.actors.trainer.sync_client import SyncRolloutClient
+    from specroll.actors.rollout.client import RolloutClient
+    from specroll.actors.rollout.sync_client import SyncRolloutClient
     from specroll.rl.coordinator import Group, Sample
     from specroll.rl.tasks import Prompt, builtin_prompts, format_question, gsm8k_reward, load_prompts
 
 _EXPORTS = {
-    "RolloutClient": "specroll.actors.trainer.client",
-    "SyncRolloutClient": "specroll.actors.trainer.sync_client",
+    "RolloutClient": "specroll.actors.rollout.client",
+    "SyncRolloutClient": "specroll.actors.rollout.sync_client",
     "RunConfig": "specroll.actors.config",
     "ConfigError": "specroll.actors.config",
     "load_config": "specroll.actors.config",

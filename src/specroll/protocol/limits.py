@@ -6,7 +6,7 @@ Most bounds come from the receiver's own configuration and are checked where it 
 generator's ``max_num_seqs``, its model's context, vocabulary and parameter shapes:
 ``actors/generator/submit_limits.py``, ``actors/peer/weights_fetch.py``; the trainer's vocabulary
 for the token ids generators stream back, with :func:`check_token_ids`:
-``actors/trainer/client_receive.py``). The few here hold for every receiver; each is far above
+``actors/rollout/receive.py``). The few here hold for every receiver; each is far above
 what a legitimate peer sends, so none ever refuses real work.
 The codec already bounds a message as a whole (``codec.MAX_HEADER_BYTES``); these bound what a
 handler would build from it (a per-sample loop, a per-character copy).

@@ -1,5 +1,5 @@
 """What ``specroll report`` reads from a run directory: ``metrics.jsonl`` (one record per step),
-``timeline.jsonl`` (events, see :mod:`specroll.actors.trainer.timeline`) and the group size from
+``timeline.jsonl`` (events, see :mod:`specroll.actors.rollout.timeline`) and the group size from
 ``config.toml``, turned into typed records.
 
 Reading tolerates a run that was killed or is still going: a missing file, a malformed line, a
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from specroll.actors.jobs.report_lines import Fields, read_jsonl, show
-from specroll.actors.trainer.timeline import TIMELINE_FILENAME
+from specroll.actors.rollout.timeline import TIMELINE_FILENAME
 
 METRICS_FILENAME = "metrics.jsonl"
 CONFIG_FILENAME = "config.toml"

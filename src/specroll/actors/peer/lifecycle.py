@@ -32,7 +32,7 @@ for the new trainer) and starts its stream over (a fresh credit window), sends n
 queues nothing but ``Hello`` until the next ``Welcome``, which it takes as the new trainer's; the role
 drops what it held of the old incarnation (:meth:`PeerRole.on_new_trainer`). Groups still live here
 are the old trainer's: the new one aborts each when its first chunk arrives
-(``actors/trainer/foreign_groups.py``).
+(``actors/rollout/foreign_groups.py``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Policy weights over a torch.distributed group: what the trainer and a generator share (the wire
-messages are in ``protocol/weights_messages.py``; the trainer's end is ``trainer/weights_groups.py``,
+messages are in ``protocol/weights_messages.py``; the trainer's end is ``rollout/weights_groups.py``,
 the generator's ``generator/weights_group.py``).
 
 **One 2-member group per generator.** The trainer (rank 0) opens a ``TCPStore`` on

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import anyio
 from anyio.abc import TaskGroup
 
-from specroll.actors.trainer.client import RolloutClient
-from specroll.actors.trainer.timeline import Timeline
+from specroll.actors.rollout.client import RolloutClient
+from specroll.actors.rollout.timeline import Timeline
 from specroll.engine.tokenizer import Tokenizer
 from specroll.protocol.sampling import SamplingParams
 from specroll.rl.evaluation import EvalResult, eval_sampling, score

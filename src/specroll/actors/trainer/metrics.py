@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from specroll.actors.files import write_text_atomic
-from specroll.actors.trainer.client import RolloutClient
+from specroll.actors.rollout.client import RolloutClient
 from specroll.rl.coordinator import Group
 from specroll.rl.grpo_step import StepResult
 

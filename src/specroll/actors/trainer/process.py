@@ -16,12 +16,12 @@ import torch.distributed as dist
 from specroll.actors.config import RunConfig, write_resolved
 from specroll.actors.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_REFUSED
 from specroll.actors.files import write_text_atomic
-from specroll.actors.trainer.client import RolloutClient
+from specroll.actors.rollout.client import RolloutClient
+from specroll.actors.rollout.timeline import TIMELINE_FILENAME, Timeline
+from specroll.actors.rollout.weights_groups import BackendChoice
 from specroll.actors.trainer.ranks import Ranks
 from specroll.actors.trainer.setup import TrainerError, load_setup
-from specroll.actors.trainer.timeline import TIMELINE_FILENAME, Timeline
 from specroll.actors.trainer.trainer import ENDPOINT_FILENAME, Trainer
-from specroll.actors.trainer.weights_groups import BackendChoice
 from specroll.protocol.curve import KeysError
 
 log = logging.getLogger("specroll.trainer")

@@ -83,12 +83,12 @@ from tqdm import tqdm
 from specroll.actors.config import RunConfig
 from specroll.actors.exit_codes import EXIT_PEER_LOST
 from specroll.actors.restarts import read_restarts
+from specroll.actors.rollout.client import RolloutClient
+from specroll.actors.rollout.timeline import Timeline
 from specroll.actors.trainer.checkpoint import TrainerState
-from specroll.actors.trainer.client import RolloutClient
 from specroll.actors.trainer.evaluation import Evaluator
 from specroll.actors.trainer.metrics import StepMetrics, truncate_metrics
 from specroll.actors.trainer.setup import TrainerError, TrainerSetup
-from specroll.actors.trainer.timeline import Timeline
 from specroll.actors.wakeup import Wakeup
 from specroll.rl.admission import Admission, run_ahead_warning
 from specroll.rl.coordinator import Group

@@ -1,4 +1,4 @@
-"""A blocking :class:`~specroll.actors.trainer.client.RolloutClient` for code without an event loop: the
+"""A blocking :class:`~specroll.actors.rollout.client.RolloutClient` for code without an event loop: the
 client runs in a background thread (an anyio blocking portal) and each call waits for its result.
 """
 
@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from anyio.from_thread import start_blocking_portal
 
-from specroll.actors.trainer.client import RolloutClient
+from specroll.actors.rollout.client import RolloutClient
 from specroll.protocol.sampling import SamplingParams
 from specroll.rl.coordinator import Group
 

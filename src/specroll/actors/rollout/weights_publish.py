@@ -1,4 +1,4 @@
-"""The policy weights a :class:`~specroll.actors.trainer.client.RolloutClient` publishes: the latest
+"""The policy weights a :class:`~specroll.actors.rollout.client.RolloutClient` publishes: the latest
 version, snapshotted in the wire dtype into one byte string (``WeightsLayout``) and split into
 ``WeightsChunk`` messages of at most about :data:`WEIGHTS_CHUNK_BYTES` of tensors, announced by one
 ``WeightsAvailable``; generators and drafter trainers fetch it with ``FetchWeights``. With the

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -113,3 +114,39 @@ class Outboxes:
                 if actor in self.unreachable:
                     self.unreachable.discard(actor)
                     log.info("peer %s is reachable again", actor)
+
+
+class Mail:
+    """Where the hub's messages go: a registered generator's or drafter trainer's own outbox, in
+    order; to any other peer, a best-effort reply. Nothing goes out before :meth:`open`.
+
+    Args:
+        registered: whether an actor id is a registered generator or drafter trainer.
+    """
+
+    def __init__(self, registered: Callable[[str], bool]) -> None:
+        self._registered = registered
+        self._channel: Channel[Any] | None = None
+        self.outboxes: Outboxes | None = None
+
+    def open(self, channel: Channel[Any], task_group: TaskGroup) -> None:
+        """Send over ``channel`` from now on, the senders running in ``task_group``."""
+        self._channel = channel
+        self.outboxes = Outboxes(channel, task_group)
+
+    def send(self, actor: str, msg: Any, tensors: list[torch.Tensor] | None = None) -> None:
+        """Queue ``msg`` (with the tensors sent as its frames) for ``actor``."""
+        if self.outboxes is None:
+            log.debug("not started: %s to %s dropped", type(msg).__name__, actor)
+            return
+        if not self._registered(actor):
+            self.outboxes.reply(actor, msg)
+            return
+        self.outboxes.put(actor, msg, tensors)
+
+    def forget(self, actor: str) -> None:
+        """Drop the outbox and the channel state of a peer that is gone."""
+        if self.outboxes is not None:
+            self.outboxes.forget(actor)
+        if self._channel is not None:
+            self._channel.forget(actor.encode())

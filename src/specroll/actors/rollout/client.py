@@ -11,7 +11,7 @@ same way::
         group = await client.next_finished()          # every sample's tokens, logprobs, versions
         await client.publish_weights(model.state_dict(), version=1)
 
-:class:`~specroll.actors.trainer.sync_client.SyncRolloutClient` wraps it for code without an event loop.
+:class:`~specroll.actors.rollout.sync_client.SyncRolloutClient` wraps it for code without an event loop.
 
 Weights travel as ZeroMQ chunks on the same socket (the default), or with
 ``weights_transport="collective"`` as bucketed broadcasts over one torch.distributed group per
@@ -19,14 +19,16 @@ generator (``weights_groups.py``; announcements and acknowledgements stay on Zer
 
 Drafter trainers connect to the same endpoint (``Hello(role="drafter")``); the client feeds them
 finished rollouts and the generators' load, and relays their drafter versions to the generators
-(:class:`~specroll.actors.trainer.drafter_relay.DrafterRelay`, :attr:`RolloutClient.drafters`).
+(:class:`~specroll.actors.rollout.drafter_relay.DrafterRelay`, :attr:`RolloutClient.drafters`).
 
 Inside, three tasks share one :class:`~specroll.protocol.channel.Channel`: a receive loop (which
 never waits on a send: replies go through an outgoing queue, so credit grants are always read;
-``client_receive.py``), a sender per peer, and a ticker that dispatches queued groups by free
-capacity and declares peers gone (their groups resume elsewhere from their streamed tokens) when
-their connection closes, or after ``heartbeat_timeout_s`` of silence while the client kept up with
-its socket (``peer_liveness.py``; a monitor task watches the socket's connections).
+:class:`~specroll.actors.rollout.receive.Receiver`), a sender per peer (``outboxes.py``), and a
+ticker that dispatches queued groups by free capacity and declares peers gone (their groups resume
+elsewhere from their streamed tokens) when their connection closes, or after
+``heartbeat_timeout_s`` of silence while the client kept up with its socket
+(:class:`~specroll.actors.rollout.peers.Peers`, ``liveness.py``; a monitor task watches the
+socket's connections).
 """
 
 from __future__ import annotations
@@ -38,36 +40,29 @@ from typing import Any
 
 import anyio
 import torch
-import zmq
-import zmq.asyncio
 from anyio.abc import TaskGroup
-from zmq.utils.monitor import parse_monitor_message
 
 from specroll.actors.peer.weights_collective import endpoint_host
-from specroll.actors.trainer.client_receive import ClientReceive
-from specroll.actors.trainer.drafter_relay import DrafterRelay
-from specroll.actors.trainer.foreign_groups import ForeignGroups
-from specroll.actors.trainer.peer_liveness import PeerLiveness
-from specroll.actors.trainer.peer_outboxes import Outboxes
-from specroll.actors.trainer.timeline import Timeline
-from specroll.actors.trainer.weights_groups import BackendChoice, WeightsGroups
-from specroll.actors.trainer.weights_publish import PublishedWeights
-from specroll.actors.wakeup import Wakeup
+from specroll.actors.rollout.drafter_relay import DrafterRelay
+from specroll.actors.rollout.foreign_groups import ForeignGroups
+from specroll.actors.rollout.hub_socket import HubSocket
+from specroll.actors.rollout.liveness import PeerLiveness
+from specroll.actors.rollout.outboxes import Mail
+from specroll.actors.rollout.peers import HubEvents, Peers
+from specroll.actors.rollout.receive import Receiver
+from specroll.actors.rollout.timeline import Timeline
+from specroll.actors.rollout.weights_groups import BackendChoice, WeightsGroups
+from specroll.actors.rollout.weights_publish import PublishedWeights
 from specroll.protocol.channel import DEFAULT_WINDOW, Channel
-from specroll.protocol.codec import ProtocolError
-from specroll.protocol.curve import RefusalLog, RunAuthenticator, ServerKeys
+from specroll.protocol.curve import RefusalLog, ServerKeys
 from specroll.protocol.limits import DEFAULT_MAX_FRAME_BYTES
 from specroll.protocol.messages import (
     Abort,
-    Dead,
-    Hello,
     RolloutChunk,
-    Stats,
-    ToTrainer,
     WeightsTransport,
 )
 from specroll.protocol.sampling import SamplingParams
-from specroll.protocol.sockets import DEFAULT_HWM, close_socket, last_endpoint, make_socket
+from specroll.protocol.sockets import DEFAULT_HWM
 from specroll.rl.coordinator import Group, Lane, RolloutCoordinator
 
 __all__ = ["RolloutClient"]
@@ -75,17 +70,10 @@ __all__ = ["RolloutClient"]
 log = logging.getLogger("specroll.client")
 
 _FLUSH_S = 0.5
-_MONITOR_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                   | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-"""What the trainer's socket monitor reports: closed connections, failed security handshakes."""
 """On close, seconds at most to send what is queued (a peer that grants no credit holds its queue)."""
-_DEAD_READ_S = 2.0
-"""On close, seconds at most to wait until every peer read ``Dead`` (it answers ``Hello``)."""
-_DEAD_LINGER_MS = 1000
-"""On close, milliseconds ZeroMQ may take to deliver what is still queued to peers still connected."""
 
 
-class RolloutClient(ClientReceive):
+class RolloutClient:
     """Coordinates generators: submit groups, receive rollouts, publish policy weights.
 
     Args:
@@ -148,54 +136,42 @@ class RolloutClient(ClientReceive):
         curve: ServerKeys | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
-        self.bind = bind
-        self.max_frame_bytes = max_frame_bytes
-        self.curve = curve
         self.refusals = RefusalLog(log)
         """Peers refused by the security layer (each distinct one logged once)."""
-        self._auth: RunAuthenticator | None = None
         self.coordinator = RolloutCoordinator(max_groups_in_flight)
-        self._foreign = ForeignGroups(self.coordinator)  # group ids unique across incarnations
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.window, self.hwm, self.allow_public = window, hwm, allow_public
-        self.on_chunk = on_chunk
         self.actor_id = actor_id
         self.timeline = timeline
-        self.vocab_size = vocab_size
-        """Token ids a chunk may carry are in ``[0, vocab_size)``; None: not checked. Set it before
-        the first :meth:`submit` (no chunk is merged before then: chunks of groups this client never
-        issued are refused or aborted)."""
         self.endpoint = ""
         """The bound endpoint, e.g. ``tcp://127.0.0.1:41234`` (set by :meth:`start`)."""
-        self.generator_stats: dict[str, Stats] = {}
-        """Each generator's last :class:`Stats`."""
-        self.dead_generators: list[str] = []
-        """Generators declared dead (by ``Dead`` or heartbeat timeout), in order."""
-        self.protocol_errors = 0
-        """Messages refused: malformed, out of sequence, from a peer without a handshake, or chunks
-        that cannot be merged (each logged, and answered with ``Error`` where credit allows)."""
-        self.drafters = DrafterRelay(self._queue, timeline=timeline)
+        self._mail = Mail(lambda actor: self.peers.registered(actor))
+        self.drafters = DrafterRelay(self._mail.send, timeline=timeline)
         """Drafter trainers, the current drafter version and acceptance per (drafter, policy) version."""
-        self.drafter_policy_versions: dict[str, int] = {}
-        """Policy version each drafter trainer acknowledged holding."""
-        self._load: dict[str, tuple[int, int]] = {}
-        """Each generator's live batch and its capacity in sequences (last heartbeat)."""
-        self._liveness = PeerLiveness(heartbeat_timeout_s, disconnect_grace_s)
-        self._capacity_known: set[str] = set()
-        self._finished_event = Wakeup()
-        self._version_event = Wakeup()
-        self._generators_event = Wakeup()
+        self._events = HubEvents()
         self._weights = PublishedWeights(weights_transport, weights_bucket_mb << 20)
         self.weights_groups = WeightsGroups(
-            self._weights, weights_host or endpoint_host(bind), weights_backend, heartbeat_timeout_s, self._queue,
+            self._weights, weights_host or endpoint_host(bind), weights_backend, heartbeat_timeout_s, self._mail.send,
             self._send_chunks, self._start_soon)
         """The generators' weights groups (``collective``)."""
-        self._ctx: zmq.asyncio.Context | None = None
-        self._socket: zmq.asyncio.Socket | None = None
-        self._monitor: zmq.asyncio.Socket | None = None
+        self.peers = Peers(self.coordinator, self.drafters, self._weights, self.weights_groups,
+                           PeerLiveness(heartbeat_timeout_s, disconnect_grace_s), self._events, self._mail.send,
+                           self._dispatch, actor_id, self._mail.forget)
+        """The connected generators and drafter trainers: their load, statistics and liveness."""
+        self.dead_generators = self.peers.dead_generators
+        """Generators declared dead (by ``Dead``, a closed connection or silence), in order."""
+        self.generator_stats = self.peers.generator_stats
+        """Each generator's last :class:`Stats`."""
+        self.drafter_policy_versions = self.peers.drafter_policy_versions
+        """Policy version each drafter trainer acknowledged holding."""
+        self._receiver = Receiver(self.coordinator, self.peers, self.drafters, self._weights, self.weights_groups,
+                                  ForeignGroups(self.coordinator), self._events, self._mail.send, self._send_chunks,
+                                  self._dispatch, curve, self.refusals, timeline)
+        self.on_chunk = on_chunk
+        self.vocab_size = vocab_size
+        self._socket = HubSocket(bind, window=window, hwm=hwm, allow_public=allow_public, curve=curve,
+                                 refusals=self.refusals, max_frame_bytes=max_frame_bytes)
         self._channel: Channel[Any] | None = None
         self._tg: TaskGroup | None = None
-        self._outboxes: Outboxes | None = None
         self._closing = False
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -214,35 +190,23 @@ class RolloutClient(ClientReceive):
             ValueError: a public bind without ``allow_public``, or a malformed endpoint.
             zmq.ZMQError: the bind failed (e.g. the port is taken).
         """
-        self._ctx = zmq.asyncio.Context()
-        try:
-            if self.curve is not None:  # the ZAP handler runs before anything can connect
-                self._auth = RunAuthenticator(self._ctx, self.curve, self.refusals)
-                self._auth.start()
-            self._socket = make_socket(self._ctx, zmq.ROUTER, bind=self.bind, hwm=self.hwm,
-                                       allow_public=self.allow_public, curve=self.curve,
-                                       monitor_events=_MONITOR_EVENTS, max_frame_bytes=self.max_frame_bytes)
-        except BaseException:
-            self._stop_auth()
-            self._ctx.term()
-            raise
-        self._monitor = self._socket.get_monitor_socket()  # attached before the bind
-        self.endpoint = last_endpoint(self._socket)
-        self._channel = Channel(self._socket, ToTrainer, window=self.window)
+        self._channel = self._socket.open()
+        self.endpoint = self._socket.endpoint
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
-        self._outboxes = Outboxes(self._channel, self._tg)
-        self._tg.start_soon(self._receive_loop)
+        self._mail.open(self._channel, self._tg)
+        self._tg.start_soon(self._receiver.run, self._channel)
         self._tg.start_soon(self._tick_loop)
-        self._tg.start_soon(self._watch_connections)
+        self._tg.start_soon(self._socket.watch, self.peers.liveness.disconnected)
 
     async def aclose(self) -> None:
         """Stop dispatching, send what is queued (for at most ``_FLUSH_S``), stop the tasks, tell every
-        connected generator and drafter trainer that the coordinator is gone (:meth:`_say_dead`) and
-        close the socket.
+        connected generator and drafter trainer that the coordinator is gone
+        (:meth:`HubSocket.say_dead <specroll.actors.rollout.hub_socket.HubSocket.say_dead>`) and close
+        the socket.
 
         Shielded from the caller's cancellation (its work is bounded: ``_FLUSH_S`` and
-        ``_DEAD_READ_S``), so a client cancelled from outside still exits its task group and closes
+        ``DEAD_READ_S``), so a client cancelled from outside still exits its task group and closes
         its sockets; the cancellation then goes on."""
         if self._tg is None:
             return
@@ -251,57 +215,16 @@ class RolloutClient(ClientReceive):
             # Each shielded scope nests inside the task group's (entered in start) or follows it:
             # the group's own scope must be the innermost when it exits.
             with anyio.CancelScope(shield=True):
-                if self._outboxes is not None:
+                if self._mail.outboxes is not None:
                     with anyio.move_on_after(_FLUSH_S):
-                        await self._outboxes.flushed()
+                        await self._mail.outboxes.flushed()
             self._tg.cancel_scope.cancel()
             await self._tg.__aexit__(None, None, None)
         finally:
             self._tg = None
             with anyio.CancelScope(shield=True):
-                await self._say_dead([*self.coordinator.generators, *self.drafters.drafters])
-                if self._monitor is not None:
-                    self._monitor.close(linger=0)
-                if self._socket is not None:
-                    close_socket(self._socket, linger_ms=_DEAD_LINGER_MS)
-                if (summary := self.refusals.summary()) is not None:
-                    log.info("%s", summary)
-                self._stop_auth()
-                if self._ctx is not None:
-                    self._ctx.term()
-
-    def _stop_auth(self) -> None:
-        if self._auth is not None:
-            self._auth.stop()
-            self._auth = None
-
-    async def _say_dead(self, peers: list[str]) -> None:
-        """Send each peer ``Dead``, the last message it gets from this client (a generator started alone
-        then exits 0), and keep the connection open until it read it: a peer's socket drops what it
-        received but had not read when the connection closes (``IMMEDIATE``), so closing at once loses
-        the notice. A peer that read ``Dead`` answers ``Hello`` (it registers again with whichever
-        trainer comes next); one that does not answer within ``_DEAD_READ_S`` (gone, or not reading)
-        is left. ``Dead`` is a control message: it needs no credit and is handed to the socket at once."""
-        assert self._channel is not None
-        dead = Dead(actor_id=self.actor_id, reason="client closed")
-        unread = set()
-        for actor in peers:
-            if await self._channel.send_control_now(dead, peer=actor.encode()):
-                unread.add(actor.encode())
-            else:
-                log.info("%s is gone or does not read: no Dead for it", actor)
-        log.info("Dead sent to %d peers; waiting until they read it", len(unread))
-        with anyio.move_on_after(_DEAD_READ_S):
-            while unread:
-                try:
-                    received = await self._channel.recv()
-                except ProtocolError:
-                    continue
-                if isinstance(received.msg, Hello):
-                    unread.discard(received.peer or b"")
-        if unread:
-            log.info("no answer to Dead from %s within %.0f s", sorted(p.decode(errors="replace") for p in unread),
-                     _DEAD_READ_S)
+                await self._socket.say_dead([*self.coordinator.generators, *self.drafters.drafters], self.actor_id)
+                self._socket.close()
 
     # ---- the API ------------------------------------------------------------------------------
 
@@ -340,7 +263,7 @@ class RolloutClient(ClientReceive):
         """
         with anyio.fail_after(timeout):
             while self.coordinator.num_finished(lane) < count:
-                await self._finished_event.wait()
+                await self._events.finished.wait()
 
     def pop_finished(self, limit: int | None = None, lane: Lane = "train") -> list[Group]:
         """Finished groups of ``lane`` ready now, oldest first, without waiting."""
@@ -376,7 +299,7 @@ class RolloutClient(ClientReceive):
         """
         actor = self.coordinator.abort(group_id)
         if actor is not None:
-            self._queue(actor, Abort(group_id=group_id))
+            self._mail.send(actor, Abort(group_id=group_id))
 
     async def wait_for_generators(self, count: int, timeout: float | None = None) -> None:
         """Wait until ``count`` generators are ready: handshake done and capacity reported (their
@@ -386,8 +309,8 @@ class RolloutClient(ClientReceive):
             TimeoutError: fewer were ready within ``timeout`` seconds.
         """
         with anyio.fail_after(timeout):
-            while sum(a in self._capacity_known for a in self.coordinator.generators) < count:
-                await self._generators_event.wait()
+            while sum(a in self.peers.capacity_known for a in self.coordinator.generators) < count:
+                await self._events.generators.wait()
 
     async def publish_weights(
         self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int,
@@ -413,7 +336,7 @@ class RolloutClient(ClientReceive):
         if self.timeline is not None:
             self.timeline.record("policy_published", version=version)
         for actor in [*self.coordinator.generators, *self.drafters.drafters]:
-            self._queue(actor, announce)
+            self._mail.send(actor, announce)
 
     @property
     def weights_transport(self) -> WeightsTransport:
@@ -446,20 +369,42 @@ class RolloutClient(ClientReceive):
                 served = self.generator_versions
                 if sum(served.get(a, -1) >= version for a in live) >= need:
                     return
-                await self._version_event.wait()  # an acknowledgement, a heartbeat or a generator gone
+                await self._events.version.wait()  # an acknowledgement, a heartbeat or a generator gone
+
+    # ---- what the peers and the receiver hold ----------------------------------------------------
+
+    @property
+    def on_chunk(self) -> Callable[[str, RolloutChunk], None] | None:
+        """Called with ``(actor_id, chunk)`` for every merged chunk (partial rollouts)."""
+        return self._receiver.on_chunk
+
+    @on_chunk.setter
+    def on_chunk(self, callback: Callable[[str, RolloutChunk], None] | None) -> None:
+        self._receiver.on_chunk = callback
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids a chunk may carry are in ``[0, vocab_size)``; None: not checked. Set it before
+        the first :meth:`submit` (no chunk is merged before then: chunks of groups this client never
+        issued are refused or aborted)."""
+        return self._receiver.vocab_size
+
+    @vocab_size.setter
+    def vocab_size(self, vocab_size: int | None) -> None:
+        self._receiver.vocab_size = vocab_size
+
+    @property
+    def protocol_errors(self) -> int:
+        """Messages refused: malformed, out of sequence, from a peer without a handshake, or chunks
+        that cannot be merged (each logged, and answered with ``Error`` where credit allows)."""
+        return self._receiver.protocol_errors
 
     # ---- tasks --------------------------------------------------------------------------------
 
-    def _queue(self, actor: str, msg: Any, tensors: list[torch.Tensor] | None = None) -> None:
-        """Send to a generator or drafter trainer through its own outbox, in order; to any other peer,
-        a best-effort reply (:class:`~specroll.actors.trainer.peer_outboxes.Outboxes`)."""
-        if self._outboxes is None:
-            log.debug("not started: %s to %s dropped", type(msg).__name__, actor)
-            return
-        if actor not in self.coordinator.generators and actor not in self.drafters.drafters:
-            self._outboxes.reply(actor, msg)
-            return
-        self._outboxes.put(actor, msg, tensors)
+    def _send_chunks(self, actor: str, version: int) -> None:
+        """Answer a fetch of ``version`` with its chunks (or the ``Error`` naming the current version)."""
+        for msg, tensors in self._weights.answer_fetch(version):
+            self._mail.send(actor, msg, tensors)
 
     def _start_soon(self, fn: Callable[..., Any], *args: object) -> None:
         """Start ``fn(*args)`` in the client's task group (nothing once closed)."""
@@ -472,29 +417,10 @@ class RolloutClient(ClientReceive):
             now = time.monotonic()
             if now - last_capacity >= 0.5:
                 last_capacity = now
-                loads = [self._load[a] for a in self.coordinator.generators if a in self._load]
-                self.drafters.tick(sum(live for live, _ in loads), sum(cap for _, cap in loads))
-            for actor, why in self._liveness.expired(now):
-                self._generator_gone(actor, why)
+                self.peers.tell_drafters_the_load()
+            self.peers.expire(now)
             self._dispatch()
             await anyio.sleep(0.05)
-
-    async def _watch_connections(self) -> None:
-        """Tell the liveness which connections closed (the socket monitor's ``EVENT_DISCONNECTED``),
-        and log each kind of failed security handshake once (the authenticator logs refused keys)."""
-        assert self._socket is not None
-        monitor = self._monitor
-        assert monitor is not None
-        try:
-            while True:
-                event = parse_monitor_message(await monitor.recv_multipart())
-                if event["event"] == zmq.EVENT_DISCONNECTED:
-                    self._liveness.disconnected(int(event["value"]), time.monotonic())
-                else:
-                    self.refusals.handshake_failed(event["event"], int(event["value"]), self.curve is not None)
-        finally:
-            self._socket.disable_monitor()
-            monitor.close(linger=0)
 
     def _dispatch(self) -> None:
         if self._closing:
@@ -503,5 +429,5 @@ class RolloutClient(ClientReceive):
             if msg.resume and self.timeline is not None:
                 self.timeline.record("group_resumed", group_id=msg.group_id, actor=actor,
                                      held={r.index: r.token_ids for r in msg.resume})
-            self._queue(actor, msg)
+            self._mail.send(actor, msg)
 

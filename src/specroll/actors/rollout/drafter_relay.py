@@ -1,6 +1,6 @@
 """The trainer side of online drafter training: drafter trainers, drafter versions, acceptance.
 
-:class:`DrafterRelay` is the part of :class:`~specroll.actors.trainer.client.RolloutClient` that serves
+:class:`DrafterRelay` is the part of :class:`~specroll.actors.rollout.client.RolloutClient` that serves
 drafter trainers (peers that said ``Hello(role="drafter")``) and relays their drafter versions to
 the generators; the client calls it from its receive loop and its tick, and it sends through the
 client's per-peer outboxes, so a slow drafter trainer holds up only its own messages.
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from specroll.actors.trainer.timeline import Timeline
+from specroll.actors.rollout.timeline import Timeline
 from specroll.protocol.limits import (
     MAX_DRAFTER_CONFIG_CHARS,
     MAX_DRAFTER_TENSORS,

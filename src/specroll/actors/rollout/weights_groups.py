@@ -41,7 +41,7 @@ from specroll.actors.peer.weights_collective import (
     open_store,
     send_buckets,
 )
-from specroll.actors.trainer.weights_publish import PublishedWeights
+from specroll.actors.rollout.weights_publish import PublishedWeights
 from specroll.actors.wakeup import Wakeup
 from specroll.protocol.messages import CollectiveBackend, JoinWeightsGroup, WeightsBroadcast, WeightsGroup
 
