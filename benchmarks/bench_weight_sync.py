@@ -178,10 +178,10 @@ async def publish(client: RolloutClient, weights: dict, version: int, dtype: str
 
 def host_overheads(weights: dict, model: str, bucket_bytes: int) -> dict[tuple[str, str], float]:
     """Seconds, measured here: ``("snapshot", dtype)``, ``("crc32", dtype)``, ``("apply", dtype)``."""
-    from specroll.actors.peer.weights_collective import WeightsLayout, bucket_checksums
     from specroll.engine.config import EngineConfig
     from specroll.engine.engine import Engine
     from specroll.protocol.messages import TensorSpec
+    from specroll.protocol.weights_layout import WeightsLayout, bucket_checksums
 
     engine = Engine(EngineConfig(model=model, dtype="float32", kv_cache_memory_gb=0.05, max_model_len=512))
     params = [TensorSpec(name=n, shape=tuple(t.shape)) for n, t in weights.items()]

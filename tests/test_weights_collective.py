@@ -26,17 +26,6 @@ import pytest
 import torch
 from conftest import generator_process, write_tiny_checkpoint
 
-from specroll.actors.peer.weights_collective import (
-    ChecksumMismatch,
-    CollectiveError,
-    WeightsLayout,
-    bucket_checksums,
-    build_group,
-    in_daemon_thread,
-    open_store,
-    receive_buckets,
-    send_buckets,
-)
 from specroll.actors.peer.weights_fetch import check_announcement
 from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.rollout.weights_publish import PublishedWeights
@@ -46,6 +35,16 @@ from specroll.engine.engine import Engine
 from specroll.protocol.limits import LimitExceeded
 from specroll.protocol.messages import TensorSpec
 from specroll.protocol.sampling import SamplingParams
+from specroll.protocol.weights_collective import (
+    ChecksumMismatch,
+    CollectiveError,
+    build_group,
+    in_daemon_thread,
+    open_store,
+    receive_buckets,
+    send_buckets,
+)
+from specroll.protocol.weights_layout import WeightsLayout, bucket_checksums
 
 HANG_S = 90
 """Longest wait for one event: only a hang guard, never what a test checks."""
@@ -130,7 +129,7 @@ def test_a_corrupted_bucket_is_named_and_the_group_stays_in_step() -> None:
 
 _DYING_MEMBER = """
 import sys, time
-from specroll.actors.peer.weights_collective import build_group
+from specroll.protocol.weights_collective import build_group
 end = build_group("w", "gloo", 1, "127.0.0.1", float(sys.argv[2]), None, int(sys.argv[1]))
 print("joined", flush=True)
 time.sleep(3600)  # never receives: the test kills it

@@ -2,7 +2,7 @@
 (trainer ↔ generator and trainer ↔ drafter trainer; see ``messages.py`` for the table).
 
 With ``network.weights_transport = "collective"`` a generator may fetch the tensors over a
-torch.distributed group of its own instead of chunks (``actors/peer/weights_collective.py``): it
+torch.distributed group of its own instead of chunks (``weights_collective.py``): it
 asks for the group (:class:`JoinWeightsGroup` → :class:`WeightsGroup`), then fetches with
 ``FetchWeights(transport="collective")``, answered by :class:`WeightsBroadcast` and the broadcasts
 of the version's bytes in buckets, each checked against ``WeightsAvailable.bucket_checksums``.

@@ -54,7 +54,6 @@ from specroll.actors.generator.rollout_stream import DraftCounter
 from specroll.actors.generator.submit_limits import SubmitLimits
 from specroll.actors.generator.weights_group import Result, WeightsGroupLink
 from specroll.actors.peer.lifecycle import PeerConnection, trainer_channel
-from specroll.actors.peer.weights_collective import ChecksumMismatch, CollectiveError, endpoint_host
 from specroll.actors.peer.weights_fetch import FetchAbandoned, WeightsFetch, check_announcement
 from specroll.actors.security import peer_keys
 from specroll.drafter.eagle_head import DrafterError, max_tensor_bytes
@@ -91,6 +90,7 @@ from specroll.protocol.messages import (
     WeightsGroup,
     Welcome,
 )
+from specroll.protocol.weights_collective import ChecksumMismatch, CollectiveError, endpoint_host
 
 log = logging.getLogger("specroll.generator")
 

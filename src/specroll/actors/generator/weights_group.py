@@ -1,5 +1,5 @@
 """A generator's end of its weights group with the trainer (``network.weights_transport =
-"collective"``; the design: ``actors/peer/weights_collective.py``).
+"collective"``; the design: ``protocol/weights_collective.py``).
 
 States: ``off`` (transport ``zmq``: never asks) → ``idle`` → (an announcement with
 ``transport="collective"``: ``JoinWeightsGroup`` sent) ``joining`` → (``WeightsGroup`` answered,
@@ -11,8 +11,8 @@ refusal, a setup or broadcast failure: logged once) lasts until the trainer rest
 Receiving: every ``WeightsBroadcast`` for a version this generator asked over the group is received
 in arrival order by one task (:meth:`WeightsGroupLink.run`), even when a newer version superseded
 it meanwhile: the trainer is already sending it, and skipping it would put the group out of step.
-Each result — the tensors, a :class:`~specroll.actors.peer.weights_collective.ChecksumMismatch` or a
-:class:`~specroll.actors.peer.weights_collective.CollectiveError` — goes to ``on_result``, which
+Each result — the tensors, a :class:`~specroll.protocol.weights_collective.ChecksumMismatch` or a
+:class:`~specroll.protocol.weights_collective.CollectiveError` — goes to ``on_result``, which
 decides what to apply (the actor: ``actor.py``).
 
 Every version is received into one reused buffer (first-touch page faults of a new one cost about
@@ -32,18 +32,18 @@ from typing import Literal
 
 import torch
 
-from specroll.actors.peer.weights_collective import (
+from specroll.actors.wakeup import Wakeup
+from specroll.protocol.limits import MAX_ID_CHARS
+from specroll.protocol.messages import JoinWeightsGroup, WeightsAvailable, WeightsBroadcast, WeightsGroup
+from specroll.protocol.weights_collective import (
     ChecksumMismatch,
     CollectiveError,
     GroupEnd,
-    WeightsLayout,
     build_group,
     in_daemon_thread,
     receive_buckets,
 )
-from specroll.actors.wakeup import Wakeup
-from specroll.protocol.limits import MAX_ID_CHARS
-from specroll.protocol.messages import JoinWeightsGroup, WeightsAvailable, WeightsBroadcast, WeightsGroup
+from specroll.protocol.weights_layout import WeightsLayout
 
 log = logging.getLogger("specroll.generator")
 

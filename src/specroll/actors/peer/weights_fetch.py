@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specroll.actors.peer.weights_collective import WeightsLayout
 from specroll.protocol.limits import MAX_ID_CHARS, LimitExceeded, check_at_most
 from specroll.protocol.messages import WeightsAvailable, WeightsChunk
+from specroll.protocol.weights_layout import WeightsLayout
 from specroll.protocol.weights_messages import MAX_BUCKETS
 
 Shapes = Mapping[str, tuple[int, ...]]

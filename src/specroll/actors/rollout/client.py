@@ -42,7 +42,6 @@ import anyio
 import torch
 from anyio.abc import TaskGroup
 
-from specroll.actors.peer.weights_collective import endpoint_host
 from specroll.actors.rollout.drafter_relay import DrafterRelay
 from specroll.actors.rollout.foreign_groups import ForeignGroups
 from specroll.actors.rollout.hub_socket import HubSocket
@@ -63,6 +62,7 @@ from specroll.protocol.messages import (
 )
 from specroll.protocol.sampling import SamplingParams
 from specroll.protocol.sockets import DEFAULT_HWM
+from specroll.protocol.weights_collective import endpoint_host
 from specroll.rl.coordinator import Group, Lane, RolloutCoordinator
 
 __all__ = ["RolloutClient"]

@@ -1,5 +1,5 @@
 """The trainer's end of the weights groups: one 2-member torch.distributed group per generator that
-asks for one (why one per generator: ``actors/peer/weights_collective.py``).
+asks for one (why one per generator: ``protocol/weights_collective.py``).
 
 * ``JoinWeightsGroup`` → :meth:`WeightsGroups.join`: the group's task opens a store server on the
   client's host (a free port), answers ``WeightsGroup(name, host, port, backend, timeout_s)`` (or
@@ -34,16 +34,16 @@ from typing import Any, Literal
 
 import torch
 
-from specroll.actors.peer.weights_collective import (
+from specroll.actors.rollout.weights_publish import PublishedWeights
+from specroll.actors.wakeup import Wakeup
+from specroll.protocol.messages import CollectiveBackend, JoinWeightsGroup, WeightsBroadcast, WeightsGroup
+from specroll.protocol.weights_collective import (
     CollectiveError,
     build_group,
     in_daemon_thread,
     open_store,
     send_buckets,
 )
-from specroll.actors.rollout.weights_publish import PublishedWeights
-from specroll.actors.wakeup import Wakeup
-from specroll.protocol.messages import CollectiveBackend, JoinWeightsGroup, WeightsBroadcast, WeightsGroup
 
 log = logging.getLogger("specroll.client")
 

@@ -12,9 +12,9 @@ from collections.abc import Mapping
 
 import torch
 
-from specroll.actors.peer.weights_collective import WIRE_DTYPES, WeightsLayout, bucket_checksums
 from specroll.protocol.codec import pack_tensors
 from specroll.protocol.messages import Error, TensorSpec, WeightsAvailable, WeightsChunk, WeightsTransport
+from specroll.protocol.weights_layout import WIRE_DTYPES, WeightsLayout, bucket_checksums
 
 WEIGHTS_CHUNK_BYTES = 64 << 20
 """Weights travel in messages of at most about this many bytes of tensors."""
