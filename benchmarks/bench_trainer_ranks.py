@@ -1,5 +1,5 @@
 """A 2-rank trainer step against a 1-rank step on the same global batch: the sharded trainer
-(FSDP2 over gloo, ``actors/trainer/sharded.py``) must compute the same step, and this measures what
+(FSDP2 over gloo, ``actors/trainer/ranks/sharded.py``) must compute the same step, and this measures what
 the sharding costs or saves on this machine.
 
 Each arm runs as real trainer processes — rank 0 drives the policy the way the trainer does
@@ -160,8 +160,8 @@ def _worker(settings: dict) -> int:
 
     from specroll.actors.config import load_config
     from specroll.actors.trainer.checkpoint import CHECKPOINT_DIRNAME, TrainerState
-    from specroll.actors.trainer.follower import run_follower
-    from specroll.actors.trainer.ranks import Ranks
+    from specroll.actors.trainer.ranks.follower import run_follower
+    from specroll.actors.trainer.ranks.join import Ranks
     from specroll.actors.trainer.setup import load_setup
 
     logging.basicConfig(level="INFO", stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

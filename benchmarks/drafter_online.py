@@ -150,7 +150,8 @@ def head_from_snapshot(snap: DrafterSnapshot) -> EagleHead:
     """The head a generator would build from a published version (a fresh copy each call)."""
     import msgspec
 
-    from specroll.drafter.eagle_head import EagleConfig, EagleHead
+    from specroll.drafter.eagle_config import EagleConfig
+    from specroll.drafter.eagle_head import EagleHead
 
     return EagleHead.from_tensors(msgspec.json.decode(snap.config_json, type=EagleConfig), snap.tensors)
 

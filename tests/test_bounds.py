@@ -28,7 +28,9 @@ from specroll.actors.config import DrafterConfig, ModelSection, RunConfig
 from specroll.actors.drafter_trainer.actor import DrafterActor, build_learner
 from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.rollout.drafter_relay import DrafterRelay
-from specroll.drafter.eagle_head import EagleConfig, EagleHead, eagle3_feature_layers, head_checksum
+from specroll.drafter.eagle_config import EagleConfig, eagle3_feature_layers
+from specroll.drafter.eagle_files import head_checksum
+from specroll.drafter.eagle_head import EagleHead
 from specroll.engine.checkpoint import load_checkpoint
 from specroll.engine.model_config import expected_weight_shapes
 from specroll.protocol.channel import Channel

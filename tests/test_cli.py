@@ -85,7 +85,8 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "existing").mkdir()
     (d / "existing" / "rollouts.jsonl").write_bytes(b'{"old": "rollouts"}\n')
     (d / "out_is_dir").mkdir()
-    from specroll.drafter.eagle_head import EagleConfig, EagleHead
+    from specroll.drafter.eagle_config import EagleConfig
+    from specroll.drafter.eagle_head import EagleHead
 
     other = EagleConfig(400, 64, 128, 4, 2, 16, 1e-5, 10000.0, (2,), 100, 2)  # made for a 400-token vocabulary
     EagleHead.init(other, torch.arange(100)).save(d / "drafter_other")

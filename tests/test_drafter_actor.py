@@ -17,7 +17,9 @@ from specroll.actors.config import DrafterConfig, ModelSection, RunConfig, write
 from specroll.actors.drafter_trainer.actor import DrafterActor
 from specroll.actors.rollout.client import RolloutClient
 from specroll.drafter.eagle import EagleProposer
-from specroll.drafter.eagle_head import EagleConfig, EagleHead, eagle3_feature_layers, head_checksum
+from specroll.drafter.eagle_config import EagleConfig, eagle3_feature_layers
+from specroll.drafter.eagle_files import head_checksum
+from specroll.drafter.eagle_head import EagleHead
 from specroll.drafter.learner import DrafterLearner, LearnerConfig
 from specroll.engine.checkpoint import load_checkpoint
 from specroll.engine.config import EngineConfig
@@ -406,7 +408,7 @@ def test_a_cold_start_draft_vocabulary_above_the_models_is_refused_not_capped(mo
     """``specroll drafter serve`` refuses what ``specroll launch`` refuses, naming the value and the limit."""
     from specroll.actors.drafter_trainer.actor import build_learner
     from specroll.actors.drafter_trainer.cli import serve
-    from specroll.drafter.eagle_head import DrafterError
+    from specroll.drafter.eagle_config import DrafterError
 
     config = RunConfig(run_dir=str(tmp_path), model=ModelSection(name=str(model)),
                        drafter=DrafterConfig(draft_vocab_size=321))  # the tiny model has 320 tokens
@@ -426,7 +428,7 @@ def test_drafter_kv_cache_too_small_for_one_request_is_refused_at_start(model):
     from specroll.actors.config import GeneratorConfig
     from specroll.actors.generator.drafter_swap import DrafterSlot, ReadyDrafter
     from specroll.actors.generator.engine_build import build_engine
-    from specroll.drafter.eagle_head import DrafterError
+    from specroll.drafter.eagle_config import DrafterError
 
     def config(kv_cache_gb: float, trees: tuple[str, ...] = ("2x2:4",)) -> RunConfig:
         engine = EngineConfig(kv_cache_memory_gb=0.01, dtype="float32", page_size=16, max_model_len=256,

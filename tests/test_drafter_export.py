@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from specroll.actors.cli import main
 from specroll.drafter.eagle import EagleProposer
-from specroll.drafter.eagle_head import EagleConfig, EagleHead, build_draft_vocab, draft_lm_head
+from specroll.drafter.eagle_config import EagleConfig, build_draft_vocab
+from specroll.drafter.eagle_head import EagleHead, draft_lm_head
 from specroll.drafter.ttt import target_features
 from specroll.engine.checkpoint import load_checkpoint
 from specroll.engine.config import EngineConfig
@@ -342,7 +343,7 @@ def test_import_refuses_bad_taps_and_a_non_empty_out_in_one_line(work, tmp_path,
 
 
 def test_serving_an_exported_folder_as_a_drafter_points_to_import(work, tmp_path):
-    from specroll.drafter.eagle_head import DrafterError
+    from specroll.drafter.eagle_config import DrafterError
 
     assert export(work, tmp_path / "eagle3") == 0
     with pytest.raises(DrafterError, match=r"looks like an EAGLE-3 checkpoint .*'specroll drafter import"):

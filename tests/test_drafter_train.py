@@ -11,13 +11,8 @@ from conftest import hf_tiny_config, write_tiny_tokenizer
 
 from specroll.actors.cli import main
 from specroll.drafter.eagle import EagleProposer
-from specroll.drafter.eagle_head import (
-    EagleConfig,
-    EagleHead,
-    build_draft_vocab,
-    draft_lm_head,
-    eagle3_feature_layers,
-)
+from specroll.drafter.eagle_config import EagleConfig, build_draft_vocab, eagle3_feature_layers
+from specroll.drafter.eagle_head import EagleHead, draft_lm_head
 from specroll.drafter.learner import DrafterLearner, LearnerConfig
 from specroll.drafter.train import expected_acceptance_length, train_drafter
 from specroll.drafter.ttt import Rollout, target_features, ttt_loss

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from specroll.drafter.eagle import EagleProposer
-from specroll.drafter.eagle_head import EagleConfig, EagleHead, build_draft_vocab
+from specroll.drafter.eagle_config import EagleConfig, build_draft_vocab
+from specroll.drafter.eagle_head import EagleHead
 from specroll.drafter.suffix import SuffixProposer
 from specroll.engine.config import EngineConfig
 from specroll.engine.driver import run_to_completion

@@ -403,7 +403,8 @@ def test_a_bad_drafter_exits_2_before_anything_starts(tmp_path: Path, tiny_check
 
     from specroll.actors.config import load_config
     from specroll.actors.launch.preflight import preflight
-    from specroll.drafter.eagle_head import EagleConfig, EagleHead
+    from specroll.drafter.eagle_config import EagleConfig
+    from specroll.drafter.eagle_head import EagleHead
     from specroll.engine.checkpoint import load_checkpoint
 
     model = tiny_checkpoint()

@@ -103,7 +103,8 @@ def test_greedy_generation_equals_transformers(checkpoint: Checkpoint, reference
 @pytest.mark.parametrize("drafter", ["suffix", "eagle"])
 def test_greedy_speculative_equals_greedy_plain_across_page_boundaries(checkpoint: Checkpoint, drafter: str) -> None:
     from specroll.drafter.eagle import EagleProposer
-    from specroll.drafter.eagle_head import EagleConfig, EagleHead, build_draft_vocab, eagle3_feature_layers
+    from specroll.drafter.eagle_config import EagleConfig, build_draft_vocab, eagle3_feature_layers
+    from specroll.drafter.eagle_head import EagleHead
     from specroll.drafter.suffix import SuffixProposer
 
     page, k = 16, 4

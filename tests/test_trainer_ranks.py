@@ -32,7 +32,7 @@ from specroll.actors.launch.cpu_budget import budget_line, with_cpu_budget
 from specroll.actors.launch.rank_roles import free_master, is_trainer_rank, rank_role, with_master
 from specroll.actors.trainer.checkpoint import TrainerState
 from specroll.actors.trainer.cli import main as trainer_main
-from specroll.actors.trainer.ranks import RankError, resolve_ranks
+from specroll.actors.trainer.ranks.join import RankError, resolve_ranks
 from specroll.actors.trainer.setup import load_setup
 from specroll.engine.checkpoint import load_checkpoint
 from specroll.engine.model import CausalLM, fuse_weights, unfuse_weights

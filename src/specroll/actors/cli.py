@@ -234,7 +234,7 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", required=True, metavar="FILE", help="run config TOML")
     _add_set(p)
     add_keys_argument(p)
-    from specroll.actors.trainer.rank_flags import add_rank_arguments
+    from specroll.actors.trainer.ranks.flags import add_rank_arguments
 
     add_rank_arguments(p)
 

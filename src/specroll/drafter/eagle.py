@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specroll.drafter.eagle_head import DrafterError, EagleConfig, EagleHead
+from specroll.drafter.eagle_config import DrafterError, EagleConfig
+from specroll.drafter.eagle_head import EagleHead
 from specroll.engine.attention import allocate_kv_cache, kv_bytes_per_page
 from specroll.engine.batch import build_metadata
 from specroll.engine.block_manager import BlockManager, PageKey, page_keys

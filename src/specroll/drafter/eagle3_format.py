@@ -55,7 +55,9 @@ from typing import Any
 import safetensors
 import torch
 
-from specroll.drafter.eagle_head import CONFIG_FILE, WEIGHTS_FILE, DrafterError, EagleConfig, EagleHead
+from specroll.drafter.eagle_config import DrafterError, EagleConfig
+from specroll.drafter.eagle_files import CONFIG_FILE, WEIGHTS_FILE
+from specroll.drafter.eagle_head import EagleHead
 from specroll.engine.model_config import ModelConfig
 
 ARCHITECTURE_NAME = "LlamaForCausalLMEagle3"

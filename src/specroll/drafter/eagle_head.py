@@ -1,4 +1,5 @@
-"""The EAGLE draft head: its two architectures, initialisation, and its file format (safetensors + JSON).
+"""The EAGLE draft head: its two architectures and initialisation (its config: ``eagle_config.py``;
+its files, safetensors + JSON: ``eagle_files.py``).
 
 ``architecture = "eagle"`` (EAGLE-1's head with EAGLE-3's taps; Li et al. 2024, "EAGLE", arXiv
 2401.15077 §4.1; TLT's ``qwen2_eagle.py`` in mit-han-lab/fastrl). For target features ``f_t`` (the
@@ -32,125 +33,18 @@ vLLM and SGLang load.
 
 from __future__ import annotations
 
-import hashlib
-import math
-import os
-import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal, get_args
 
-import msgspec
-import safetensors
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from specroll.drafter.eagle3_layer import Eagle3Layer
+from specroll.drafter.eagle_config import DrafterError, EagleConfig
+from specroll.drafter.eagle_files import read_head_files, write_head_files
 from specroll.engine.attention import AttentionBackend
 from specroll.engine.model import CausalLM, DecoderLayer, RMSNorm, RotaryEmbedding
-from specroll.engine.model_config import ModelConfig, expected_weight_shapes
-
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
-
-Architecture = Literal["eagle", "eagle3"]
-"""``eagle``: fc(2H → H) then a standard decoder layer, the target's LM head; ``eagle3``: EAGLE-3's
-midlayer (2H-wide q/k/v) and its own LM head (module docstring)."""
-ARCHITECTURES: tuple[str, ...] = get_args(Architecture)
-
-
-class DrafterError(ValueError):
-    """A drafter file is missing, malformed, or made for another target."""
-
-
-class EagleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Shape of an EAGLE head and of the target it was made for."""
-
-    target_vocab_size: int
-    """Vocabulary of the target model (its embedding rows)."""
-    hidden_size: int
-    """The target's hidden size, and the head's."""
-    intermediate_size: int
-    """SwiGLU width of the head's decoder layer."""
-    num_heads: int
-    """Query heads of the head's decoder layer."""
-    num_kv_heads: int
-    """Key/value heads of the head's decoder layer."""
-    head_dim: int
-    """Width of one attention head."""
-    rms_norm_eps: float
-    """Epsilon of the head's RMSNorms."""
-    rope_theta: float
-    """RoPE base of the head's attention (the target's)."""
-    feature_layers: tuple[int, ...]
-    """Target taps (``CausalLM.forward``): ``(num_layers,)`` for EAGLE-1's final hidden state, or
-    three layers (low, mid, high) for EAGLE-3's fusion."""
-    draft_vocab_size: int
-    """Tokens the head can propose (N)."""
-    target_num_layers: int
-    """Depth of the target model: with its vocabulary and width, identifies what the head fits."""
-    format: int = 1
-    """File-format version."""
-    architecture: str = "eagle"
-    """:data:`Architecture` of the head: ``eagle`` (files written before there was a choice) or
-    ``eagle3`` (what ``specroll init-drafter``, ``specroll drafter train`` and the drafter trainer make)."""
-
-    def __post_init__(self) -> None:
-        for name in ("target_vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
-                     "head_dim", "draft_vocab_size", "target_num_layers"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"drafter config: {name}={getattr(self, name)}, expected a positive integer")
-        if self.draft_vocab_size > self.target_vocab_size:
-            raise ValueError(f"drafter config: draft_vocab_size={self.draft_vocab_size} exceeds "
-                             f"target_vocab_size={self.target_vocab_size}")
-        if not self.feature_layers or not all(0 <= i <= self.target_num_layers for i in self.feature_layers):
-            raise ValueError(f"drafter config: feature_layers={list(self.feature_layers)}, expected taps in "
-                             f"[0, target_num_layers={self.target_num_layers}]")
-        if self.format != 1:
-            raise ValueError(f"drafter config: format={self.format}, this specroll reads format 1")
-        if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"drafter config: architecture={self.architecture!r}, expected 'eagle3' (EAGLE-3's "
-                             "midlayer and own LM head) or 'eagle' (fc then a decoder layer, the target's LM head)")
-
-    @classmethod
-    def for_target(cls, target: ModelConfig, feature_layers: tuple[int, ...], draft_vocab_size: int,
-                   architecture: str = "eagle3") -> EagleConfig:
-        """A head shaped like one layer of ``target``, of ``architecture`` (new heads: ``eagle3``).
-
-        Raises:
-            ValueError: a tap outside ``[0, target.num_layers]``, a bad draft vocabulary size or an
-                unknown architecture.
-        """
-        bad = [i for i in feature_layers if not 0 <= i <= target.num_layers]
-        if bad:
-            raise ValueError(f"feature layers {bad}: expected taps in [0, {target.num_layers}]")
-        return cls(target.vocab_size, target.hidden_size, target.intermediate_size, target.num_heads,
-                   target.num_kv_heads, target.head_dim, target.rms_norm_eps, target.rope_theta,
-                   tuple(feature_layers), draft_vocab_size, target.num_layers, architecture=architecture)
-
-    def check_target(self, target: ModelConfig, source: str = "the drafter") -> None:
-        """Raise :class:`DrafterError` unless a head of this config fits ``target``'s vocabulary,
-        width and depth (checked before a head is built, so a config from a peer never sizes one)."""
-        made = (self.target_vocab_size, self.hidden_size, self.target_num_layers)
-        if made != (target.vocab_size, target.hidden_size, target.num_layers):
-            raise DrafterError(
-                f"{source} was made for a target with vocabulary {self.target_vocab_size}, hidden size "
-                f"{self.hidden_size} and {self.target_num_layers} layers; this model has vocabulary "
-                f"{target.vocab_size}, hidden size {target.hidden_size} and {target.num_layers} layers"
-            )
-
-    def as_model_config(self) -> ModelConfig:
-        """The one-layer decoder the head runs, as a :class:`ModelConfig`."""
-        return ModelConfig("llama", self.draft_vocab_size, self.hidden_size, self.intermediate_size, 1,
-                           self.num_heads, self.num_kv_heads, self.head_dim, self.rms_norm_eps,
-                           self.rope_theta, 1 << 30, False)
-
-
-def eagle3_feature_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's low/mid/high taps ``(2, N//2, N−3)`` (vLLM ``get_eagle3_aux_hidden_state_layers``);
-    below 6 layers ``(0, N//2, N−1)``, ascending and without repeats (one or two taps for N ≤ 2)."""
-    taps = (2, num_layers // 2, num_layers - 3) if num_layers >= 6 else (0, num_layers // 2, num_layers - 1)
-    return tuple(sorted(set(taps)))
+from specroll.engine.model_config import ModelConfig
 
 
 def draft_lm_head(target: CausalLM, config: EagleConfig, draft_to_target: torch.Tensor) -> torch.Tensor | None:
@@ -161,39 +55,6 @@ def draft_lm_head(target: CausalLM, config: EagleConfig, draft_to_target: torch.
         return None
     weight = target.lm_head_weight.detach()
     return weight.index_select(0, draft_to_target.to(weight.device)).float().cpu()
-
-
-def max_tensor_bytes(target: ModelConfig) -> int:
-    """The largest tensor frame a peer sends about ``target``, in bytes: one of its weights (a policy
-    version, float32 at most) or of an EAGLE head for it (float32; its int64 ``draft_to_target`` is
-    shorter than its LM head). A head's biggest tensors are its LM head (a draft vocabulary at most
-    the target's), the fusion over its taps (at most one per layer and the embeddings) and its
-    midlayer's fused gate/up and qkv over ``2H`` (``EagleHead``, ``Eagle3Layer``). What a receiver
-    sizes ``MAXMSGSIZE`` from (``protocol.limits.frame_limit``)."""
-    h = target.hidden_size
-    head = max(target.vocab_size * h, (target.num_layers + 1) * h * h, 2 * target.intermediate_size * h,
-               (target.num_heads + 2 * target.num_kv_heads) * target.head_dim * 2 * h)
-    weights = max(math.prod(shape) for shape in expected_weight_shapes(target).values())
-    return 4 * max(head, weights)
-
-
-def build_draft_vocab(token_counts: torch.Tensor, size: int) -> torch.Tensor:
-    """The ``size`` most frequent target tokens, as ``draft_to_target`` (EAGLE-3's ``scandata``).
-
-    Args:
-        token_counts: ``[V]`` occurrences of each target token in some corpus (e.g. rollouts).
-        size: draft vocabulary size N, ``1 ≤ N ≤ V``.
-
-    Returns:
-        int64 ``[N]`` target ids, ascending (ties broken by the lower id).
-
-    Raises:
-        ValueError: ``size`` out of range.
-    """
-    if not 1 <= size <= token_counts.numel():
-        raise ValueError(f"draft vocabulary size {size}: expected 1..{token_counts.numel()}")
-    order = sorted(range(token_counts.numel()), key=lambda t: (-float(token_counts[t]), t))
-    return torch.tensor(sorted(order[:size]), dtype=torch.long)
 
 
 class EagleHead(nn.Module):
@@ -390,16 +251,10 @@ class EagleHead(nn.Module):
         self.config.check_target(target, source)
 
     def save(self, path: str | Path) -> None:
-        """Write ``config.json`` and ``model.safetensors`` into directory ``path`` (made if missing).
-
-        Each file is written to a temporary name and renamed, so a reader never sees half a file.
-        """
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
+        """Write ``config.json`` and ``model.safetensors`` into directory ``path`` (made if missing),
+        each file atomically (``eagle_files.write_head_files``)."""
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
-        _write_atomic(path / WEIGHTS_FILE, lambda tmp: save_file(tensors, tmp, metadata={"format": "specroll-eagle"}))
-        _write_atomic(path / CONFIG_FILE, lambda tmp: Path(tmp).write_bytes(msgspec.json.format(
-            msgspec.json.encode(self.config), indent=2)))
+        write_head_files(Path(path), self.config, tensors)
 
     @classmethod
     def load(cls, path: str | Path) -> EagleHead:
@@ -409,35 +264,8 @@ class EagleHead(nn.Module):
             DrafterError: a missing file, a malformed config, or tensors whose names or shapes do
                 not match the config; the message names the file and the value.
         """
-        path = Path(path)
-        config_path, weights_path = path / CONFIG_FILE, path / WEIGHTS_FILE
-        writers = "as 'specroll init-drafter' or 'specroll drafter train' write it"
-        made_by = f"expected a drafter directory ({CONFIG_FILE} + {WEIGHTS_FILE}) {writers}"
-        if not path.is_dir():
-            raise DrafterError(f"drafter {path}: {'not a directory' if path.exists() else 'does not exist'}; {made_by}")
-        for p in (config_path, weights_path):
-            if not p.is_file():
-                raise DrafterError(f"drafter {path}: {p.name} not found; {made_by}")
-        try:
-            raw = config_path.read_bytes()
-        except OSError as exc:
-            raise DrafterError(f"drafter {config_path}: cannot read it ({exc.strerror or exc})") from None
-        try:
-            config = msgspec.json.decode(raw, type=EagleConfig)
-            config.as_model_config()  # the head's layer shape is valid
-        except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
-            # EagleConfig's own range checks say what they expected; msgspec's messages do not
-            hint = "" if str(exc).startswith("drafter config:") else f"; expected a drafter config {writers}"
-            if b'"architectures"' in raw:  # a Hugging Face style config: vLLM's / SGLang's EAGLE-3 format
-                hint = ("; this looks like an EAGLE-3 checkpoint as vLLM and SGLang load it: convert it with "
-                        "'specroll drafter import CHECKPOINT --out DIR' and use DIR")
-            raise DrafterError(f"drafter {config_path}: {exc}{hint}") from None
-        try:
-            with safetensors.safe_open(str(weights_path), framework="pt") as f:
-                tensors = {name: f.get_tensor(name) for name in f.keys()}
-        except (OSError, safetensors.SafetensorError) as exc:
-            raise DrafterError(f"drafter {weights_path}: not a readable safetensors file ({exc})") from None
-        return cls.from_tensors(config, tensors, f"drafter {weights_path}")
+        config, tensors, source = read_head_files(Path(path))
+        return cls.from_tensors(config, tensors, source)
 
     @classmethod
     def from_tensors(cls, config: EagleConfig, tensors: Mapping[str, torch.Tensor],
@@ -486,29 +314,3 @@ class EagleHead(nn.Module):
             return dict(EagleHead(config, d2t).state_dict())
 
 
-def head_checksum(tensors: Mapping[str, torch.Tensor]) -> str:
-    """SHA-256 (hex) over a head's tensors in name order: each name, dtype, shape and raw bytes.
-
-    The drafter trainer publishes it with a version; a generator recomputes it on what it received
-    and serves the head only when the two agree.
-    """
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach().to("cpu").contiguous()
-        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return digest.hexdigest()
-
-
-def _write_atomic(target: Path, write: Callable[[str], object]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    os.close(fd)
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

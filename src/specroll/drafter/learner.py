@@ -30,14 +30,9 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
-from specroll.drafter.eagle_head import (
-    EagleConfig,
-    EagleHead,
-    build_draft_vocab,
-    draft_lm_head,
-    eagle3_feature_layers,
-    head_checksum,
-)
+from specroll.drafter.eagle_config import EagleConfig, build_draft_vocab, eagle3_feature_layers
+from specroll.drafter.eagle_files import head_checksum
+from specroll.drafter.eagle_head import EagleHead, draft_lm_head
 from specroll.drafter.learner_config import LearnerConfig
 from specroll.drafter.ttt import Rollout, target_features, ttt_loss, window_start
 from specroll.engine.model import CausalLM

@@ -46,7 +46,7 @@ class PublishDrafter(WireMessage, tag="publish_drafter"):
     config: str
     """The head's config as JSON (``EagleConfig``, the drafter directory's ``config.json``)."""
     checksum: str
-    """SHA-256 of the tensors (``specroll.drafter.eagle_head.head_checksum``)."""
+    """SHA-256 of the tensors (``specroll.drafter.eagle_files.head_checksum``)."""
     tensors: tuple[TensorRef, ...]
     train_steps: NonNegative = 0
     """Optimizer steps the drafter trainer had taken."""

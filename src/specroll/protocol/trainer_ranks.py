@@ -1,8 +1,8 @@
 """The trainer's rank channel: what rank 0 of a sharded trainer tells its other ranks to do.
 
 Rank 0 hosts the rollout client and decides; ranks 1..N-1 hold their FSDP2 shards and follow
-(``actors/trainer/follower.py``). A command is msgpack of one of these structs, set under a fresh
-key of the ``torch.distributed`` store the ranks rendezvoused on (``actors/trainer/rank_channel.py``):
+(``actors/trainer/ranks/follower.py``). A command is msgpack of one of these structs, set under a fresh
+key of the ``torch.distributed`` store the ranks rendezvoused on (``actors/trainer/ranks/channel.py``):
 a follower may wait minutes for the next one (rank 0 waits for rollouts) without a collective
 pending, which would time out. The tensors a command needs (a step's batch) follow it by
 ``broadcast`` from rank 0; the state a command gathers comes back by the collectives of

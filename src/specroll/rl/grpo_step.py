@@ -190,7 +190,7 @@ def train_step(
 
     Sharded (``world_size`` > 1, inside a ``torch.distributed`` process group whose every rank calls
     this with the same ``batch``; the model sharded with FSDP2 summing, not averaging, gradients:
-    ``actors/trainer/sharded.py``): rank r trains its contiguous share of the G group rows
+    ``actors/trainer/ranks/sharded.py``): rank r trains its contiguous share of the G group rows
     (``tensor_split``), in ``min(grad_accum_steps, ⌈G / world_size⌉)`` micro-batches on every rank —
     FSDP's collectives need the same number of forward/backward passes everywhere, so a rank out of
     rows runs a pass with an empty loss mask (a zero loss that still backpropagates). N is the whole

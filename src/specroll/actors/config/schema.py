@@ -179,7 +179,7 @@ class TrainerConfig(_Section):
     """Trainer ranks: torch.distributed processes the policy and AdamW's state are sharded over with
     FSDP2 (on CUDA with NCCL, and on the CPU with gloo — no DDP fallback is needed); rank 0 talks to
     the generators and sends each step's batch to the others, each training its share of the groups
-    (``actors/trainer/sharded.py``). ``specroll launch`` starts them all; alone, start them with
+    (``actors/trainer/ranks/sharded.py``). ``specroll launch`` starts them all; alone, start them with
     ``torchrun --nproc-per-node N -m specroll.actors.trainer --config FILE``. ``train_threads``,
     ``borrow_threads`` and ``grad_accum_steps`` are per rank. At most ``batch_groups``. Default 1
     (one process, no process group)."""

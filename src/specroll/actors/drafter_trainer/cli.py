@@ -19,7 +19,7 @@ from specroll.actors.exit_codes import EXIT_REFUSED
 from specroll.actors.peer.endpoint import check_endpoint
 from specroll.actors.peer.exit import run_stoppable
 from specroll.actors.security import keys_overrides, keys_usable
-from specroll.drafter.eagle_head import DrafterError
+from specroll.drafter.eagle_config import DrafterError
 from specroll.engine.checkpoint import CheckpointError
 
 

@@ -24,7 +24,7 @@ from specroll.actors.keys_flag import add_keys_argument
 from specroll.actors.peer.endpoint import endpoint_arg
 from specroll.actors.peer.exit import run_stoppable
 from specroll.actors.security import keys_overrides, keys_usable
-from specroll.drafter.eagle_head import DrafterError
+from specroll.drafter.eagle_config import DrafterError
 from specroll.engine.errors import CheckpointError
 
 FLAG_KEYS: dict[str, str] = {

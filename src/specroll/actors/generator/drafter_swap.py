@@ -21,7 +21,9 @@ import torch
 
 from specroll.actors.generator.rollout_stream import DraftCounter
 from specroll.drafter.eagle import EagleProposer, head_cache_tokens
-from specroll.drafter.eagle_head import DrafterError, EagleConfig, EagleHead, head_checksum
+from specroll.drafter.eagle_config import DrafterError, EagleConfig
+from specroll.drafter.eagle_files import head_checksum
+from specroll.drafter.eagle_head import EagleHead
 from specroll.engine.attention import kv_bytes_per_page
 from specroll.engine.engine import Engine
 from specroll.protocol.messages import AckDrafter, DrafterWeights

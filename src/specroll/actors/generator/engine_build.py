@@ -6,7 +6,7 @@ from specroll.actors.config import RunConfig
 from specroll.actors.generator.drafter_swap import check_drafter_cache
 from specroll.actors.generator.rollout_stream import DraftCounter
 from specroll.drafter.eagle import EagleProposer
-from specroll.drafter.eagle_head import EagleConfig
+from specroll.drafter.eagle_config import EagleConfig
 from specroll.drafter.suffix import SuffixProposer
 from specroll.engine.engine import Engine
 

@@ -20,7 +20,9 @@ from safetensors.torch import save_file
 
 from specroll.actors.jobs.generate import GenerateError
 from specroll.drafter.eagle3_format import eagle3_config, eagle3_tensors, read_eagle3
-from specroll.drafter.eagle_head import CONFIG_FILE, WEIGHTS_FILE, DrafterError, EagleHead
+from specroll.drafter.eagle_config import DrafterError
+from specroll.drafter.eagle_files import CONFIG_FILE, WEIGHTS_FILE
+from specroll.drafter.eagle_head import EagleHead
 from specroll.engine.checkpoint import CheckpointError, load_model_config
 from specroll.engine.model_config import ModelConfig
 

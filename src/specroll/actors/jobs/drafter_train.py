@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from specroll.actors.jobs.generate import GenerateError
-from specroll.drafter.eagle_head import DrafterError, EagleHead, eagle3_feature_layers
+from specroll.drafter.eagle_config import DrafterError, eagle3_feature_layers
+from specroll.drafter.eagle_head import EagleHead
 from specroll.drafter.learner import DrafterLearner, LearnerConfig
 from specroll.engine.checkpoint import CheckpointError, load_checkpoint
 from specroll.engine.device import check_device

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 from specroll.actors.launch.errors import LaunchError
 from specroll.actors.trainer.checkpoint import STATE_FILE, find_checkpoint
 from specroll.actors.trainer.task_load import load_task
-from specroll.drafter.eagle_head import DrafterError, EagleHead
+from specroll.drafter.eagle_config import DrafterError
+from specroll.drafter.eagle_head import EagleHead
 from specroll.engine.checkpoint import CheckpointError, load_model_config
 from specroll.engine.registry import resolve_model
 from specroll.rl.admission import run_ahead_warning

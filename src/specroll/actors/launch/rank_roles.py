@@ -2,7 +2,7 @@
 
 Rank 0 is the role ``trainer`` (log ``trainer.log``: it binds the endpoint and talks to the
 generators); rank r > 0 is the role ``trainer-rank<r>``. Every rank gets
-``--rank R --world-size N --master 127.0.0.1:PORT`` (``actors/trainer/ranks.py``), with a fresh free
+``--rank R --world-size N --master 127.0.0.1:PORT`` (``actors/trainer/ranks/join.py``), with a fresh free
 PORT at each start of the ranks: a restarted unit never meets its dead predecessor's store.
 """
 

@@ -111,7 +111,7 @@ class RolloutClient:
             (``protocol/curve.py``); None: no security.
         max_frame_bytes: the socket takes no longer frame from a peer (``MAXMSGSIZE``: the peer is
             disconnected before the frame's body is read); it must hold the largest drafter tensor a
-            drafter trainer publishes (``specroll.drafter.eagle_head.max_tensor_bytes`` of the model).
+            drafter trainer publishes (``specroll.drafter.eagle_config.max_tensor_bytes`` of the model).
             Message headers are bounded apart (``codec.MAX_HEADER_BYTES``), before decoding.
     """
 

@@ -1,8 +1,8 @@
 """The trainer's command line: ``python -m specroll.actors.trainer --config FILE [--set a.b=v]``
 (with ``trainer.world_size`` > 1 also ``--rank R --world-size N --master ADDR:PORT``, or under
-``torchrun``: ``ranks.py``); ``specroll trainer`` loads the config itself and calls :func:`serve`.
+``torchrun``: ``ranks/join.py``); ``specroll trainer`` loads the config itself and calls :func:`serve`.
 
-Rank 0 runs the trainer (``process.py``), every other rank follows it (``follower.py``).
+Rank 0 runs the trainer (``process.py``), every other rank follows it (``ranks/follower.py``).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from specroll.actors.config import ConfigError, RunConfig, load_config
 from specroll.actors.exit_codes import EXIT_FAILED, EXIT_REFUSED
 from specroll.actors.keys_flag import add_keys_argument
 from specroll.actors.security import keys_overrides, keys_usable
-from specroll.actors.trainer.follower import run_follower
 from specroll.actors.trainer.process import run_trainer
-from specroll.actors.trainer.rank_flags import add_rank_arguments
-from specroll.actors.trainer.ranks import RankError, Ranks, join_group, rank_device, resolve_ranks
+from specroll.actors.trainer.ranks.flags import add_rank_arguments
+from specroll.actors.trainer.ranks.follower import run_follower
+from specroll.actors.trainer.ranks.join import RankError, Ranks, join_group, rank_device, resolve_ranks
 
 log = logging.getLogger("specroll.trainer")
 

@@ -3,7 +3,7 @@ checkpoint, close — on one rank, or driving the ranks of a sharded trainer.
 
 * :class:`LocalPolicy` (``trainer.world_size = 1``): the model and AdamW in this process, no
   process group at all;
-* :class:`RankZeroPolicy` (rank 0 of N): its own shards (:class:`~specroll.actors.trainer.sharded.ShardedModel`)
+* :class:`RankZeroPolicy` (rank 0 of N): its own shards (:class:`~specroll.actors.trainer.ranks.sharded.ShardedModel`)
   plus a command to the other ranks before each operation (``rank_channel.py``), so every rank
   runs the same collectives in the same order. A lock keeps operations whole when callers overlap.
 
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from specroll.actors.trainer.checkpoint import SavedCheckpoint, TrainerState, save_checkpoint, write_checkpoint
-from specroll.actors.trainer.rank_channel import RankChannel, batch_shape
-from specroll.actors.trainer.sharded import ShardedModel
+from specroll.actors.trainer.ranks.channel import RankChannel, batch_shape
+from specroll.actors.trainer.ranks.sharded import ShardedModel
 from specroll.engine.model import CausalLM
 from specroll.engine.model_config import ModelConfig
 from specroll.protocol.trainer_ranks import GatherState, GatherWeights, Restore, Stop, TrainStep

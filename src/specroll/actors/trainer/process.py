@@ -19,7 +19,7 @@ from specroll.actors.files import write_text_atomic
 from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.rollout.timeline import TIMELINE_FILENAME, Timeline
 from specroll.actors.rollout.weights_groups import BackendChoice
-from specroll.actors.trainer.ranks import Ranks
+from specroll.actors.trainer.ranks.join import Ranks
 from specroll.actors.trainer.setup import TrainerError, load_setup
 from specroll.actors.trainer.trainer import ENDPOINT_FILENAME, Trainer
 from specroll.protocol.curve import KeysError
@@ -40,7 +40,7 @@ async def run_trainer(config: RunConfig, ranks: Ranks | None = None, store: dist
     or rank), 3 (no generator) or 128 + the signal number (SIGTERM/SIGINT, watched when called from
     the main thread: training stops, the client still says ``Dead`` to the generators).
 
-    With ``ranks``, this is rank 0 of a sharded trainer: the other ranks (``follower.py``) are told
+    With ``ranks``, this is rank 0 of a sharded trainer: the other ranks (``ranks/follower.py``) are told
     to stop however it ends; ``store`` is the one it met them on (``ranks.join_group``), or None to
     meet them while the policy loads.
     """

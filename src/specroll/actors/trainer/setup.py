@@ -15,9 +15,9 @@ from specroll.actors.exit_codes import EXIT_FAILED, EXIT_REFUSED
 from specroll.actors.trainer.checkpoint import TrainerState, find_checkpoint, load_trainer_checkpoint, read_checkpoint
 from specroll.actors.trainer.policy import LocalPolicy, Policy, RankZeroPolicy
 from specroll.actors.trainer.prompt_cycle import PromptCycle
-from specroll.actors.trainer.rank_channel import RankChannel
-from specroll.actors.trainer.ranks import RankError, Ranks, join_group, rank_device
-from specroll.actors.trainer.sharded import ShardedModel
+from specroll.actors.trainer.ranks.channel import RankChannel
+from specroll.actors.trainer.ranks.join import RankError, Ranks, join_group, rank_device
+from specroll.actors.trainer.ranks.sharded import ShardedModel
 from specroll.actors.trainer.task_load import load_task
 from specroll.engine.checkpoint import load_checkpoint
 from specroll.engine.model import CausalLM

@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
 from specroll.actors.trainer.checkpoint import SavedCheckpoint
-from specroll.actors.trainer.ranks import Ranks
+from specroll.actors.trainer.ranks.join import Ranks
 from specroll.engine.model import CausalLM, fuse_weights, unfuse_weights
 from specroll.rl.grpo_step import RolloutBatch, StepResult, StepSettings, train_step
 
