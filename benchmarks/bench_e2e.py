@@ -55,7 +55,7 @@ from e2e_specroll import run_specroll_arm
 from e2e_trl import run_trl_arm, trl_unavailable
 
 from specroll.actors.config import ConfigError
-from specroll.actors.files import write_text_atomic
+from specroll.actors.shared.files import write_text_atomic
 
 PACKAGES = ("specroll", "torch", "transformers", "trl", "accelerate", "datasets")
 

@@ -91,8 +91,8 @@ def test_the_steps_a_restarted_trainer_runs_again_are_printed_again(tmp_path: Pa
     import io
 
     from specroll.actors.config import RunConfig
-    from specroll.actors.files import write_text_atomic
     from specroll.actors.launch.launch import Launcher
+    from specroll.actors.shared.files import write_text_atomic
 
     def lines(*records: tuple[int, float]) -> str:
         return "".join(json.dumps({"step": s, "loss": loss}) + "\n" for s, loss in records)

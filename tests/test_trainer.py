@@ -26,8 +26,8 @@ import zmq
 import zmq.asyncio
 
 from specroll.actors.config import RunConfig, load_config
-from specroll.actors.exit_codes import EXIT_PEER_LOST
 from specroll.actors.rollout.client import RolloutClient
+from specroll.actors.shared.exit_codes import EXIT_PEER_LOST
 from specroll.actors.trainer.checkpoint import (
     CHECKPOINT_DIRNAME,
     TrainerState,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_trainer_modes import _trainer
 
-from specroll.actors.restarts import write_restarts
+from specroll.actors.shared.restarts import write_restarts
 from specroll.actors.trainer.metrics import truncate_metrics
 from specroll.actors.trainer.trainer import METRICS_FILENAME, Trainer
 

@@ -7,8 +7,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from specroll.actors.exit_codes import EXIT_REFUSED
-from specroll.actors.keys_flag import add_keys_argument
+from specroll.actors.shared.exit_codes import EXIT_REFUSED
+from specroll.actors.shared.keys_flag import add_keys_argument
 
 if TYPE_CHECKING:
     from specroll.actors.config import RunConfig
@@ -303,7 +303,7 @@ def _role_config(args: argparse.Namespace, prog: str) -> RunConfig | None:
     """The run config of ``--config`` (or the defaults) with ``--set`` overrides; ``None`` after
     printing the one error line of a bad config."""
     from specroll.actors.config import ConfigError, load_config
-    from specroll.actors.security import keys_overrides
+    from specroll.actors.shared.security import keys_overrides
 
     try:
         return load_config(args.config, [*args.overrides, *keys_overrides(args.keys)])

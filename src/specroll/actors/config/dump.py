@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from specroll.actors.config.schema import RunConfig
-from specroll.actors.files import write_text_atomic
+from specroll.actors.shared.files import write_text_atomic
 
 CONFIG_FILENAME = "config.toml"
 """Name of the resolved config inside the run directory."""

@@ -36,10 +36,10 @@ import anyio.abc
 import torch
 
 from specroll.actors.config import RunConfig
-from specroll.actors.exit_codes import EXIT_REFUSED
 from specroll.actors.peer.lifecycle import PeerConnection, trainer_channel
 from specroll.actors.peer.weights_fetch import FetchAbandoned, WeightsFetch, check_announcement
-from specroll.actors.security import peer_keys
+from specroll.actors.shared.exit_codes import EXIT_REFUSED
+from specroll.actors.shared.security import peer_keys
 from specroll.drafter.eagle_config import DrafterError, max_tensor_bytes
 from specroll.drafter.eagle_head import EagleHead
 from specroll.drafter.learner import DrafterLearner, DrafterSnapshot

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from specroll.actors.keys_flag import add_keys_argument
+from specroll.actors.shared.keys_flag import add_keys_argument
 
 PROG = "specroll drafter serve"
 

@@ -15,10 +15,10 @@ import anyio
 from specroll.actors.config import ConfigError, RunConfig, load_config
 from specroll.actors.drafter_trainer.actor import run_drafter
 from specroll.actors.drafter_trainer.args import PROG, add_arguments
-from specroll.actors.exit_codes import EXIT_REFUSED
 from specroll.actors.peer.endpoint import check_endpoint
 from specroll.actors.peer.exit import run_stoppable
-from specroll.actors.security import keys_overrides, keys_usable
+from specroll.actors.shared.exit_codes import EXIT_REFUSED
+from specroll.actors.shared.security import keys_overrides, keys_usable
 from specroll.drafter.eagle_config import DrafterError
 from specroll.engine.checkpoint import CheckpointError
 

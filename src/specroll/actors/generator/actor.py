@@ -55,7 +55,7 @@ from specroll.actors.generator.submit_limits import SubmitLimits
 from specroll.actors.generator.weights_group import Result, WeightsGroupLink
 from specroll.actors.peer.lifecycle import PeerConnection, trainer_channel
 from specroll.actors.peer.weights_fetch import FetchAbandoned, WeightsFetch, check_announcement
-from specroll.actors.security import peer_keys
+from specroll.actors.shared.security import peer_keys
 from specroll.drafter.eagle_config import DrafterError, max_tensor_bytes
 from specroll.engine.engine import Engine
 from specroll.engine.model_config import expected_weight_shapes

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import anyio
 
 from specroll.actors.config import ConfigError, RunConfig, load_config, toml_value
-from specroll.actors.exit_codes import EXIT_REFUSED
 from specroll.actors.generator.actor import run_generator
-from specroll.actors.keys_flag import add_keys_argument
 from specroll.actors.peer.endpoint import endpoint_arg
 from specroll.actors.peer.exit import run_stoppable
-from specroll.actors.security import keys_overrides, keys_usable
+from specroll.actors.shared.exit_codes import EXIT_REFUSED
+from specroll.actors.shared.keys_flag import add_keys_argument
+from specroll.actors.shared.security import keys_overrides, keys_usable
 from specroll.drafter.eagle_config import DrafterError
 from specroll.engine.errors import CheckpointError
 

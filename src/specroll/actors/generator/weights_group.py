@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from specroll.actors.wakeup import Wakeup
+from specroll.actors.shared.wakeup import Wakeup
 from specroll.protocol.limits import MAX_ID_CHARS
 from specroll.protocol.messages import JoinWeightsGroup, WeightsAvailable, WeightsBroadcast, WeightsGroup
 from specroll.protocol.weights_collective import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from specroll.actors.exit_codes import EXIT_OK, EXIT_REFUSED
+from specroll.actors.shared.exit_codes import EXIT_OK, EXIT_REFUSED
 from specroll.protocol.curve import CLIENT_ROLES, KEYS_DIRNAME, KeysError, files_for, init_keys
 
 

@@ -28,7 +28,6 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from specroll.actors.exit_codes import EXIT_OK, EXIT_REFUSED
 from specroll.actors.jobs.report_data import (
     ReportError,
     RunData,
@@ -38,6 +37,7 @@ from specroll.actors.jobs.report_data import (
     samples_per_s,
 )
 from specroll.actors.jobs.report_timeline import draw_timeline, note
+from specroll.actors.shared.exit_codes import EXIT_OK, EXIT_REFUSED
 
 PROG = "specroll report"
 ROLLING_WINDOW = 5

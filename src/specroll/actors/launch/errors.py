@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specroll.actors.exit_codes import EXIT_FAILED
+from specroll.actors.shared.exit_codes import EXIT_FAILED
 
 
 class LaunchError(Exception):

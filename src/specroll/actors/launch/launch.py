@@ -67,8 +67,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from specroll.actors.exit_codes import EXIT_OK, EXIT_PEER_LOST, EXIT_REFUSED
-from specroll.actors.files import write_text_atomic
 from specroll.actors.launch.errors import LaunchError
 from specroll.actors.launch.gpu_plan import gpu_env
 from specroll.actors.launch.metrics_tail import MetricsTail, format_metrics, record_warnings
@@ -91,7 +89,9 @@ from specroll.actors.launch.role_process import (
     tail,
     terminate,
 )
-from specroll.actors.restarts import write_restarts
+from specroll.actors.shared.exit_codes import EXIT_OK, EXIT_PEER_LOST, EXIT_REFUSED
+from specroll.actors.shared.files import write_text_atomic
+from specroll.actors.shared.restarts import write_restarts
 
 if TYPE_CHECKING:
     from specroll.actors.config import RunConfig

@@ -53,11 +53,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from specroll.actors.exit_codes import EXIT_REFUSED
 from specroll.actors.launch.errors import LaunchError
 from specroll.actors.launch.rank_roles import RANK_ROLE_PREFIX, TRAINER_ROLE, is_trainer_rank
 from specroll.actors.launch.ray_process import CALL_TIMEOUT_S, RayProcess
 from specroll.actors.launch.role_process import RoleProcess
+from specroll.actors.shared.exit_codes import EXIT_REFUSED
 from specroll.protocol.curve import files_for
 from specroll.protocol.placement_messages import RoleSpec, RoleStarted
 

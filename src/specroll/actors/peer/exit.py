@@ -1,5 +1,5 @@
 """How a peer actor (a generator, the drafter trainer) ends: its last message and its exit code
-(the codes: :mod:`specroll.actors.exit_codes`).
+(the codes: :mod:`specroll.actors.shared.exit_codes`).
 
 Each actor runs until a signal, a refusal or the trainer's loss, then tells the trainer why with
 ``Dead`` (sent with a linger, as vLLM's engine core does) so the trainer stops waiting for it
@@ -15,7 +15,7 @@ from types import FrameType
 
 import anyio
 
-from specroll.actors.exit_codes import EXIT_FAILED, EXIT_OK
+from specroll.actors.shared.exit_codes import EXIT_FAILED, EXIT_OK
 from specroll.protocol.channel import Channel
 from specroll.protocol.messages import Dead
 

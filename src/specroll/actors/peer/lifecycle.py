@@ -19,7 +19,7 @@ trainer; what differs between them is a :class:`PeerRole`.
 Handshake: ``Hello`` → ``Welcome`` (same protocol version: the role's main loop,
 :meth:`PeerRole.serve`, starts) | ``Refuse`` (exit 2) | nothing within ``trainer_timeout_s`` (exit 3).
 Whatever ends the actor, the trainer is told why with ``Dead`` (:func:`report_exit`) and the first
-reason given decides the exit code (:mod:`specroll.actors.exit_codes`).
+reason given decides the exit code (:mod:`specroll.actors.shared.exit_codes`).
 
 A new trainer on the same endpoint (restarted on its run directory) knows nothing of this peer, so
 the peer registers again. After the trainer's ``Dead`` it answers ``Hello`` at once (which tells the
@@ -51,10 +51,10 @@ import torch
 import zmq
 import zmq.asyncio
 
-from specroll.actors.exit_codes import EXIT_OK, EXIT_PEER_LOST, EXIT_REFUSED
 from specroll.actors.peer.exit import failure, report_exit
 from specroll.actors.peer.trainer_liveness import MONITOR_EVENTS, TrainerLiveness
-from specroll.actors.wakeup import Wakeup
+from specroll.actors.shared.exit_codes import EXIT_OK, EXIT_PEER_LOST, EXIT_REFUSED
+from specroll.actors.shared.wakeup import Wakeup
 from specroll.protocol.channel import Channel, Received, SequenceError
 from specroll.protocol.codec import MAX_HEADER_BYTES, ProtocolError
 from specroll.protocol.curve import ClientKeys
@@ -175,7 +175,7 @@ class PeerConnection(Generic[M]):
 
     async def run(self, role: PeerRole[M]) -> int:
         """Serve ``role`` until a signal, a refusal, the trainer's loss or the end of its main loop;
-        send ``Dead``; return the exit code (:mod:`specroll.actors.exit_codes`)."""
+        send ``Dead``; return the exit code (:mod:`specroll.actors.shared.exit_codes`)."""
         try:
             async with anyio.create_task_group() as tg:
                 self._tg, self._role = tg, role

@@ -20,7 +20,7 @@ from specroll.actors.rollout.drafter_relay import DrafterRelay
 from specroll.actors.rollout.liveness import PeerLiveness
 from specroll.actors.rollout.weights_groups import WeightsGroups
 from specroll.actors.rollout.weights_publish import PublishedWeights
-from specroll.actors.wakeup import Wakeup
+from specroll.actors.shared.wakeup import Wakeup
 from specroll.protocol.messages import PROTOCOL_VERSION, Error, Hello, Refuse, Stats, Welcome
 from specroll.rl.coordinator import RolloutCoordinator
 
@@ -32,7 +32,7 @@ Send = Callable[[str, Any, list[torch.Tensor] | None], None]
 
 @dataclass
 class HubEvents:
-    """What the hub's waiters wait for (each a level-triggered :class:`~specroll.actors.wakeup.Wakeup`)."""
+    """What the hub's waiters wait for (each a level-triggered :class:`~specroll.actors.shared.wakeup.Wakeup`)."""
 
     finished: Wakeup = field(default_factory=Wakeup)
     """A group finished."""

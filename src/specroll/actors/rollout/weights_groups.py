@@ -35,7 +35,7 @@ from typing import Any, Literal
 import torch
 
 from specroll.actors.rollout.weights_publish import PublishedWeights
-from specroll.actors.wakeup import Wakeup
+from specroll.actors.shared.wakeup import Wakeup
 from specroll.protocol.messages import CollectiveBackend, JoinWeightsGroup, WeightsBroadcast, WeightsGroup
 from specroll.protocol.weights_collective import (
     CollectiveError,

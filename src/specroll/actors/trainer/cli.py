@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import anyio
 
 from specroll.actors.config import ConfigError, RunConfig, load_config
-from specroll.actors.exit_codes import EXIT_FAILED, EXIT_REFUSED
-from specroll.actors.keys_flag import add_keys_argument
-from specroll.actors.security import keys_overrides, keys_usable
+from specroll.actors.shared.exit_codes import EXIT_FAILED, EXIT_REFUSED
+from specroll.actors.shared.keys_flag import add_keys_argument
+from specroll.actors.shared.security import keys_overrides, keys_usable
 from specroll.actors.trainer.process import run_trainer
 from specroll.actors.trainer.ranks.flags import add_rank_arguments
 from specroll.actors.trainer.ranks.follower import run_follower

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from specroll.actors.files import write_text_atomic
 from specroll.actors.rollout.client import RolloutClient
+from specroll.actors.shared.files import write_text_atomic
 from specroll.rl.coordinator import Group
 from specroll.rl.grpo_step import StepResult
 

@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 
 from specroll.actors.config import RunConfig, write_resolved
-from specroll.actors.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_REFUSED
-from specroll.actors.files import write_text_atomic
 from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.rollout.timeline import TIMELINE_FILENAME, Timeline
 from specroll.actors.rollout.weights_groups import BackendChoice
+from specroll.actors.shared.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_REFUSED
+from specroll.actors.shared.files import write_text_atomic
 from specroll.actors.trainer.ranks.join import Ranks
 from specroll.actors.trainer.setup import TrainerError, load_setup
 from specroll.actors.trainer.trainer import ENDPOINT_FILENAME, Trainer

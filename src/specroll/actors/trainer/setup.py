@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from specroll.actors.config import RunConfig
-from specroll.actors.exit_codes import EXIT_FAILED, EXIT_REFUSED
+from specroll.actors.shared.exit_codes import EXIT_FAILED, EXIT_REFUSED
 from specroll.actors.trainer.checkpoint import TrainerState, find_checkpoint, load_trainer_checkpoint, read_checkpoint
 from specroll.actors.trainer.policy import LocalPolicy, Policy, RankZeroPolicy
 from specroll.actors.trainer.prompt_cycle import PromptCycle

@@ -81,15 +81,15 @@ from anyio.abc import TaskGroup
 from tqdm import tqdm
 
 from specroll.actors.config import RunConfig
-from specroll.actors.exit_codes import EXIT_PEER_LOST
-from specroll.actors.restarts import read_restarts
 from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.rollout.timeline import Timeline
+from specroll.actors.shared.exit_codes import EXIT_PEER_LOST
+from specroll.actors.shared.restarts import read_restarts
+from specroll.actors.shared.wakeup import Wakeup
 from specroll.actors.trainer.checkpoint import TrainerState
 from specroll.actors.trainer.evaluation import Evaluator
 from specroll.actors.trainer.metrics import StepMetrics, truncate_metrics
 from specroll.actors.trainer.setup import TrainerError, TrainerSetup
-from specroll.actors.wakeup import Wakeup
 from specroll.rl.admission import Admission, run_ahead_warning
 from specroll.rl.coordinator import Group
 from specroll.rl.grpo_step import StepResult, build_batch

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from specroll.actors.config import RunConfig
-from specroll.actors.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_REFUSED
+from specroll.actors.shared.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_REFUSED
 from specroll.actors.trainer.ranks.channel import RankChannel
 from specroll.actors.trainer.ranks.join import RankError, Ranks, join_group, rank_device
 from specroll.actors.trainer.ranks.sharded import ShardedModel

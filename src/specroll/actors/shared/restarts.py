@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specroll.actors.files import write_text_atomic
+from specroll.actors.shared.files import write_text_atomic
 
 RESTARTS_FILENAME = "restarts.json"
 
