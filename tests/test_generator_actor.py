@@ -189,6 +189,12 @@ def local_engine(model: Path) -> Engine:
     return Engine(EngineConfig(model=str(model), dtype="float32", kv_cache_memory_gb=KV_GB))
 
 
+def reference_tokens(engine: Engine, prompt: list[int], sampling: SamplingParams) -> list[int]:
+    """What ``engine`` alone generates for ``prompt``."""
+    engine.add_request(prompt, sampling, "ref")
+    return run_to_completion(engine)["ref"].token_ids
+
+
 # ---- tests ----------------------------------------------------------------------------------
 
 
@@ -197,10 +203,9 @@ async def test_handshake_greedy_group_and_resume(tiny_checkpoint, tmp_path: Path
     prompt = [5, 17, 42, 9, 77, 3]
     sampling = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     reference = local_engine(model)
-    reference.add_request(prompt, sampling, "ref")
-    expected = run_to_completion(reference)["ref"].token_ids
-    reference.add_request(prompt + expected[:5], SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True), "r")
-    expected_resumed = run_to_completion(reference)["r"].token_ids
+    expected = reference_tokens(reference, prompt, sampling)
+    expected_resumed = reference_tokens(reference, prompt + expected[:5],
+                                        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))
 
     async with fake_trainer() as trainer:
         with generator_process(trainer.endpoint, model, tmp_path / "gen.log", "--stream-every", "3",
@@ -485,8 +490,7 @@ async def test_a_prompt_longer_than_the_prefill_budget_with_speculation_on(tiny_
     sampling = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     reference = local_engine(model)
     assert reference.config.max_num_batched_tokens < len(prompt)
-    reference.add_request(prompt, sampling, "ref")
-    expected = run_to_completion(reference)["ref"].token_ids
+    expected = reference_tokens(reference, prompt, sampling)
     async with fake_trainer() as trainer:
         with generator_process(trainer.endpoint, model, tmp_path / "gen.log", "--speculative", "suffix",
                                "--num-draft-tokens", "4") as proc:

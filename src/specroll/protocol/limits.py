@@ -41,7 +41,7 @@ above every context a served model has (1M tokens at the long end). Declared on 
 msgspec refuses a longer list from its length prefix, before one element is decoded."""
 
 DEFAULT_MAX_FRAME_BYTES = 1 << 31
-"""The largest frame a receiver that does not know the model accepts (``ZMQ_MAXMSGSIZE``): an
+"""The largest frame a receiver that does not know the model accepts (``ZMQ_MAXMSGSIZE``): a
 float32 embedding of a 128k vocabulary at hidden size 4096. Receivers that know the model size it
 from the model (:func:`frame_limit`)."""
 

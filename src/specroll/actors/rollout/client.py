@@ -127,8 +127,6 @@ class RolloutClient:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.actor_id = actor_id
         self.timeline = timeline
-        self.endpoint = ""
-        """The bound endpoint, e.g. ``tcp://127.0.0.1:41234`` (set by :meth:`start`)."""
         self._mail = Mail(lambda actor: self.peers.registered(actor))
         self.drafters = DrafterRelay(self._mail.send, timeline=timeline)
         """Drafter trainers, the current drafter version and acceptance per (drafter, policy) version."""
@@ -176,7 +174,6 @@ class RolloutClient:
             zmq.ZMQError: the bind failed (e.g. the port is taken).
         """
         self._channel = self._socket.open()
-        self.endpoint = self._socket.endpoint
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._mail.open(self._channel, self._tg)
@@ -355,6 +352,11 @@ class RolloutClient:
                 if sum(served.get(a, -1) >= version for a in live) >= need:
                     return
                 await self._events.version.wait()  # an acknowledgement, a heartbeat or a generator gone
+
+    @property
+    def endpoint(self) -> str:
+        """The bound endpoint, e.g. ``tcp://127.0.0.1:41234`` ('' before :meth:`start`)."""
+        return self._socket.endpoint
 
     # ---- what the peers and the receiver hold ----------------------------------------------------
 

@@ -19,12 +19,11 @@ client's per-peer outboxes, so a slow drafter trainer holds up only its own mess
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from specroll.actors.rollout.outboxes import Send
 from specroll.actors.rollout.timeline import Timeline
 from specroll.protocol.limits import (
     MAX_DRAFTER_CONFIG_CHARS,
@@ -49,9 +48,6 @@ from specroll.protocol.messages import (
 from specroll.rl.coordinator import Group
 
 log = logging.getLogger("specroll.client")
-
-Send = Callable[[str, Any, list[torch.Tensor] | None], None]
-"""``send(actor_id, message, tensors)``: queue a message for a peer (the client's outbox)."""
 
 
 @dataclass

@@ -53,6 +53,8 @@ class HubSocket:
         self.ctx: zmq.asyncio.Context | None = None
         self.socket: zmq.asyncio.Socket | None = None
         self.channel: Channel[Any] | None = None
+        self.endpoint = ""
+        """The bound endpoint with its real port (set by :meth:`open`)."""
         self._monitor: zmq.asyncio.Socket | None = None
         self._auth: RunAuthenticator | None = None
 
@@ -77,13 +79,9 @@ class HubSocket:
             self.ctx.term()
             raise
         self._monitor = self.socket.get_monitor_socket()  # attached before the bind
+        self.endpoint = last_endpoint(self.socket)
         self.channel = Channel(self.socket, ToTrainer, window=self.window)
         return self.channel
-
-    @property
-    def endpoint(self) -> str:
-        """The bound endpoint with its real port ('' before :meth:`open`)."""
-        return last_endpoint(self.socket) if self.socket is not None else ""
 
     async def watch(self, disconnected: Callable[[int, float], None]) -> None:
         """Call ``disconnected(fd, now)`` for each connection that closed (the socket monitor's

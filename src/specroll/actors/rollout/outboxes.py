@@ -25,6 +25,8 @@ from specroll.protocol.channel import Channel
 
 log = logging.getLogger("specroll.client")
 
+Send = Callable[[str, Any, list[torch.Tensor] | None], None]
+"""``send(actor_id, message, tensors)``: queue a message for a peer (:meth:`Mail.send`)."""
 Outgoing = tuple[Any, list[torch.Tensor]]
 """A message and the tensors sent as its frames."""
 

@@ -12,12 +12,10 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
 
 from specroll.actors.rollout.drafter_relay import DrafterRelay
 from specroll.actors.rollout.liveness import PeerLiveness
+from specroll.actors.rollout.outboxes import Send
 from specroll.actors.rollout.weights_groups import WeightsGroups
 from specroll.actors.rollout.weights_publish import PublishedWeights
 from specroll.actors.shared.wakeup import Wakeup
@@ -25,9 +23,6 @@ from specroll.protocol.messages import PROTOCOL_VERSION, Error, Hello, Refuse, S
 from specroll.rl.coordinator import RolloutCoordinator
 
 log = logging.getLogger("specroll.client")
-
-Send = Callable[[str, Any, list[torch.Tensor] | None], None]
-"""``send(actor_id, message, tensors)``: queue a message for a peer (the hub's outboxes)."""
 
 
 @dataclass

@@ -17,7 +17,8 @@ import torch
 
 from specroll.actors.rollout.drafter_relay import DrafterRelay
 from specroll.actors.rollout.foreign_groups import ForeignGroups
-from specroll.actors.rollout.peers import HubEvents, Peers, Send
+from specroll.actors.rollout.outboxes import Send
+from specroll.actors.rollout.peers import HubEvents, Peers
 from specroll.actors.rollout.timeline import Timeline
 from specroll.actors.rollout.weights_groups import WeightsGroups
 from specroll.actors.rollout.weights_publish import PublishedWeights

@@ -143,8 +143,6 @@ def verify_drafts(
         Per sequence ``(emitted token ids, their behavior logprobs, number of drafts accepted)``;
         each logprob is the target's processed-distribution logprob of that token.
     """
-    if not seqs:  # a step of prefill chunks only: no row samples
-        return []
     params = [s.sampling for s, d in zip(seqs, drafts, strict=True) for _ in range(len(d) + 1)]
     logprobs = processed_logprobs(logits, params)  # [R, V]
     b, vocab = len(seqs), logits.shape[-1]
