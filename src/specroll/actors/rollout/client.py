@@ -141,7 +141,9 @@ class RolloutClient:
                            self._dispatch, actor_id, self._mail.forget)
         """The connected generators and drafter trainers: their load, statistics and liveness."""
         self.dead_generators = self.peers.dead_generators
-        """Generators declared dead (by ``Dead``, a closed connection or silence), in order."""
+        """Generators declared dead (by ``Dead``, a closed connection or silence), one entry per death
+        in order: a history, not the dead set (one that comes back registers again and may appear
+        twice; :attr:`coordinator` ``.generators`` holds those registered now)."""
         self.generator_stats = self.peers.generator_stats
         """Each generator's last :class:`Stats`."""
         self.drafter_policy_versions = self.peers.drafter_policy_versions
@@ -282,6 +284,7 @@ class RolloutClient:
         actor = self.coordinator.abort(group_id)
         if actor is not None:
             self._mail.send(actor, Abort(group_id=group_id))
+            self._receiver.foreign.aborted(actor, group_id)  # its chunks still in flight: no second Abort
 
     async def wait_for_generators(self, count: int, timeout: float | None = None) -> None:
         """Wait until ``count`` generators are ready: handshake done and capacity reported (their

@@ -63,7 +63,9 @@ class Peers:
         self.generator_stats: dict[str, Stats] = {}
         """Each generator's last :class:`Stats`."""
         self.dead_generators: list[str] = []
-        """Generators declared dead (by ``Dead``, a closed connection or silence), in order."""
+        """Generators declared dead (by ``Dead``, a closed connection or silence), one entry per death
+        in order: a history, not the dead set (one that comes back registers again and may appear
+        twice; :attr:`coordinator` ``.generators`` holds those registered now)."""
         self.drafter_policy_versions: dict[str, int] = {}
         """Policy version each drafter trainer acknowledged holding."""
         self.load: dict[str, tuple[int, int]] = {}

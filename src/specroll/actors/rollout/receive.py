@@ -58,7 +58,7 @@ class Receiver:
         drafters: the drafter trainers and drafter versions.
         weights: the published policy versions (what a fetch is answered from).
         weights_groups: the generators' collective weights groups.
-        foreign: recognises chunks of groups this hub never issued.
+        foreign: recognises chunks of groups this hub never issued, or that their sender no longer serves.
         events: woken when a group finishes or a version is reported.
         send: queues a message for a peer.
         send_chunks: answers a fetch of a policy version with its chunks.
@@ -229,12 +229,13 @@ class Receiver:
 
     def _on_chunk(self, actor: str, chunk: RolloutChunk) -> None:
         check_chunk_group_id(chunk)  # before the id is parsed or echoed in an Abort
-        if self.foreign.is_foreign(chunk.group_id):
-            if self.foreign.first_chunk(actor, chunk.group_id):
-                # Stop a group this hub does not know on the generator that runs it (once per group
-                # and generator), instead of letting it use capacity until its max_tokens.
-                log.info("generator %s streams group %s, unknown here (an earlier client's?); aborting it", actor,
-                         chunk.group_id)
+        stale = self.foreign.stale(actor, chunk.group_id)
+        if stale is not None:
+            if self.foreign.first_stale_chunk(actor, chunk.group_id) and chunk.finish_reason != "abort":
+                # Stop the group on the generator that runs it but no longer serves it (once per group
+                # and generator), instead of letting it use capacity until its max_tokens; its tokens
+                # are not this hub's (the group is someone else's now, or was never this hub's).
+                log.info("generator %s streams group %s, %s; aborting it there", actor, chunk.group_id, stale)
                 self._send(actor, Abort(group_id=chunk.group_id), None)
             return
         self._check_chunk_tokens(chunk)  # before a token is held, resumed elsewhere or trained on
