@@ -69,8 +69,17 @@ class MissingDocstring(Exception):
 def sections(root: type[msgspec.Struct] = RunConfig) -> list[Section]:
     """Every section under ``root``, depth first in field order, the top level first."""
     out: list[Section] = []
-    _walk(root, root(), (), inspect.getdoc(root) or "", out)
+    _walk(root, root(), (), _prose(inspect.getdoc(root) or ""), out)
     return out
+
+
+_SECTION = re.compile(r"^(Args|Arguments|Raises|Returns|Yields|Attributes|Examples?):\s*$", re.M)
+
+
+def _prose(doc: str) -> str:
+    """A class docstring without its Google-style sections (``Raises:`` and the like: for code, not config)."""
+    match = _SECTION.search(doc)
+    return (doc[:match.start()] if match else doc).strip()
 
 
 def _walk(cls: type[msgspec.Struct], value: msgspec.Struct, path: tuple[str, ...], intro: str,
@@ -83,7 +92,7 @@ def _walk(cls: type[msgspec.Struct], value: msgspec.Struct, path: tuple[str, ...
         kind = hints[field.name]
         default = getattr(value, field.name)
         if _is_struct(kind):
-            class_doc = inspect.getdoc(kind) or ""
+            class_doc = _prose(inspect.getdoc(kind) or "")
             field_doc = docs.get(field.name, "")
             nested.append((kind, default, (*path, field.name), "\n\n".join(d for d in (field_doc, class_doc) if d)))
             continue
