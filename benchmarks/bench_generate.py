@@ -41,7 +41,9 @@ printed and written with the results; ``--threads 1`` is far less sensitive to i
 
 Usage::
 
-    python benchmarks/bench_generate.py --prompts ../shared/data/gsm8k/test.jsonl --json bench.json
+    python benchmarks/bench_generate.py --prompts data/gsm8k/test.jsonl --json bench.json
+
+(``data/gsm8k/test.jsonl``: GSM8K's test split as JSONL, see docs/getting-started.md.)
 """
 
 from __future__ import annotations

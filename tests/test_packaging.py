@@ -73,10 +73,10 @@ def test_the_embedding_examples_import_from_two_modules_and_those_load_lazily() 
     import re
 
     example = (ROOT / "examples" / "external_trainer.py").read_text()
-    readme = (ROOT / "README.md").read_text()
-    snippets = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    pages = [ROOT / "README.md", ROOT / "docs" / "embedding.md"]
+    snippets = [s for page in pages for s in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)]
     embedding = [s for s in snippets if "RolloutClient" in s or "engine.add_request" in s]
-    assert embedding, "the README's embedding snippets are gone"
+    assert len(embedding) >= 3, "the embedding snippets of the README and docs/embedding.md are gone"
     for source in (example, *embedding):
         assert _specroll_imports(source) <= {"specroll.engine", "specroll.actors"}, _specroll_imports(source)
     # Every exported name resolves, and importing the two packages alone loads no torch.

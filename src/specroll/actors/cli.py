@@ -71,7 +71,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="EAGLE drafter directory (config.json + model.safetensors), e.g. from "
                         "'specroll init-drafter'")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="weights and KV cache (default: %(default)s, see the README)")
+                   help="weights and KV cache (default: %(default)s, see Precision in docs/generating.md)")
     p.add_argument("--backend", choices=["auto", "torch", "flashinfer"], default="auto")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")

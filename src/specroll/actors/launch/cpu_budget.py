@@ -1,7 +1,7 @@
 """The launcher's CPU budget: torch threads for each role from the cores this process may run on, for
 the thread counts the config leaves unset.
 
-Measured on a 2-core CPU with SmolLM2-135M (README, "CPU budget"): the trainer's step is the
+Measured on a 2-core CPU with SmolLM2-135M (docs/running-rl.md, "CPU budget"): the trainer's step is the
 bottleneck of the off-step pipeline (a step's forward and backward take longer than generating the
 next step's rollouts), a decode step costs about the same at batch 8 and at batch 32, and threads
 beyond the cores (four processes on two cores before) slow every role down — torch's intra-op

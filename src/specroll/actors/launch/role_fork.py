@@ -2,7 +2,7 @@
 torch and the role modules once, and each start or restart of a role is an ``os.fork()`` that runs
 the role's ``__main__`` as ``python -m`` would, instead of a fresh interpreter importing torch again.
 
-Measured on 2 cores (README, "Chaos"): a fresh ``python -m specroll.actors.generator`` spends about
+Measured on 2 cores (docs/benchmarks.md, "Chaos"): a fresh ``python -m specroll.actors.generator`` spends about
 3 CPU-seconds on imports — torch and specroll (~1.8 s) and ``torch._dynamo`` (~1 s, which torch
 imports lazily when the model is built on the meta device) — against ~0.1 s to load a tiny model; on
 a machine the run already saturates, that is most of a restart's cost. A forked role starts with

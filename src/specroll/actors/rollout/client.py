@@ -2,7 +2,7 @@
 their rollouts back and pushes new policy weights — the rollout coordinator as a library.
 
 Generators connect to the client (its ROUTER binds, each generator's DEALER connects; see the
-README's socket map). The built-in trainer is built on this class; another RL stack uses it the
+socket map in docs/architecture.md). The built-in trainer is built on this class; another RL stack uses it the
 same way::
 
     async with RolloutClient(bind="tcp://127.0.0.1:5555") as client:
