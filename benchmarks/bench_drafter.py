@@ -76,8 +76,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from bench_speculative import DEFAULT_PROMPTS
-from common import int_list
+from common import DEFAULT_PROMPTS, int_list
 from drafter_online import TEMPERATURE, OnlineDrafter, Version, fmt_acceptance, head_from_snapshot, run_online
 from drafter_shift import RECOVERY_FRACTION, Shift, reference_solutions, shift_and_recover
 from spec_timing import Request, RunStats, timed_run

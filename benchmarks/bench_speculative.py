@@ -63,39 +63,27 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from common import int_list
-from spec_timing import Request, RunStats, pool_runs, timed_run
+from common import DEFAULT_PROMPTS, int_list
+from spec_mechanism import NEAR_TIE_NATS, measure_mechanism
+from spec_rollouts import RolloutRow, group_requests, measure_rollouts
+from spec_timing import Request, timed_run
 
 from specroll.actors.cli import positive_int as _positive_int
 from specroll.rl.tasks import PromptFileError, format_question, load_prompts
 
 if TYPE_CHECKING:
     from specroll.engine.engine import Engine
-    from specroll.engine.sequence import Completion
     from specroll.engine.spec.proposer import Proposer
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
-"""GSM8K test split in the ``shared/`` folder next to the repository."""
 MECHANISM_TARGET = 3.5
 """Issue target for ``mechanism_speedup``."""
 AUTO_FLOOR = 0.95
 """Issue target: ``auto`` tokens/s over ``off`` tokens/s, at every batch size and temperature."""
 WARMUP_TOKENS = 8
 """Response tokens of the untimed warm-up generations."""
-MAX_REPLAY_ROUNDS = 3
-"""Replay runs at most in the mechanism measurement (see :func:`measure_mechanism`)."""
-NEAR_TIE_NATS = {"float32": 0.01, "float16": 0.1, "bfloat16": 0.5}
-"""Per dtype, the largest gap between two runs' chosen-token logprobs at a greedy divergence still
-counted as a rounding flip between near-equal top tokens (bfloat16 logits near 32 are 0.25 apart);
-anything wider is a wrong distribution: an error."""
-
-Mode = Literal["off", "suffix", "auto"]
-MODES: tuple[Mode, ...] = ("off", "suffix", "auto")
 
 
 def _float_list(text: str) -> list[float]:
@@ -158,177 +146,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if len(args.questions) < needed:
         p.error(f"{args.prompts} holds {len(args.questions)} prompts, the settings need {needed}")
     return args
-
-
-# ---- the two measurements --------------------------------------------------------------------
-
-EngineFactory = Callable[..., "Engine"]
-"""``(max_num_seqs, proposer=None, draft_length="fixed") -> Engine`` sharing the loaded checkpoint."""
-
-
-def _first_difference(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-
-
-@dataclass(frozen=True)
-class Divergence:
-    """Where a replay run's greedy output departed from the rollout it replayed."""
-
-    request_id: str
-    round: int
-    """Replay round (1: the rollouts are speculation-off's output)."""
-    position: int
-    """Index of the first differing response token."""
-    rollout_token: int | None
-    """``None`` when the rollout ended there (the replay ran on past its EOS or max_tokens)."""
-    replay_token: int | None
-    """``None`` when the replay ended there (it stopped early)."""
-    rollout_logprob: float | None
-    """log-softmax of ``rollout_token`` in the run that produced the rollout."""
-    replay_logprob: float | None
-    """log-softmax of ``replay_token`` in the replay run."""
-    near_tie: bool
-    """The two logprobs are within the dtype's :data:`NEAR_TIE_NATS`: both runs' top tokens were about
-    equally likely, a rounding flip rather than a wrong distribution."""
-
-
-@dataclass
-class Mechanism:
-    num_prompts: int
-    off: RunStats
-    replay: RunStats
-    """The last replay round: the timed figure."""
-    rounds: int
-    divergences: list[Divergence]
-
-    @property
-    def speedup(self) -> float:
-        return self.replay.tok_s / self.off.tok_s
-
-    @property
-    def all_drafts_correct(self) -> bool:
-        """The last round emitted exactly the rollouts it replayed."""
-        return not any(d.round == self.rounds for d in self.divergences)
-
-    @property
-    def ok(self) -> bool:
-        """Every draft of the timed round was correct and no round departed by more than a near-tie."""
-        return self.all_drafts_correct and all(d.near_tie for d in self.divergences)
-
-    def as_json(self) -> dict[str, object]:
-        return {"num_prompts": self.num_prompts, "off": self.off.as_json(), "replay": self.replay.as_json(),
-                "speedup": self.speedup, "rounds": self.rounds, "all_drafts_correct": self.all_drafts_correct,
-                "matches_greedy": not self.divergences, "ok": self.ok,
-                "divergences": [asdict(d) for d in self.divergences]}
-
-
-def _divergences(rollouts: Mapping[str, Completion], done: Mapping[str, Completion], round_: int,
-                 tolerance: float) -> list[Divergence]:
-    found = []
-    for rid, expected in rollouts.items():
-        a, b = expected.token_ids, done[rid].token_ids
-        if a != b:
-            at = _first_difference(a, b)
-            token_a, lp_a = (a[at], expected.logprobs[at]) if at < len(a) else (None, None)
-            token_b, lp_b = (b[at], done[rid].logprobs[at]) if at < len(b) else (None, None)
-            # A length difference with a common prefix is no rounding flip: both stop at EOS or max_tokens.
-            near_tie = lp_a is not None and lp_b is not None and abs(lp_a - lp_b) <= tolerance
-            found.append(Divergence(rid, round_, at, token_a, token_b, lp_a, lp_b, near_tie))
-    return found
-
-
-def measure_mechanism(make_engine: EngineFactory, prompts: list[list[int]], max_tokens: int,
-                      near_tie_nats: float) -> Mechanism:
-    """Greedy batch-1 decoding against replaying its rollouts, every draft correct.
-
-    A replay step scores 1 + k tokens in one forward and a plain step 1: in reduced precision the
-    logits round differently, and where the top two tokens are within rounding of each other greedy
-    picks can differ. Such a sequence then leaves its rollout and drafts nothing more, so the round is
-    repeated, replaying its own output, until a round emits exactly what it replays (at most
-    :data:`MAX_REPLAY_ROUNDS`); the last round is the timed figure.
-    """
-    from specroll.drafter.replay import ReplayProposer
-    from specroll.protocol.sampling import SamplingParams
-
-    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    requests = [Request(f"m{i}", f"m{i}", prompt, greedy) for i, prompt in enumerate(prompts)]
-
-    engine = make_engine(1)
-    expected, off = timed_run(engine, requests, 1)
-    del engine
-    gc.collect()
-    divergences: list[Divergence] = []
-    for round_ in range(1, MAX_REPLAY_ROUNDS + 1):
-        proposer = ReplayProposer({r.group_id: r.prompt + expected[r.request_id].token_ids for r in requests})
-        engine = make_engine(1, proposer=proposer)
-        done, replay = timed_run(engine, requests, 1)
-        del engine
-        gc.collect()
-        found = _divergences(expected, done, round_, near_tie_nats)
-        divergences += found
-        if not found:
-            break
-        expected = done
-    return Mechanism(len(prompts), off, replay, round_, divergences)
-
-
-def group_requests(prompts: list[list[int]], n: int, temperature: float, max_tokens: int, seed: int) -> list[Request]:
-    """``n`` samples of each prompt, each with its own seed (as ``specroll generate`` seeds them)."""
-    from specroll.protocol.sampling import SamplingParams
-
-    requests = []
-    for j, prompt in enumerate(prompts):
-        for i in range(n):
-            sampling = SamplingParams(temperature=temperature, top_p=1.0, max_tokens=max_tokens,
-                                      seed=(seed * 1_000_003 + j) * 1_000_003 + i)
-            requests.append(Request(f"g{j}#{i}", f"g{j}", prompt, sampling))
-    return requests
-
-
-@dataclass
-class RolloutRow:
-    temperature: float
-    batch_size: int
-    num_groups: int
-    num_requests: int
-    runs: dict[Mode, RunStats]
-
-    def ratio(self, mode: Mode) -> float:
-        """``mode``'s tokens/s at live batch B over speculation off's (the figure the targets apply to)."""
-        return self.runs[mode].steady_tok_s / self.runs["off"].steady_tok_s
-
-    def wall_ratio(self, mode: Mode) -> float:
-        """``mode``'s tokens/s over the whole run, drain included, over speculation off's."""
-        return self.runs[mode].tok_s / self.runs["off"].tok_s
-
-    def as_json(self) -> dict[str, object]:
-        return {"temperature": self.temperature, "batch_size": self.batch_size, "num_groups": self.num_groups,
-                "num_requests": self.num_requests, **{mode: run.as_json() for mode, run in self.runs.items()},
-                "suffix_ratio": self.ratio("suffix"), "auto_ratio": self.ratio("auto"),
-                "suffix_wall_ratio": self.wall_ratio("suffix"), "auto_wall_ratio": self.wall_ratio("auto")}
-
-
-def measure_rollouts(make_engine: EngineFactory, requests: list[Request], batch_size: int,
-                     repeats: int = 1) -> dict[Mode, RunStats]:
-    """The same requests with speculation off, suffix drafting at fixed k and adaptive k, ``repeats``
-    times in rotating order (off, suffix, auto; suffix, auto, off; ...), so a slow spell of the
-    machine does not land on one mode only; each mode's runs are pooled."""
-    from specroll.drafter.suffix import SuffixProposer
-
-    runs: dict[Mode, list[RunStats]] = {mode: [] for mode in MODES}
-    for rep in range(repeats):
-        for mode in MODES[rep % len(MODES):] + MODES[: rep % len(MODES)]:
-            proposer: Proposer | None = None if mode == "off" else SuffixProposer()
-            engine = make_engine(batch_size, proposer=proposer, draft_length="adaptive" if mode == "auto" else "fixed")
-            _, r = timed_run(engine, requests, batch_size)
-            runs[mode].append(r)
-            del engine
-            gc.collect()
-            print(f"  {mode:>6}: {r.tokens} tokens in {r.seconds:.1f} s = {r.tok_s:.1f} tok/s "
-                  f"({r.steady_tok_s:.1f} over {r.steady_steps} steps at live batch {batch_size}), "
-                  f"acceptance length {r.acceptance_length:.2f}, mean live batch {r.mean_live_batch:.1f}, "
-                  f"load {r.load_average:.1f}", flush=True)
-    return {mode: pool_runs(mode_runs) for mode, mode_runs in runs.items()}
 
 
 # ---- main ------------------------------------------------------------------------------------

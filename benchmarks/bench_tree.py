@@ -51,8 +51,7 @@ import time
 from pathlib import Path
 
 from bench_drafter import DEFAULT_TRAIN_PROMPTS
-from bench_speculative import DEFAULT_PROMPTS
-from common import int_list
+from common import DEFAULT_PROMPTS, int_list
 from spec_timing import Request, RunStats, pool_runs, timed_run
 
 TARGETS = {"acceptance_length_t1_b1": 2.5, "speedup_t1_b1": 1.6, "auto_floor": 0.97}

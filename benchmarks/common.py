@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+"""GSM8K test split in the ``shared/`` folder next to the repository."""
 
 
 def int_list(text: str) -> list[int]:

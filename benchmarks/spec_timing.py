@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,9 @@ if TYPE_CHECKING:
     from specroll.engine.engine import Engine
     from specroll.engine.sequence import Completion, StepOutput
     from specroll.protocol.sampling import SamplingParams
+
+EngineFactory = Callable[..., "Engine"]
+"""``(max_num_seqs, proposer=None, draft_length="fixed") -> Engine`` sharing the loaded checkpoint."""
 
 
 @dataclass(frozen=True)

@@ -12,30 +12,28 @@ Drafts are sampled from the head's distribution q processed like the request's (
 top-k → top-p), and q goes to the verifier, or taken greedily (one-hot q); greedy requests are always
 drafted greedily.
 
-When the target takes a request's first pages from its prefix cache (a group's shared prompt, a
-common system prompt) it computes no features for them; the proposer therefore keeps the features
-of full prompt pages it has seen, keyed by the chain of their tokens as the target's prefix cache
-is, and hands them to the requests that skipped those positions.
+``eagle_features.py`` holds what the proposer keeps per request between steps and the prompt
+features it shares between requests that hit the target's prefix cache; ``eagle_tree.py`` the
+candidate bookkeeping of EAGLE-2's dynamic tree (:meth:`EagleProposer.propose_tree`).
 """
 
 from __future__ import annotations
 
-import math
 import time
 import zlib
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from specroll.drafter.eagle_config import DrafterError, EagleConfig
+from specroll.drafter.eagle_features import DraftState, PromptFeatureCache
 from specroll.drafter.eagle_head import EagleHead
+from specroll.drafter.eagle_tree import TreeSearch
 from specroll.engine.attention import allocate_kv_cache, kv_bytes_per_page
 from specroll.engine.batch import build_metadata
-from specroll.engine.block_manager import BlockManager, PageKey, page_keys
+from specroll.engine.block_manager import BlockManager
 from specroll.engine.model import CausalLM
 from specroll.engine.sampler import draw_inverse_cdf, processed_logprobs
 from specroll.engine.spec.proposer import DraftInput, FeatureUpdate, Proposal
@@ -48,26 +46,6 @@ def head_cache_tokens(config: EagleConfig, kv_cache_memory_gb: float, page_size:
     (the head is one decoder layer: ``2 · num_kv_heads · head_dim`` elements of ``dtype`` per position)."""
     page_bytes = kv_bytes_per_page(config.as_model_config(), page_size, dtype)
     return int(kv_cache_memory_gb * 2**30) // page_bytes * page_size
-
-
-@dataclass(eq=False)
-class _DraftState:
-    """One request's place in the head's K/V (pages managed by a ``BlockManager``)."""
-
-    request_id: str
-    generator: torch.Generator
-    block_table: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    """Positions whose head K/V was computed from target features."""
-    num_features: int = 0
-    """Positions whose target features are known: the computed ones and ``pending``."""
-    pending: list[torch.Tensor] = field(default_factory=list)
-    usable: bool = True
-    """False when features of some position never arrived: the request is not drafted."""
-    # Fields BlockManager.free resets; the head's pages are never prefix-cached.
-    num_keyed_pages: int = 0
-    last_page_hash: int = 0
-    prefix_cacheable: bool = False
 
 
 class EagleProposer:
@@ -95,9 +73,8 @@ class EagleProposer:
         self.kv_cache_memory_gb = kv_cache_memory_gb
         self.page_size = page_size
         self.seed = seed
-        self.max_cached_pages = max_cached_pages
-        self._states: dict[str, _DraftState] = {}
-        self._prompt_pages: OrderedDict[PageKey, torch.Tensor] = OrderedDict()  # chained page key → [page_size, F]
+        self._states: dict[str, DraftState] = {}
+        self._prompt_features = PromptFeatureCache(page_size, max_cached_pages)
         self._target: CausalLM | None = None
         self.tree_seconds: dict[str, float] = {"catch_up": 0.0, "head_passes": 0.0, "draft_q": 0.0, "build": 0.0}
         """Seconds :meth:`propose_tree` spent in the catch-up pass, the per-depth head passes, the
@@ -164,7 +141,7 @@ class EagleProposer:
             if u.start < state.num_features:
                 self._rewind(state, u.start)
             if u.start > state.num_features:
-                prefix = self._cached_prefix(u.token_ids, u.start) if state.num_features == 0 else None
+                prefix = self._prompt_features.prefix(u.token_ids, u.start) if state.num_features == 0 else None
                 if prefix is None:
                     state.usable = False
                     continue
@@ -172,16 +149,16 @@ class EagleProposer:
                 state.num_features = u.start
             state.pending.append(u.features)
             state.num_features += u.features.shape[0]
-            self._remember_prompt_pages(state, u)
+            self._prompt_features.remember(state, u)
 
-    def _state(self, request_id: str) -> _DraftState:
+    def _state(self, request_id: str) -> DraftState:
         state = self._states.get(request_id)
         if state is None:
             g = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{request_id}".encode()))
-            state = self._states[request_id] = _DraftState(request_id, g)
+            state = self._states[request_id] = DraftState(request_id, g)
         return state
 
-    def _rewind(self, state: _DraftState, position: int) -> None:
+    def _rewind(self, state: DraftState, position: int) -> None:
         """Forget features (and head K/V) from ``position`` on."""
         if position < state.num_computed_tokens:
             self.block_manager.truncate(state, position)  # type: ignore[arg-type]
@@ -191,32 +168,6 @@ class EagleProposer:
             keep = position - state.num_computed_tokens
             state.pending = [torch.cat(state.pending)[:keep]] if keep else []
         state.num_features = position
-
-    def _remember_prompt_pages(self, state: _DraftState, u: FeatureUpdate) -> None:
-        """Keep the features of full prompt pages this update completed (all still pending: a
-        request's prompt features arrive before its first draft)."""
-        ps = self.page_size
-        first, last = u.start // ps, min(state.num_features, u.prompt_len - 1) // ps
-        if first >= last or state.num_computed_tokens > first * ps:
-            return
-        pending = torch.cat(state.pending)  # positions [num_computed_tokens, num_features)
-        for i, key in enumerate(page_keys(u.token_ids, last, self.page_size, 0)[first:], start=first):
-            rows = slice(i * ps - state.num_computed_tokens, (i + 1) * ps - state.num_computed_tokens)
-            self._prompt_pages[key] = pending[rows].clone()
-            self._prompt_pages.move_to_end(key)
-        while len(self._prompt_pages) > self.max_cached_pages:
-            self._prompt_pages.popitem(last=False)
-
-    def _cached_prefix(self, token_ids: Sequence[int], num_positions: int) -> torch.Tensor | None:
-        """Features of positions ``[0, num_positions)`` from cached prompt pages, if all are there."""
-        pages = []
-        for key in page_keys(token_ids, -(-num_positions // self.page_size), self.page_size, 0):
-            page = self._prompt_pages.get(key)
-            if page is None:
-                return None
-            self._prompt_pages.move_to_end(key)
-            pages.append(page)
-        return torch.cat(pages)[:num_positions]
 
     def finish(self, request_id: str) -> None:
         """Free the request's head K/V and queued features."""
@@ -277,85 +228,35 @@ class EagleProposer:
             return trees
         states = [self._states[batch[b].request_id] for b in rows]
         params = [batch[b].sampling for b in rows]
-        r_count = len(rows)
         clock = _Stopwatch(self.tree_seconds)
         last = self._catch_up([batch[b] for b in rows], states)  # [R, H]
         clock.lap("catch_up")
         logq = self._draft_logprobs(last, params)  # [R, Vd]
         clock.lap("draft_q")
-        # candidates per row: (score, depth, parent candidate index or -1, draft id, q)
-        top_q, top_id = logq.topk(min(width, logq.shape[-1]), dim=-1)  # [R, W]
-        cands: list[list[tuple[float, int, int, int, float]]] = [
-            [(s_, 1, -1, t, s_) for s_, t in zip(qs, ts, strict=True) if s_ > float("-inf")]
-            for qs, ts in zip(top_q.tolist(), top_id.tolist(), strict=True)
-        ]
-        frontier = [list(range(len(c))) for c in cands]  # candidate indices expanded next
-        rows_of: list[dict[int, int]] = [{} for _ in rows]  # expanded candidate → its head row in the tree rows
-        hidden_of: list[dict[int, torch.Tensor]] = [{-1: last[r]} for r in range(r_count)]
+        search = TreeSearch(logq, last, [s.num_computed_tokens for s in states], width, depth)
         for d in range(1, depth):
-            live = [r for r in range(r_count) if frontier[r]]
-            if not live:
+            level = search.level(d)
+            if level is None:
                 break
-            embeds_ids, feats, positions, q_lens, kv_lens, masks = [], [], [], [], [], {}
-            for j, r in enumerate(live):
-                state = states[r]
-                base = len(rows_of[r])  # tree rows already appended for this row
-                for i, c in enumerate(frontier[r]):
-                    _, _, parent, token, _ = cands[r][c]
-                    embeds_ids.append(token)
-                    feats.append(hidden_of[r][parent])
-                    rows_of[r][c] = base + i
-                n = len(frontier[r])
-                total = base + n
-                mask = torch.zeros(n, total, dtype=torch.bool)
-                for i, c in enumerate(frontier[r]):
-                    a = c
-                    while a >= 0:
-                        mask[i, rows_of[r][a]] = True
-                        a = cands[r][a][2]
-                masks[j] = mask
-                positions.extend([state.num_computed_tokens + d - 1] * n)
-                q_lens.append(n)
-                kv_lens.append(state.num_computed_tokens + total)
-            meta = build_metadata(q_lens, kv_lens, [states[r].block_table for r in live], self.page_size, masks)
+            meta = build_metadata(level.q_lens, level.kv_lens, [states[r].block_table for r in level.live],
+                                  self.page_size, level.masks)
             self.backend.plan(meta)
             device = self._head_weight.device
-            token_ids = self._d2t[torch.tensor(embeds_ids)].to(device)
+            token_ids = self._d2t[torch.tensor(level.draft_ids)].to(device)
             embeds = F.embedding(token_ids, self._target.model.embed_tokens.weight)
             clock.lap("build")
-            out = self.head(embeds, torch.stack(feats), torch.tensor(positions, device=device), self.kv_cache,
-                            self.backend, from_target=False)  # [rows, H]
+            out = self.head(embeds, torch.stack(level.features), torch.tensor(level.positions, device=device),
+                            self.kv_cache, self.backend, from_target=False)  # [rows, H]
             clock.lap("head_passes")
-            logq = self._draft_logprobs(out, [params[r] for r in live for _ in frontier[r]])
+            logq = self._draft_logprobs(out, [params[r] for r, n in zip(level.live, level.q_lens, strict=True)
+                                              for _ in range(n)])
             clock.lap("draft_q")
-            top_q, top_id = logq.topk(min(width, logq.shape[-1]), dim=-1)  # [rows, W]
-            i = 0
-            for r in live:
-                new = []
-                for c in frontier[r]:
-                    hidden_of[r][c] = out[i]
-                    parent_score = cands[r][c][0]
-                    for s_, t in zip(top_q[i].tolist(), top_id[i].tolist(), strict=True):
-                        if s_ > float("-inf"):
-                            new.append(len(cands[r]))
-                            cands[r].append((parent_score + s_, d + 1, c, t, s_))
-                    i += 1
-                new.sort(key=lambda c: -cands[r][c][0])
-                frontier[r] = new[:width] if d + 1 < depth else []
+            search.expand(level, d, out, logq)
         for state in states:  # drop the K/V of the tree rows: real features replace it next step
             self.block_manager.truncate(state, state.num_computed_tokens)  # type: ignore[arg-type]
         d2t = self._d2t.tolist()
         for r, b in enumerate(rows):
-            order = sorted(range(len(cands[r])), key=lambda c: (-cands[r][c][0], cands[r][c][1], c))[: shape.nodes]
-            index: dict[int, int] = {}
-            keep = []
-            for c in sorted(order, key=lambda c: (cands[r][c][1], -cands[r][c][0], c)):  # by depth: parents first
-                if cands[r][c][2] < 0 or cands[r][c][2] in index:
-                    index[c] = len(keep)
-                    keep.append(c)
-            trees[b] = DraftTree([d2t[cands[r][c][3]] for c in keep],
-                                 [index.get(cands[r][c][2], -1) for c in keep],
-                                 [math.exp(cands[r][c][4]) for c in keep])
+            trees[b] = search.tree(r, d2t, shape.nodes)
         clock.lap("build")
         return trees
 
@@ -377,7 +278,7 @@ class EagleProposer:
         # Not the engine's draft_cap: the head drafts k and the engine trims to the request's limit.
         return self.block_manager.grow(state, state.num_features + k - 1)  # type: ignore[arg-type]
 
-    def _catch_up(self, batch: list[DraftInput], states: list[_DraftState]) -> torch.Tensor:
+    def _catch_up(self, batch: list[DraftInput], states: list[DraftState]) -> torch.Tensor:
         assert self._target is not None
         features, tokens, positions, q_lens = [], [], [], []
         for seq, state in zip(batch, states, strict=True):
@@ -397,7 +298,7 @@ class EagleProposer:
         ends = torch.tensor(q_lens, device=device).cumsum(0) - 1
         return hidden[ends]
 
-    def _step(self, positions: list[int], states: list[_DraftState], tokens: torch.Tensor,
+    def _step(self, positions: list[int], states: list[DraftState], tokens: torch.Tensor,
               last: torch.Tensor) -> torch.Tensor:
         """One more draft position per row, fed with the head's previous output."""
         assert self._target is not None
@@ -408,7 +309,7 @@ class EagleProposer:
         pos = torch.tensor(positions, device=tokens.device)
         return self.head(embeds, last, pos, self.kv_cache, self.backend, from_target=False)
 
-    def _draw(self, last: torch.Tensor, params: list, sampled: list[bool], states: list[_DraftState],
+    def _draw(self, last: torch.Tensor, params: list, sampled: list[bool], states: list[DraftState],
               probs: torch.Tensor | None, rows: list[int], i: int) -> torch.Tensor:
         """Draft token i of each row: sampled from processed q (recorded in ``probs``) or argmax.
 

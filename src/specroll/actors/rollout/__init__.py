@@ -16,9 +16,9 @@ finished rollouts and the generators' load, and relays their drafter versions to
 Inside, three tasks share one :class:`~specroll.protocol.channel.Channel`: a receive loop (which
 never waits on a send: replies go through an outgoing queue, so credit grants are always read;
 :class:`~specroll.actors.rollout.receive.Receiver`), a sender per peer (``outboxes.py``), and a
-ticker that dispatches queued groups by free capacity and declares peers gone (their groups resume
-elsewhere from their streamed tokens) when their connection closes, or after
-``heartbeat_timeout_s`` of silence while the client kept up with its socket
-(:class:`~specroll.actors.rollout.peers.Peers`, ``liveness.py``; a monitor task watches the
-socket's connections).
+ticker (:class:`~specroll.actors.rollout.ticker.Ticker`) that dispatches queued groups by free
+capacity and declares peers gone (their groups resume elsewhere from their streamed tokens) when
+their connection closes, or after ``heartbeat_timeout_s`` of silence while the client kept up with
+its socket (:class:`~specroll.actors.rollout.peers.Peers`, ``liveness.py``; a monitor task watches
+the socket's connections).
 """

@@ -19,7 +19,6 @@ How the hub works inside: the package docstring (``actors/rollout/__init__.py``)
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -34,6 +33,7 @@ from specroll.actors.rollout.liveness import PeerLiveness
 from specroll.actors.rollout.outboxes import Mail
 from specroll.actors.rollout.peers import HubEvents, Peers
 from specroll.actors.rollout.receive import Receiver
+from specroll.actors.rollout.ticker import Ticker
 from specroll.actors.rollout.timeline import Timeline
 from specroll.actors.rollout.weights_groups import BackendChoice, WeightsGroups
 from specroll.actors.rollout.weights_publish import PublishedWeights
@@ -128,6 +128,7 @@ class RolloutClient:
         self.actor_id = actor_id
         self.timeline = timeline
         self._mail = Mail(lambda actor: self.peers.registered(actor))
+        self._ticker = Ticker(self.coordinator, self._mail.send, timeline, lambda: self._closing)
         self.drafters = DrafterRelay(self._mail.send, timeline=timeline)
         """Drafter trainers, the current drafter version and acceptance per (drafter, policy) version."""
         self._events = HubEvents()
@@ -138,7 +139,7 @@ class RolloutClient:
         """The generators' weights groups (``collective``)."""
         self.peers = Peers(self.coordinator, self.drafters, self._weights, self.weights_groups,
                            PeerLiveness(heartbeat_timeout_s, disconnect_grace_s), self._events, self._mail.send,
-                           self._dispatch, actor_id, self._mail.forget)
+                           self._ticker.dispatch, actor_id, self._mail.forget)
         """The connected generators and drafter trainers: their load, statistics and liveness."""
         self.dead_generators = self.peers.dead_generators
         """Generators declared dead (by ``Dead``, a closed connection or silence), one entry per death
@@ -150,7 +151,7 @@ class RolloutClient:
         """Policy version each drafter trainer acknowledged holding."""
         self._receiver = Receiver(self.coordinator, self.peers, self.drafters, self._weights, self.weights_groups,
                                   ForeignGroups(self.coordinator), self._events, self._mail.send, self._send_chunks,
-                                  self._dispatch, curve, self.refusals, timeline)
+                                  self._ticker.dispatch, curve, self.refusals, timeline)
         self.on_chunk = on_chunk
         self.vocab_size = vocab_size
         self._socket = HubSocket(bind, window=window, hwm=hwm, allow_public=allow_public, curve=curve,
@@ -180,7 +181,7 @@ class RolloutClient:
         await self._tg.__aenter__()
         self._mail.open(self._channel, self._tg)
         self._tg.start_soon(self._receiver.run, self._channel)
-        self._tg.start_soon(self._tick_loop)
+        self._tg.start_soon(self._ticker.run, self.peers)
         self._tg.start_soon(self._socket.watch, self.peers.liveness.disconnected)
 
     async def aclose(self) -> None:
@@ -227,7 +228,7 @@ class RolloutClient:
             ValueError: empty prompt, ``n`` < 1 or an unknown lane.
         """
         group_id = self.coordinator.add_group(prompt_token_ids, n, sampling, payload, lane)
-        self._dispatch()
+        self._ticker.dispatch()
         return group_id
 
     async def next_finished(self, timeout: float | None = None) -> Group:
@@ -400,24 +401,3 @@ class RolloutClient:
         """Start ``fn(*args)`` in the client's task group (nothing once closed)."""
         if self._tg is not None and not self._closing:
             self._tg.start_soon(fn, *args)
-
-    async def _tick_loop(self) -> None:
-        last_capacity = 0.0
-        while True:
-            now = time.monotonic()
-            if now - last_capacity >= 0.5:
-                last_capacity = now
-                self.peers.tell_drafters_the_load()
-            self.peers.expire(now)
-            self._dispatch()
-            await anyio.sleep(0.05)
-
-    def _dispatch(self) -> None:
-        if self._closing:
-            return  # nothing new for generators about to get Dead
-        for actor, msg in self.coordinator.dispatch():
-            if msg.resume and self.timeline is not None:
-                self.timeline.record("group_resumed", group_id=msg.group_id, actor=actor,
-                                     held={r.index: r.token_ids for r in msg.resume})
-            self._mail.send(actor, msg)
-
