@@ -45,13 +45,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, cast
 
+import torch
+
 from specroll.engine.model_config import ModelConfig
 from specroll.engine.sequence import Completion, StepOutput
 from specroll.protocol.messages import FinishReason
 
 if TYPE_CHECKING:
-    import torch
-
     from specroll.protocol.sampling import SamplingParams
 
 LENGTHS_MARK = 7
@@ -141,6 +141,7 @@ class FakeEngine:
         self.max_model_len = FAKE_MODEL.max_position_embeddings
         self.model_config = FAKE_MODEL
         self.weight_version = 0
+        self.device = torch.device("cpu")  # the generator picks its weights transport by it
         self.timeline = Timeline(max_num_seqs=max_num_seqs)
         self._requests: dict[str, _Request] = {}  # arrival order: dicts keep insertion order
         self._idle_since: float | None = time.monotonic()

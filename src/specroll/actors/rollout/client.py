@@ -40,11 +40,7 @@ from specroll.actors.rollout.weights_publish import PublishedWeights
 from specroll.protocol.channel import DEFAULT_WINDOW, Channel
 from specroll.protocol.curve import RefusalLog, ServerKeys
 from specroll.protocol.limits import DEFAULT_MAX_FRAME_BYTES
-from specroll.protocol.messages import (
-    Abort,
-    RolloutChunk,
-    WeightsTransport,
-)
+from specroll.protocol.messages import Abort, RolloutChunk, WeightsTransport
 from specroll.protocol.sampling import SamplingParams
 from specroll.protocol.sockets import DEFAULT_HWM
 from specroll.protocol.weights_collective import endpoint_host
@@ -142,9 +138,7 @@ class RolloutClient:
                            self._ticker.dispatch, actor_id, self._mail.forget)
         """The connected generators and drafter trainers: their load, statistics and liveness."""
         self.dead_generators = self.peers.dead_generators
-        """Generators declared dead (by ``Dead``, a closed connection or silence), one entry per death
-        in order: a history, not the dead set (one that comes back registers again and may appear
-        twice; :attr:`coordinator` ``.generators`` holds those registered now)."""
+        """Generators declared dead, one entry per death in order (:attr:`Peers.dead_generators`)."""
         self.generator_stats = self.peers.generator_stats
         """Each generator's last :class:`Stats`."""
         self.drafter_policy_versions = self.peers.drafter_policy_versions
