@@ -15,7 +15,7 @@ Lifecycle:
    each with ``--rank r --world-size N --master 127.0.0.1:PORT``, a fresh free PORT at every start.
 3. ``generator.count`` generators start (``python -m specroll.actors.generator --config ...
    --connect ENDPOINT --actor-id generator-<i>``).
-4. Supervise (``[launch]``, :class:`~specroll.actors.config.schema.LaunchConfig`): the trainer
+4. Supervise (``[launch]``, :class:`~specroll.actors.config.launch_section.LaunchConfig`): the trainer
    exiting 0 is the end of the run. A role that dies otherwise is started again after an
    exponential back-off — a generator (its groups resume on the others meanwhile, and on it once it
    rejoins under its old id), the drafter trainer (it warm-starts from ``RUN_DIR/drafter``), the
