@@ -35,8 +35,8 @@ from specroll.actors.trainer.checkpoint import (
     load_trainer_checkpoint,
     save_checkpoint,
 )
-from specroll.actors.trainer.process import run_trainer
-from specroll.actors.trainer.trainer import ENDPOINT_FILENAME, METRICS_FILENAME
+from specroll.actors.trainer.metrics import METRICS_FILENAME
+from specroll.actors.trainer.process import ENDPOINT_FILENAME, run_trainer
 from specroll.engine.checkpoint import expected_weight_shapes, load_checkpoint
 from specroll.engine.config import EngineConfig
 from specroll.engine.engine import Engine

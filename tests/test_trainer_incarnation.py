@@ -13,8 +13,8 @@ import pytest
 from test_trainer_modes import _trainer
 
 from specroll.actors.shared.restarts import write_restarts
-from specroll.actors.trainer.metrics import truncate_metrics
-from specroll.actors.trainer.trainer import METRICS_FILENAME, Trainer
+from specroll.actors.trainer.metrics import METRICS_FILENAME, truncate_metrics
+from specroll.actors.trainer.trainer import Trainer
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from specroll.actors.config.schema import RunConfig
+from specroll.actors.config.run_config import RunConfig
 from specroll.actors.shared.files import write_text_atomic
 
 CONFIG_FILENAME = "config.toml"

@@ -1,4 +1,4 @@
-"""``[launch]``: how ``specroll launch`` supervises the processes it starts (``actors/launch/launch.py``)."""
+"""``[launch]``: how ``specroll launch`` supervises the processes it starts (``actors/launch/supervision.py``)."""
 
 from __future__ import annotations
 

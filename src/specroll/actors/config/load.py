@@ -1,4 +1,4 @@
-"""Loading a :class:`~specroll.actors.config.schema.RunConfig`: a TOML file plus ``--set`` overrides."""
+"""Loading a :class:`~specroll.actors.config.run_config.RunConfig`: a TOML file plus ``--set`` overrides."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import msgspec
 
 from specroll.actors.config.errors import ConfigError
 from specroll.actors.config.parse import explain, read_document
-from specroll.actors.config.schema import RunConfig
+from specroll.actors.config.run_config import RunConfig
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:

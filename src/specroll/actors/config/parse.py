@@ -3,7 +3,7 @@ validation errors turned into one :class:`ConfigError` line naming the file, the
 was expected (with close matches for an unknown key).
 
 Generic over the root struct; :func:`specroll.actors.config.load.load_config` applies it to
-:class:`~specroll.actors.config.schema.RunConfig`.
+:class:`~specroll.actors.config.run_config.RunConfig`.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ each sample (the last ``finished``); ``Abort`` → final chunks with ``"abort"``
 with ``network.weights_transport = "collective"`` the tensors come over the generator's own
 torch.distributed group instead, once it has joined one (``JoinWeightsGroup`` → ``WeightsGroup``;
 ``FetchWeights(transport="collective")`` → ``WeightsBroadcast`` → bucketed broadcasts, each bucket's
-checksum checked; ``weights_group.py``), and as chunks until then or after the group failed.
+checksum checked; ``weights_group.py``), and as chunks until then or after the group failed. Which
+version to fetch and its transfer: ``policy_updates.py``; drafter versions: ``drafter_updates.py``.
 
 Policy-version attribution: an update is applied only between steps, so every engine step runs under
 exactly one version and each token it emits is tagged with that version — the weights whose forward
@@ -40,44 +41,32 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import assert_never
 
 import anyio
-import torch
 
 from specroll.actors.config import RunConfig
-from specroll.actors.generator.drafter_swap import DrafterFetch, DrafterSlot, ReadyDrafter, check_drafter
+from specroll.actors.generator.drafter_swap import DrafterSlot, ReadyDrafter
+from specroll.actors.generator.drafter_updates import DrafterUpdates
 from specroll.actors.generator.engine_build import build_engine
 from specroll.actors.generator.live_samples import LiveSamples, SampleRefused
+from specroll.actors.generator.policy_updates import PolicyUpdates, ReadyWeights
 from specroll.actors.generator.rollout_stream import DraftCounter
 from specroll.actors.generator.submit_limits import SubmitLimits
-from specroll.actors.generator.weights_group import Result, WeightsGroupLink
 from specroll.actors.peer.lifecycle import PeerConnection, trainer_channel
-from specroll.actors.peer.weights_fetch import FetchAbandoned, WeightsFetch, check_announcement
 from specroll.actors.shared.security import peer_keys
-from specroll.drafter.eagle_config import DrafterError, max_tensor_bytes
+from specroll.drafter.eagle_config import max_tensor_bytes
 from specroll.engine.engine import Engine
-from specroll.engine.model_config import expected_weight_shapes
 from specroll.protocol.channel import Channel, Received
-from specroll.protocol.limits import (
-    MAX_DRAFTER_CONFIG_CHARS,
-    MAX_DRAFTER_TENSORS,
-    MAX_ID_CHARS,
-    LimitExceeded,
-    check_at_most,
-)
+from specroll.protocol.limits import LimitExceeded
 from specroll.protocol.messages import (
     Abort,
-    AckDrafter,
     AckWeights,
     Credit,
     Dead,
     DrafterAvailable,
     DrafterWeights,
     Error,
-    FetchDrafter,
-    FetchWeights,
     Heartbeat,
     Refuse,
     SpecStats,
@@ -90,17 +79,9 @@ from specroll.protocol.messages import (
     WeightsGroup,
     Welcome,
 )
-from specroll.protocol.weights_collective import ChecksumMismatch, CollectiveError, endpoint_host
+from specroll.protocol.weights_collective import endpoint_host
 
 log = logging.getLogger("specroll.generator")
-
-
-@dataclass
-class _ApplyWeights:
-    """A complete policy version, queued for the step loop."""
-
-    version: int
-    tensors: dict[str, torch.Tensor]
 
 
 class GeneratorActor:
@@ -136,21 +117,19 @@ class GeneratorActor:
             capabilities=("resume", "bf16-weights", *(("speculative",) if self.speculative != "off" else ())))
         self.drafter = DrafterSlot(engine, draft_counter, config.drafter.kv_cache_gb, self.gen.engine.seed)
         """The learned drafter served (``speculative="eagle"``) and its version."""
-        self._drafter_fetch = DrafterFetch()
+        self.drafter_updates = DrafterUpdates(engine, self.drafter, self.peer.put, self._queue,
+                                              enabled=self.speculative == "eagle")
+        """The drafter versions announced, fetched and checked."""
         self.samples = LiveSamples(engine, self.drafter, self.peer.put, self.gen.stream_every_steps,
                                    self.speculative != "off")
-        self._inbox: deque[SubmitGroup | Abort | _ApplyWeights | ReadyDrafter] = deque()
+        self._inbox: deque[SubmitGroup | Abort | ReadyWeights | ReadyDrafter] = deque()
         """Engine work for the step loop, in arrival order."""
         self.limits = SubmitLimits.of(engine, self.gen.engine.max_num_seqs)
         """What a ``SubmitGroup`` may ask of this engine (checked before it is queued)."""
-        self._weight_shapes = expected_weight_shapes(engine.model_config)
-        """The model's parameters: what a policy version may hold."""
-        self._announced: WeightsAvailable | None = None
-        self._fetch: WeightsFetch | None = None
-        self.weights_group = WeightsGroupLink(config.network.weights_transport == "collective", engine.device,
-                                              self.peer.put, self._on_broadcast_result,
-                                              trainer_host=endpoint_host(connect))
-        """This generator's weights group with the trainer (``collective``)."""
+        self.policy_updates = PolicyUpdates(engine, self.peer.put, self._queue,
+                                            collective=config.network.weights_transport == "collective",
+                                            trainer_host=endpoint_host(connect))
+        """The policy versions announced and fetched (over chunks or this generator's weights group)."""
         self._largest_group = 1
         self._last_stats = time.monotonic()
         self._num_steps = 0
@@ -187,10 +166,9 @@ class GeneratorActor:
         incarnation's fetches: forget those fetches and announcements, and drop the complete versions
         not yet applied (a new trainer may publish other weights under the same number). Live and
         queued groups stay: the new trainer aborts each as foreign at its first chunk."""
-        self._announced, self._fetch = None, None
-        self.weights_group.reset()
-        self._drafter_fetch = DrafterFetch()
-        self._inbox = deque(op for op in self._inbox if not isinstance(op, _ApplyWeights | ReadyDrafter))
+        self.policy_updates.reset()
+        self.drafter_updates.reset()
+        self._inbox = deque(op for op in self._inbox if not isinstance(op, ReadyWeights | ReadyDrafter))
 
     def flush(self) -> None:
         """A graceful stop: chunks of what was emitted, and the last ``Stats``."""
@@ -226,33 +204,25 @@ class GeneratorActor:
                     return
                 if isinstance(msg, SubmitGroup):
                     self._largest_group = max(self._largest_group, msg.n)
-                self._inbox.append(msg)
-                self.peer.wake.notify()
+                self._queue(msg)
             case WeightsAvailable():
-                self._announced = msg
-                f = self._fetch
-                if f is not None and f.version < msg.version and not f.complete:
-                    # A newer version supersedes a transfer still under way (the trainer moved on or
-                    # restarted and will never finish the old one): drop it, fetch the new one.
-                    log.info("policy version %d supersedes the unfinished fetch of %d", msg.version, f.version)
-                    self._fetch = None
-                self.weights_group.on_announced(msg)
-                self._maybe_fetch()
+                self.policy_updates.on_announced(msg)
             case WeightsChunk():
-                await self._on_weights_chunk(msg, r)
+                if (why := self.policy_updates.on_chunk(msg, r.tensors)) is not None:
+                    await self.peer.refuse("bad_request", why, r.seq)
             case WeightsGroup():
-                if (why := self.weights_group.on_group(msg)) is not None:
+                if (why := self.policy_updates.group.on_group(msg)) is not None:
                     await self.peer.refuse("bad_request", why, r.seq)
             case WeightsBroadcast():
-                if (why := self.weights_group.on_broadcast(msg)) is not None:
+                if (why := self.policy_updates.group.on_broadcast(msg)) is not None:
                     await self.peer.refuse("bad_request", why, r.seq)
             case DrafterAvailable():
-                f = self._drafter_fetch.fetching
-                self._drafter_fetch.on_announced(msg.version, received=any(
+                f = self.drafter_updates.fetch.fetching
+                self.drafter_updates.on_announced(msg.version, received=any(
                     isinstance(op, ReadyDrafter) and op.version == f for op in self._inbox))
-                self._maybe_fetch_drafter()
             case DrafterWeights():
-                await self._on_drafter_weights(msg, r)
+                if (why := await self.drafter_updates.on_weights(msg, r.tensors)) is not None:
+                    await self.peer.refuse("bad_request", why, r.seq)
             case Welcome() | Refuse() | Credit() | Error() | Dead():
                 raise AssertionError(f"{type(msg).__name__} is the peer connection's")  # PeerConnection handles it
             case _:
@@ -268,115 +238,21 @@ class GeneratorActor:
             case SubmitGroup() | Abort():
                 self.limits.check(msg)
             case WeightsAvailable():
-                check_announcement(msg, self._weight_shapes)
+                self.policy_updates.check(msg)
             case _:
                 pass  # a drafter version is bounded where it is fetched; nothing else asks for work by a number
 
-    def _maybe_fetch(self) -> None:
-        """Fetch the newest announced version when it is newer than what is served or fetched."""
-        a = self._announced
-        if a is None or self._fetch is not None or a.version <= self.engine.weight_version:
-            return
-        self._fetch = WeightsFetch.announced(a, self._weight_shapes)
-        if self.weights_group.ready and a.transport == "collective":
-            log.info("fetching policy version %d over the weights group (%d buckets)", a.version,
-                     len(a.bucket_checksums))
-            self.weights_group.asked(a)
-            self.peer.put(FetchWeights(version=a.version, transport="collective"))
-            return
-        log.info("fetching policy version %d (%d chunks)", a.version, a.num_chunks)
-        self.peer.put(FetchWeights(version=a.version))
-
-    def _on_broadcast_result(self, version: int, result: Result) -> None:
-        """A version fetched over the weights group arrived (or failed): queue it for the step loop
-        when it is still the one fetched; a corrupted one is refused, a failed group refetched as chunks."""
-        f = self._fetch
-        current = f is not None and f.version == version and not f.complete
-        match result:
-            case ChecksumMismatch():
-                log.error("policy version %d refused, still serving %d: %s", version, self.engine.weight_version,
-                          result)
-                self.peer.put(Error(code="bad_request", message=f"policy version {version} refused: {result}"[:500]))
-                if current:
-                    self._fetch = None
-                    self._forget_announcement(version)  # fetched again only when announced again
-            case CollectiveError():
-                if current:
-                    self._fetch = None
-                    self._maybe_fetch()  # as chunks: the group is gone
-            case dict():
-                if not current:
-                    log.info("policy version %d arrived after it was superseded; dropped", version)
-                    return
-                assert f is not None
-                f.finish()
-                self._inbox.append(_ApplyWeights(version, result))
-                self.peer.wake.notify()
-
-    def _maybe_fetch_drafter(self) -> None:
-        """Fetch the newest announced drafter version when speculating with a learned drafter."""
-        if self.speculative != "eagle" or (v := self._drafter_fetch.next(self.drafter.version)) is None:
-            return
-        log.info("fetching drafter version %d", v)
-        self.peer.put(FetchDrafter(version=v))
-
-    async def _on_drafter_weights(self, msg: DrafterWeights, r: Received[ToGenerator]) -> None:
-        if msg.version != self._drafter_fetch.fetching:
-            if self._drafter_fetch.superseded(msg.version):
-                log.debug("drafter version %d arrived after a newer one was announced; dropped", msg.version)
-                return
-            await self.peer.refuse("bad_request", f"drafter version {msg.version} was not fetched "
-                               f"(fetching {self._drafter_fetch.fetching or None})", r.seq)
-            return
-        try:
-            check_at_most("DrafterWeights.len(tensors)", len(msg.tensors), MAX_DRAFTER_TENSORS, "protocol limit")
-            check_at_most("DrafterWeights.len(config)", len(msg.config), MAX_DRAFTER_CONFIG_CHARS, "protocol limit")
-            check_at_most("DrafterWeights.len(checksum)", len(msg.checksum), MAX_ID_CHARS, "protocol limit")
-        except LimitExceeded as e:
-            await self.peer.refuse("bad_request", str(e), r.seq)
-            self._drafter_fetch.refused(self.drafter.version)  # wait for a newer announcement
-            return
-        try:
-            ready = await anyio.to_thread.run_sync(check_drafter, msg, r.tensors, self.engine)
-        except DrafterError as e:
-            log.error("%s; still serving drafter version %d", e, self.drafter.version)
-            self.peer.put(AckDrafter(version=msg.version, checksum="", refused=str(e)[:500]))
-            self._drafter_fetch.refused(self.drafter.version)  # wait for a newer announcement
-            return
-        self._inbox.append(ready)
+    def _queue(self, op: SubmitGroup | Abort | ReadyWeights | ReadyDrafter) -> None:
+        """Queue engine work for the step loop and wake it."""
+        self._inbox.append(op)
         self.peer.wake.notify()
-
-    def _forget_announcement(self, version: int) -> None:
-        """A fetch of ``version`` failed: do not fetch it again until it is announced again."""
-        if self._announced is not None and self._announced.version == version:
-            self._announced = None
-
-    async def _on_weights_chunk(self, msg: WeightsChunk, r: Received[ToGenerator]) -> None:
-        f = self._fetch
-        if (f is None or msg.version != f.version) and self._announced is not None \
-                and msg.version < self._announced.version:
-            return  # a chunk of a superseded transfer, still in flight: nothing to do with it
-        if f is None or msg.version != f.version or f.complete:
-            await self.peer.refuse("bad_request", f"weights chunk {msg.index} of version {msg.version} was not fetched "
-                               f"(fetching {f.version if f else None})", r.seq)
-            return
-        try:
-            tensors = f.add(msg, r.tensors)
-        except FetchAbandoned as e:
-            self._fetch = None  # the version is unusable; a later WeightsAvailable starts over
-            self._forget_announcement(msg.version)
-            await self.peer.refuse("bad_request", f"{e} (fetch abandoned)", r.seq)
-            return
-        if tensors is not None:  # complete: the step loop applies it (the fetch stays until then)
-            self._inbox.append(_ApplyWeights(msg.version, tensors))
-            self.peer.wake.notify()
 
     # ---- the step loop: the only code touching the engine -----------------------------------
 
     async def serve(self) -> None:
         """The step loop, beside the weights group's receiving task (which only waits when unused)."""
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self.weights_group.run)
+            tg.start_soon(self.policy_updates.group.run)
             await self._step_loop()
             tg.cancel_scope.cancel()
 
@@ -409,7 +285,7 @@ class GeneratorActor:
                     await self._submit(op)
                 case Abort():
                     await self._abort(op)
-                case _ApplyWeights():
+                case ReadyWeights():
                     await self._apply_weights(op)
                 case ReadyDrafter():
                     self._apply_drafter(op)
@@ -433,25 +309,23 @@ class GeneratorActor:
     def _apply_drafter(self, ready: ReadyDrafter) -> None:
         self.samples.flush()
         self.peer.put(self.drafter.swap(ready))
-        self._drafter_fetch.done(ready.version)
-        self._maybe_fetch_drafter()
+        self.drafter_updates.swapped(ready.version)
 
-    async def _apply_weights(self, op: _ApplyWeights) -> None:
+    async def _apply_weights(self, op: ReadyWeights) -> None:
         self.samples.flush()
         try:
             await anyio.to_thread.run_sync(self.engine.update_weights, op.tensors, op.version)
         except ValueError as e:
             log.error("policy version %d refused, still serving %d: %s", op.version, self.engine.weight_version, e)
             self.peer.put(Error(code="bad_request", message=f"policy version {op.version} refused: {e}"))
-            self._forget_announcement(op.version)
-        else:
-            if self.gen.kv_policy == "recompute":
-                self.samples.recompute()
-            log.info("serving policy version %d (%d live samples, kv_policy=%s)", op.version, len(self.samples.streams),
-                     self.gen.kv_policy)
-            self.peer.put(AckWeights(version=op.version))
-        self._fetch = None
-        self._maybe_fetch()
+            self.policy_updates.applied(op.version, refused=True)
+            return
+        if self.gen.kv_policy == "recompute":
+            self.samples.recompute()
+        log.info("serving policy version %d (%d live samples, kv_policy=%s)", op.version, len(self.samples.streams),
+                 self.gen.kv_policy)
+        self.peer.put(AckWeights(version=op.version))
+        self.policy_updates.applied(op.version, refused=False)
 
 # ---- process entry point --------------------------------------------------------------------
 

@@ -13,12 +13,12 @@ in arrival order by one task (:meth:`WeightsGroupLink.run`), even when a newer v
 it meanwhile: the trainer is already sending it, and skipping it would put the group out of step.
 Each result — the tensors, a :class:`~specroll.protocol.weights_collective.ChecksumMismatch` or a
 :class:`~specroll.protocol.weights_collective.CollectiveError` — goes to ``on_result``, which
-decides what to apply (the actor: ``actor.py``).
+decides what to apply (``policy_updates.py``).
 
 Every version is received into one reused buffer (first-touch page faults of a new one cost about
 as much as the transfer on a CPU). That is safe because a receive never overlaps the apply of the
 one before: a result the actor applies is of its current fetch, and the actor asks for nothing
-more until that fetch is applied (``GeneratorActor._maybe_fetch``), so no broadcast is queued
+more until that fetch is applied (``PolicyUpdates._maybe_fetch``), so no broadcast is queued
 behind it; a result it drops is not read again. After :meth:`WeightsGroupLink.reset` a new buffer
 is used (a receive of the old trainer may still be writing the old one).
 """

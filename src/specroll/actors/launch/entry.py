@@ -9,16 +9,12 @@ from pathlib import Path
 from specroll.actors.config import ConfigError, RunConfig, load_config
 from specroll.actors.launch.cpu_budget import available_cores, budget_line, with_cpu_budget
 from specroll.actors.launch.errors import LaunchError
-from specroll.actors.launch.launch import (
-    DRAFTER_MODULE,
-    ENDPOINT_FILENAME,
-    GENERATOR_MODULE,
-    TRAINER_MODULE,
-    Launcher,
-)
+from specroll.actors.launch.launch import Launcher
 from specroll.actors.launch.preflight import LOCK_FILENAME, preflight, take_lock
 from specroll.actors.launch.ray_cluster import RayCluster, check_supported, import_ray, resources_line, with_ray_threads
 from specroll.actors.launch.role_fork import fork_supported, prepare
+from specroll.actors.launch.role_starts import DRAFTER_MODULE, GENERATOR_MODULE, TRAINER_MODULE
+from specroll.actors.launch.trainer_endpoint import ENDPOINT_FILENAME
 from specroll.actors.shared.exit_codes import EXIT_REFUSED
 from specroll.protocol.curve import KeysError, init_keys
 

@@ -23,7 +23,7 @@ from specroll.rl.admission import run_ahead_warning
 from specroll.rl.tasks import PromptFileError
 
 if TYPE_CHECKING:
-    from specroll.actors.config.schema import RunConfig
+    from specroll.actors.config import RunConfig
 
 
 LOCK_FILENAME = "launch.lock"

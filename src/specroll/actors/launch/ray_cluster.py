@@ -4,7 +4,7 @@ Each role (the trainer, each generator, the drafter trainer) gets one Ray actor,
 :class:`~specroll.actors.launch.ray_host.RoleHost`, reserving the role's ``[cluster.<role>]``
 ``num_cpus`` / ``num_gpus`` on whichever node Ray picks; the actor starts the role's process on its
 node (why a child and not the actor itself: ``ray_host.py``). The launcher keeps its own
-supervision loop (restarts, back-off, limits, teardown — ``launch.py``, unchanged) over
+supervision loop (restarts, back-off, limits, teardown — ``launch.py``, ``supervision.py``, unchanged) over
 :class:`RayProcess`, the Popen-like face of that remote process (``role_process.RemoteProcess``):
 
 * start: the actor is created and its ``start`` awaited up to ``cluster.placement_timeout_s`` (a

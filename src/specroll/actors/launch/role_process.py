@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from specroll.actors.launch.errors import LaunchError
 from specroll.actors.launch.role_fork import ForkedProcess, Forker, fork_role, pdeathsig_preexec
 
 
@@ -117,6 +118,14 @@ def tail(path: Path, lines: int = 20, max_bytes: int = 16384) -> str:
     except OSError:
         return ""
     return "\n".join("  " + line for line in text.rstrip("\n").splitlines()[-lines:])
+
+
+def death_error(proc: RoleProcess, code: int, when: str = "") -> LaunchError:
+    """The error that ends the run because ``proc`` exited with ``code`` (``when``: e.g. ``"before
+    writing its endpoint"``), with the last lines of its log."""
+    when = f" {when}" if when else ""
+    return LaunchError(f"{proc.name} (pid {proc.pid}) {describe_exit(code)}{when}; stopping the run. "
+                       f"Last lines of {proc.log_path}:", detail=tail(proc.log_path))
 
 
 def observe_exit(proc: RoleProcess) -> int | None:

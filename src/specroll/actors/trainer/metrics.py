@@ -2,7 +2,9 @@
 ``RUN_DIR/metrics.jsonl`` (wall-clock time, rewards, the loss and its diagnostics, staleness, the
 training–inference logprob mismatch on lag-0 tokens, generation rate, acceptance length, the
 generators' state; the trainer adds the held-out evaluation's ``eval_*`` fields to the line after
-each evaluation), and the trimming of that file back to a checkpoint's step when a run resumes.
+each evaluation), appended with the launcher's restart counts; the progress bar's summary of a
+record; and, when a run resumes, whether an earlier trainer left lines there and the trimming of
+that file back to a checkpoint's step.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ import torch
 
 from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.shared.files import write_text_atomic
+from specroll.actors.shared.restarts import read_restarts
 from specroll.rl.coordinator import Group
 from specroll.rl.grpo_step import StepResult
 
 log = logging.getLogger("specroll.trainer")
+
+METRICS_FILENAME = "metrics.jsonl"
 
 
 class StepMetrics:
@@ -110,6 +115,38 @@ class StepMetrics:
             "step_s": step_s,
             "wait_s": wait_s,
         }
+
+
+def append_metrics(run_dir: Path, metrics: dict[str, object]) -> None:
+    """Append one record to ``RUN_DIR/metrics.jsonl``, with what the launcher restarted so far
+    (``RUN_DIR/restarts.json``)."""
+    metrics.update(read_restarts(run_dir))  # what the launcher restarted so far
+    with open(run_dir / METRICS_FILENAME, "a", encoding="utf-8") as f:
+        f.write(json.dumps(metrics) + "\n")
+
+
+def progress(metrics: dict[str, object], result: StepResult) -> str:
+    """The progress bar's postfix for one step."""
+    parts = [f"v{metrics['policy_version']} reward {metrics['reward_mean']:.3f}"]
+    if metrics.get("eval_accuracy") is not None:
+        parts.append(f"eval {metrics['eval_accuracy']:.3f}")
+    if metrics["gen_tokens_per_s"] is not None:
+        parts.append(f"{metrics['gen_tokens_per_s']:.0f} tok/s")
+    parts.append(f"lag<={result.max_lag} masked {result.tokens_masked_stale}")
+    if metrics["acceptance_length"] is not None:
+        parts.append(f"accept {metrics['acceptance_length']:.2f}")
+    return " ".join(parts)
+
+
+def earlier_incarnation(run_dir: Path) -> bool:
+    """Whether an earlier trainer of this run left progress in the run directory (metrics lines, or
+    a trainer restart the launcher recorded) — without a checkpoint, it may still have published
+    versions the generators serve."""
+    metrics = run_dir / METRICS_FILENAME
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        return True
+    by_role = read_restarts(run_dir)["restarts_by_role"]
+    return isinstance(by_role, dict) and by_role.get("trainer", 0) > 0
 
 
 def truncate_metrics(path: Path, step: int, evaluated_again: bool = False) -> dict[str, object] | None:

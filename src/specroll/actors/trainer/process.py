@@ -21,10 +21,13 @@ from specroll.actors.shared.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_REFUSED
 from specroll.actors.shared.files import write_text_atomic
 from specroll.actors.trainer.ranks.join import Ranks
 from specroll.actors.trainer.setup import TrainerError, load_setup
-from specroll.actors.trainer.trainer import ENDPOINT_FILENAME, Trainer
+from specroll.actors.trainer.trainer import Trainer
 from specroll.protocol.curve import KeysError
 
 log = logging.getLogger("specroll.trainer")
+
+ENDPOINT_FILENAME = "trainer.endpoint"
+"""Once bound, the trainer writes its endpoint (``tcp://HOST:PORT``) to ``RUN_DIR/trainer.endpoint``."""
 
 
 def _bind_address(config: RunConfig) -> str:

@@ -22,12 +22,8 @@ Timeline:
    dead trainer published after its last checkpoint, and versions must only ever increase; then drop
    the metrics lines of the steps it trains again (and the evaluation of the step it resumes at, when
    it evaluates those weights again: their line is written again with the new figures);
-3. a feeder task submits groups (``client.submit``, prompts in a seeded cyclic order) while
-   ``groups queued + in flight + finished but not yet trained`` is below ``trainer.max_groups_in_flight``
-   and, AReaL's staleness control (``specroll/rl/admission.py``), the groups submitted and not
-   through a finished step — the one being trained included — are fewer than
-   ``(trainer.max_staleness + 1) × batch_groups``; it warns at start when ``max_groups_in_flight``
-   is above that;
+3. a feeder task submits groups while ``trainer.max_groups_in_flight`` and the staleness bound
+   leave room (``feeder.py``);
 4. step t starts as soon as ``batch_groups`` groups finished (oldest first; the tail never
    blocks it): rewards → padded batch → staleness bound → loss → AdamW, in a worker thread so the
    client keeps receiving; then the new weights are published as the next version, a metrics line is
@@ -57,16 +53,17 @@ Sharded (``trainer.world_size`` > 1): this process is rank 0 and the only one th
 generators; the policy it trains, publishes and checkpoints (``policy.py``) is sharded over the
 ranks with FSDP2, each operation a command to the other ranks (``follower.py``).
 
-Beside this module: its start (policy, optimizer, prompts, restore) in ``setup.py``, the prompt
-order in ``prompt_cycle.py``, the metrics records in ``metrics.py``, checkpoints in
-``checkpoint.py``, the process around it (bind, exit codes) in ``process.py``, the command line
-in ``cli.py``; the GRPO maths in ``specroll/rl/`` (``grpo.py``, ``grpo_step.py``).
+Beside this module: its start (policy, optimizer, prompts, restore) in ``setup.py``, the feeder
+and the wait for a batch in ``feeder.py``, the prompt order in ``prompt_cycle.py``, giving up
+without generators in ``generator_watch.py``, the threads of a step in ``thread_budget.py``, the
+metrics records and lines in ``metrics.py``, checkpoints in ``checkpoint.py``, the process around
+it (bind, the endpoint file, exit codes) in ``process.py``, the command line in ``cli.py``; the GRPO
+maths in ``specroll/rl/`` (``grpo.py``, ``grpo_step.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import sys
@@ -75,7 +72,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import anyio
-import msgspec
 import torch
 from anyio.abc import TaskGroup
 from tqdm import tqdm
@@ -83,24 +79,25 @@ from tqdm import tqdm
 from specroll.actors.config import RunConfig
 from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.rollout.timeline import Timeline
-from specroll.actors.shared.exit_codes import EXIT_PEER_LOST
-from specroll.actors.shared.restarts import read_restarts
-from specroll.actors.shared.wakeup import Wakeup
 from specroll.actors.trainer.checkpoint import TrainerState
 from specroll.actors.trainer.evaluation import Evaluator
-from specroll.actors.trainer.metrics import StepMetrics, truncate_metrics
+from specroll.actors.trainer.feeder import Feeder
+from specroll.actors.trainer.generator_watch import GeneratorWatch
+from specroll.actors.trainer.metrics import (
+    METRICS_FILENAME,
+    StepMetrics,
+    append_metrics,
+    earlier_incarnation,
+    progress,
+    truncate_metrics,
+)
 from specroll.actors.trainer.setup import TrainerError, TrainerSetup
-from specroll.rl.admission import Admission, run_ahead_warning
+from specroll.actors.trainer.thread_budget import thread_budget
 from specroll.rl.coordinator import Group
 from specroll.rl.grpo_step import StepResult, build_batch
 from specroll.rl.tasks import Prompt, RewardFn, get_reward
 
 log = logging.getLogger("specroll.trainer")
-
-ENDPOINT_FILENAME = "trainer.endpoint"
-METRICS_FILENAME = "metrics.jsonl"
-NO_GENERATOR_FACTOR = 3
-"""The trainer gives up after ``NO_GENERATOR_FACTOR × network.heartbeat_timeout_s`` without generators."""
 
 
 # ---- the actor ----------------------------------------------------------------------------------
@@ -124,24 +121,17 @@ class Trainer:
         self.resumed_from = setup.resumed_from
         self.reward_fn: RewardFn = get_reward(config.task.reward)
         self.run_dir = Path(config.run_dir)
-        self.no_generator_s = NO_GENERATOR_FACTOR * config.network.heartbeat_timeout_s
-        self._alone_since: float | None = None
-        self._check_s = min(1.0, self.no_generator_s / 4)
-        """Seconds between checks that some generator is connected, while waiting for one."""
-        self._room = Wakeup()
-        """Notified when a step takes finished groups or finishes, so the feeder submits more."""
-        tc = config.trainer
-        self.admission = Admission(tc.batch_groups, tc.max_staleness, tc.max_groups_in_flight)
+        self.watch = GeneratorWatch(client, config.network.heartbeat_timeout_s)
+        """Gives up once no generator has been connected for a while."""
+        self.feeder = Feeder(config, client, self.prompts, self.watch)
+        """Submits the training groups and takes finished batches."""
         self._skipped_in_row = 0
         """Batches in a row with no token to train (``_skip``)."""
         self.step_metrics = StepMetrics(client, config.drafter.acceptance_floor)
         self._last_checkpoint = self.step
         self.evaluator = Evaluator(client, setup.eval_prompts, config.generator.sampling, config.eval.greedy,
                                    self.reward_fn, self.tokenizer, config.network.heartbeat_timeout_s,
-                                   self._check_generators, timeline) if setup.eval_prompts else None
-        self._untrained: dict[str, int] = {}
-        """Training groups submitted and not yet trained: group id → its position in the prompt order
-        (saved in checkpoints, so a restarted trainer submits them again)."""
+                                   self.watch.check, timeline) if setup.eval_prompts else None
         self._held: dict[str, object] | None = None
         """The metrics line of the step whose weights are being evaluated: written, with the
         evaluation's figures, once it finishes (before the next step's line)."""
@@ -162,7 +152,7 @@ class Trainer:
             if self.step >= self.config.steps:
                 log.info("the checkpoint is already at step %d of %d: nothing to train", self.step, self.config.steps)
                 return
-        elif self._earlier_incarnation():  # killed before its first checkpoint: it may have published versions
+        elif earlier_incarnation(self.run_dir):  # killed before its first checkpoint: it may have published versions
             log.info("an earlier trainer of this run left no checkpoint in %s: starting again from step 0",
                      self.run_dir)
             resume = True
@@ -186,57 +176,9 @@ class Trainer:
                 await self._checkpoint()
             tg.cancel_scope.cancel()
 
-    # ---- the feeder and the wait ----------------------------------------------------------------
-
     async def _feed(self) -> None:
-        """Submit groups while :class:`Admission` has room: at most ``trainer.max_groups_in_flight``
-        queued, generating or finished-untrained, at most (η + 1)·B not through a finished step."""
-        tc = self.config.trainer
-        if (warning := run_ahead_warning(tc.max_groups_in_flight, tc.batch_groups, tc.max_staleness)) is not None:
-            log.warning("%s", warning)
-        while True:
-            while self.admission.room(self.client.num_pending + self.client.num_finished) > 0:
-                await self._submit_next()
-                self.admission.on_submit()
-            await self._room.wait()  # no await between the check above and this wait: no wake-up is missed
-
-    def _check_generators(self) -> None:
-        """Raise once no generator has been connected for ``no_generator_s``."""
-        if self.client.coordinator.generators:
-            self._alone_since = None
-            return
-        now = time.monotonic()
-        if self._alone_since is None:
-            self._alone_since = now
-        elif now - self._alone_since > self.no_generator_s:
-            raise TrainerError(
-                f"no generator connected to {self.client.endpoint} for {self.no_generator_s:.0f} s "
-                f"({NO_GENERATOR_FACTOR} x network.heartbeat_timeout_s); are generators running and pointed here?",
-                EXIT_PEER_LOST)
-
-    async def _submit_next(self) -> None:
-        """Submit a group of the next prompt (its sampling seed from the prompt order)."""
-        draw = self.prompts.next()
-        sampling = msgspec.structs.replace(self.config.generator.sampling, seed=draw.seed)
-        group_id = await self.client.submit(draw.token_ids, self.config.trainer.group_size, sampling,
-                                            payload=draw.prompt)
-        self._untrained[group_id] = draw.position
-
-    async def _submit_batch(self) -> None:
-        """Sync mode: submit one step's groups."""
-        for _ in range(self.config.trainer.batch_groups):
-            await self._submit_next()
-            self.admission.on_submit()
-
-    async def _wait_for_batch(self) -> list[Group]:
-        batch = self.config.trainer.batch_groups
-        while self.client.num_finished < batch:
-            self._check_generators()
-            with anyio.move_on_after(self._check_s):  # woken by the client when groups finish
-                await self.client.wait_finished(batch)
-        groups = self.client.pop_finished(batch)
-        self._room.notify()  # the feeder refills what this step takes
-        return groups
+        """The feeder task (:meth:`Feeder.run`)."""
+        await self.feeder.run()
 
     # ---- versions -------------------------------------------------------------------------------
 
@@ -287,30 +229,12 @@ class Trainer:
         held, self._held = self._held, None
         if evaluation is not None:
             held.update(evaluation.metrics())
-        self._write_metrics(held)
-
-    def _write_metrics(self, metrics: dict[str, object]) -> None:
-        metrics.update(read_restarts(self.run_dir))  # what the launcher restarted so far
-        with open(self.run_dir / METRICS_FILENAME, "a", encoding="utf-8") as f:
-            f.write(json.dumps(metrics) + "\n")
-
-    def _earlier_incarnation(self) -> bool:
-        """Whether an earlier trainer of this run left progress in the run directory (metrics lines, or
-        a trainer restart the launcher recorded) — without a checkpoint, it may still have published
-        versions the generators serve."""
-        metrics = self.run_dir / METRICS_FILENAME
-        if metrics.is_file() and metrics.stat().st_size > 0:
-            return True
-        by_role = read_restarts(self.run_dir)["restarts_by_role"]
-        return isinstance(by_role, dict) and by_role.get("trainer", 0) > 0
+        append_metrics(self.run_dir, held)
 
     async def _publish_after_resume(self) -> None:
         """Publish the restored (or, with no checkpoint, initial) weights above every version a
         generator may serve (timeline step 2)."""
-        while not self.client.coordinator.generators:
-            self._check_generators()
-            with anyio.move_on_after(self._check_s):
-                await self.client.wait_for_generators(1)
+        await self.watch.wait_for_one()
         # every generator connected now reports the version it serves (its first heartbeat), at most
         # heartbeat_timeout_s; one that joins later and serves a higher version is overtaken (_overtake)
         with anyio.move_on_after(self.config.network.heartbeat_timeout_s):
@@ -348,15 +272,15 @@ class Trainer:
         wait_start = time.monotonic()
         with self._phase("wait"):
             if sync:
-                await self._submit_batch()
-            groups = await self._wait_for_batch()
+                await self.feeder.submit_batch()
+            groups = await self.feeder.wait_for_batch()
         # in the order they were submitted, not finished: a seeded sync run trains the same batch
         # (same rows, same ranks, same float sums) whatever order its rollouts happened to finish in
-        groups.sort(key=lambda g: self._untrained.get(g.group_id, math.inf))
+        groups.sort(key=lambda g: self.feeder.untrained.get(g.group_id, math.inf))
         start = time.monotonic()
         await self._overtake(groups)
         trained_version = self.version
-        positions = [self._untrained.pop(g.group_id, None) for g in groups]
+        positions = [self.feeder.untrained.pop(g.group_id, None) for g in groups]
         if self.timeline is not None:
             self.timeline.record("step_groups", step=self.step + 1, group_ids=[g.group_id for g in groups],
                                  prompt_ids=[g.payload.prompt_id for g in groups if isinstance(g.payload, Prompt)],
@@ -380,8 +304,7 @@ class Trainer:
         self.step += 1
         self.version += 1
         await self._publish()
-        self.admission.on_batch_done()  # sampled after this publish: room for B more (rl/admission.py)
-        self._room.notify()
+        self.feeder.batch_done()  # sampled after this publish: room for B more (rl/admission.py)
         if sync or self.step == self.config.steps:
             with self._phase("publish"):
                 await self._wait_acks()
@@ -390,10 +313,10 @@ class Trainer:
         if self._maybe_evaluate():
             self._held = metrics
         else:
-            self._write_metrics(metrics)
+            append_metrics(self.run_dir, metrics)
         if self.step == self.config.steps:
             await self._finish_evaluation()
-        bar.set_postfix_str(_progress(metrics, result), refresh=False)
+        bar.set_postfix_str(progress(metrics, result), refresh=False)
         bar.update(1)
         every = self.config.trainer.checkpoint_every
         if every and self.step % every == 0:
@@ -418,18 +341,17 @@ class Trainer:
                     "max_staleness=%d, trained version %d): no optimizer step taken, not counted as a step; "
                     "drawing the next batch", self.step + 1, result.tokens_masked_stale,
                     result.samples_dropped_stale, eta, trained_version)
-        if self._skipped_in_row > self.admission.max_skipped_in_row:
+        if self._skipped_in_row > self.feeder.admission.max_skipped_in_row:
             raise TrainerError(
                 f"{self._skipped_in_row} batches in a row had no token to train, although every generator was "
                 f"sent policy version {self.version} and at most max_staleness + 1 = {eta + 1} can be that stale "
                 f"(generator versions: {dict(self.client.generator_versions)}); is a generator not applying new "
                 f"weights, or are the responses empty?")
         await self._finish_evaluation()  # the held line (an earlier step) first
-        self._write_metrics(self.step_metrics.record(self.step + 1, self.version, groups, rewards, result,
-                                                     trained_version, step_s, wait_s))
+        append_metrics(self.run_dir, self.step_metrics.record(self.step + 1, self.version, groups, rewards, result,
+                                                             trained_version, step_s, wait_s))
         await self._wait_acks()
-        self.admission.on_batch_done()
-        self._room.notify()
+        self.feeder.batch_done()
 
     def _train(self, groups: list[Group], version: int) -> tuple[torch.Tensor, StepResult]:
         """Rewards and one optimizer step (runs in a worker thread). Returns rewards ``[G, n]``."""
@@ -438,35 +360,14 @@ class Trainer:
                                 for g, answer in zip(groups, answers, strict=True)], dtype=torch.float32)  # [G, n]
         batch = build_batch(groups, rewards, normalize_std=self.config.trainer.normalize_std, fill_version=version)
         tc = self.config.trainer
-        base = tc.train_threads or torch.get_num_threads()
-        borrow = tc.borrow_threads or 0
-
-        def budget() -> None:  # the generators' idle cores, for the next micro-batch
-            torch.set_num_threads(base + borrow if borrow and self.client.generators_idle() else base)
-
-        try:
+        with thread_budget(tc.train_threads, tc.borrow_threads, self.client.generators_idle) as budget:
             return rewards, self.policy.train(batch, version, budget)
-        finally:
-            torch.set_num_threads(base)
 
     async def _checkpoint(self) -> None:
         state = TrainerState(step=self.step, policy_version=self.version, prompt_cursor=self.prompts.cursor,
-                             untrained=[*self.prompts.retry, *self._untrained.values()],
+                             untrained=[*self.prompts.retry, *self.feeder.untrained.values()],
                              seed=self.config.seed, model=self.config.model.name)
         with self._phase("checkpoint"):
             path = await anyio.to_thread.run_sync(self.policy.save, self.run_dir, state)
         self._last_checkpoint = self.step
         log.info("checkpoint of step %d (policy version %d) written to %s", self.step, self.version, path)
-
-
-def _progress(metrics: dict[str, object], result: StepResult) -> str:
-    """The progress bar's postfix for one step."""
-    parts = [f"v{metrics['policy_version']} reward {metrics['reward_mean']:.3f}"]
-    if metrics.get("eval_accuracy") is not None:
-        parts.append(f"eval {metrics['eval_accuracy']:.3f}")
-    if metrics["gen_tokens_per_s"] is not None:
-        parts.append(f"{metrics['gen_tokens_per_s']:.0f} tok/s")
-    parts.append(f"lag<={result.max_lag} masked {result.tokens_masked_stale}")
-    if metrics["acceptance_length"] is not None:
-        parts.append(f"accept {metrics['acceptance_length']:.2f}")
-    return " ".join(parts)

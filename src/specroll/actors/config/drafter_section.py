@@ -1,0 +1,117 @@
+"""``[drafter]``: the drafter trainer — online training of an EAGLE-style drafter on the rollouts,
+its warm start, schedule and publishing; the drafter layer's own
+:class:`~specroll.drafter.learner_config.LearnerConfig` is built from it."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from specroll.actors.config.section import Section as _Section
+from specroll.actors.config.section import check_literals as _check_literals
+from specroll.actors.config.section import require as _require
+from specroll.drafter.learner_config import LearnerConfig
+
+
+class DrafterConfig(_Section):
+    """The drafter trainer: trains an EAGLE-style drafter online on the rollouts (``[drafter]``).
+
+    It learns the current policy from finished rollouts while generators have idle capacity and
+    publishes drafter versions, which generators with ``generator.speculative = "eagle"`` (or
+    ``"auto"``) hot-swap between steps (``specroll.actors.drafter_trainer.actor``)."""
+
+    enabled: bool = False
+    """Start the drafter trainer and publish drafter versions to the generators (with
+    ``generator.speculative`` ``off`` or ``suffix`` no generator drafts with them: a warning at start,
+    :meth:`RunConfig.warnings`). Default false."""
+    path: str | None = None
+    """Initial drafter directory (``config.json`` + ``model.safetensors``, as ``specroll init-drafter``
+    or ``specroll drafter train`` write): the warm start, served from the first step; ``None``
+    (default): cold start, the first version is built from the first rollouts."""
+    learning_rate: float = 1e-3
+    """AdamW learning rate of the drafter. Default 1e-3."""
+    window_rollouts: int = 256
+    """Replay buffer: the most recent finished rollouts the drafter trains on. Default 256."""
+    publish_every_steps: int = 20
+    """Drafter training steps between published drafter versions. Default 20."""
+    batch: int = 4
+    """Windows per drafter training step. Default 4."""
+    window_tokens: int = 128
+    """Tokens per training window (ending in the response); at least ``ttt_steps + 2``, as the first
+    draft predicts the token two past a window position. Default 128."""
+    ttt_steps: int = 3
+    """Unrolled draft steps of EAGLE-3's training-time-test loss. Default 3."""
+    hidden_weight: float = 0.0
+    """Weight of the optional hidden-state regression (SmoothL1 to the target's final hidden state,
+    as TLT adds it); 0 (default, as EAGLE-3) trains on the soft cross-entropy only."""
+    min_rollouts: int = 8
+    """Rollouts needed before a cold start's first step. Default 8."""
+    draft_vocab_size: int = 4096
+    """Draft vocabulary of a cold-started drafter (the rollouts' most frequent tokens); at most the
+    model's vocabulary (``specroll launch`` and ``specroll drafter serve`` refuse more). Default 4096."""
+    features: Literal["eagle3", "last"] = "eagle3"
+    """Target taps of a cold-started drafter: ``eagle3`` (low, mid, high layers; default) or ``last``."""
+    architecture: Literal["eagle3", "eagle"] = "eagle3"
+    """Architecture of a cold-started drafter: ``eagle3`` (EAGLE-3's head with its own LM head, as vLLM
+    and SGLang run it; default) or ``eagle`` (fc then a decoder layer, the policy's LM head). A warm
+    start (``path``, or the run's saved drafter) keeps its own."""
+    num_threads: int = 1
+    """Core budget: torch intra-op threads of the drafter trainer. Default 1."""
+    duty_cycle: float = 0.5
+    """Most fraction of wall time spent in training steps, in (0, 1]. Default 0.5."""
+    train_below: float = 1.0
+    """Train only while the generators' live batch is at most this fraction of their capacity
+    (1.0, the default, trains whenever the duty cycle allows; 0.25 trains in the tail phase only)."""
+    pause_during_train_step: bool = False
+    """Pause the drafter trainer while the trainer takes its own optimizer step (both on one
+    machine's cores). Default false."""
+    acceptance_floor: float = 0.0
+    """Warn when the acceptance length under a new policy version falls below this (a drafter not
+    keeping up, or not updated): in the trainer's log and the launcher's output; at most
+    ``generator.engine.num_draft_tokens + 1``, the most an acceptance length can be; 0 (default) never warns."""
+    kv_cache_gb: float = 0.25
+    """Memory of each generator for the drafter's own K/V, in GiB: at least one request's worth (a
+    ``generator.engine.max_model_len``-token request plus its drafts, at the drafter's one layer of
+    K/V per token), or a generator that drafts with ``eagle`` refuses to start. Default 0.25."""
+    linger_s: float = 1.0
+    """On shutdown: seconds the drafter trainer's ``Dead`` may take to be delivered. Default 1.0."""
+    device: str = "cpu"
+    """Torch device the drafter trainer trains on. Default ``cpu``."""
+
+    def __post_init__(self) -> None:
+        _check_literals(self)
+        _require(self.path is None or bool(self.path), "path", self.path, "a directory or unset")
+        _require(self.learning_rate > 0 and math.isfinite(self.learning_rate), "learning_rate",
+                 self.learning_rate, "a positive finite number")
+        for name in ("window_rollouts", "publish_every_steps", "batch", "window_tokens", "ttt_steps", "min_rollouts",
+                     "draft_vocab_size", "num_threads"):
+            _require(getattr(self, name) >= 1, name, getattr(self, name), "a positive integer")
+        _require(self.window_tokens >= self.ttt_steps + 2, "window_tokens", self.window_tokens,
+                 f"an integer >= ttt_steps + 2 = {self.ttt_steps + 2} (ttt_steps={self.ttt_steps}; the first draft "
+                 f"predicts x_(t+2))")
+        _require(self.hidden_weight >= 0 and math.isfinite(self.hidden_weight), "hidden_weight", self.hidden_weight,
+                 "a finite number >= 0")
+        _require(0 < self.duty_cycle <= 1, "duty_cycle", self.duty_cycle, "a number in (0, 1]")
+        _require(0 <= self.train_below <= 1, "train_below", self.train_below, "a number in [0, 1]")
+        _require(self.acceptance_floor >= 0 and math.isfinite(self.acceptance_floor), "acceptance_floor",
+                 self.acceptance_floor, "a finite number >= 0 (0 never warns)")
+        _require(self.kv_cache_gb > 0 and math.isfinite(self.kv_cache_gb), "kv_cache_gb", self.kv_cache_gb,
+                 "a positive number of GiB")
+        _require(self.linger_s > 0 and math.isfinite(self.linger_s), "linger_s", self.linger_s,
+                 "a positive number of seconds")
+        _require(bool(self.device), "device", self.device, "a torch device, e.g. 'cpu'")
+
+    def learner_config(self, seed: int) -> LearnerConfig:
+        """The drafter learner's settings (``drafter/`` is a layer below the actors and keeps its own
+        struct, as ``engine/`` keeps :class:`EngineConfig`): this section's training fields, renamed
+        once here (``learning_rate`` → ``lr``, ``window_tokens`` → ``window``, ``window_rollouts`` →
+        ``buffer_rollouts``), and the run's ``seed``.
+
+        Raises:
+            ValueError: a value the learner refuses.
+        """
+        return LearnerConfig(lr=self.learning_rate, batch=self.batch, window=self.window_tokens,
+                             ttt_steps=self.ttt_steps, hidden_weight=self.hidden_weight,
+                             buffer_rollouts=self.window_rollouts, min_rollouts=self.min_rollouts,
+                             draft_vocab_size=self.draft_vocab_size, features=self.features, seed=seed,
+                             architecture=self.architecture)

@@ -1,0 +1,110 @@
+"""``[trainer]``: GRPO training with off-policy correction — batch, loss, staleness bound,
+checkpoints, threads and ranks of the trainer."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from specroll.actors.config.section import Section as _Section
+from specroll.actors.config.section import check_literals as _check_literals
+from specroll.actors.config.section import require as _require
+
+
+class TrainerConfig(_Section):
+    """GRPO training with off-policy correction (``[trainer]``)."""
+
+    mode: Literal["async", "sync"] = "async"
+    """``async`` (default): the off-step pipeline — a step trains on the first ``batch_groups``
+    finished groups while generation goes on. ``sync``: the in-house baseline — submit
+    ``batch_groups`` groups, wait until every rollout of them finished, train, publish and wait until
+    every generator serves the new weights, then the next step; no speculation (``generator.speculative``
+    resolves to ``off`` and the drafter trainer is not started)."""
+
+    batch_groups: int = 4
+    """B: finished groups that make one training step. Default 4."""
+    group_size: int = 4
+    """n: samples per prompt (a GRPO group). Default 4; at least 2, as one sample has no advantage."""
+    learning_rate: float = 1e-6
+    """AdamW learning rate. Default 1e-6."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay. Default 0."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping. Default 1.0."""
+    grad_accum_steps: int = 1
+    """Micro-batches one step's B·n samples are split into (one optimizer step); with several ranks,
+    each rank's share of them (every rank runs as many). Default 1."""
+    loss: Literal["tis", "ppo"] = "tis"
+    """Off-policy correction against the behavior logprobs: ``tis`` (default) weighs each token's
+    policy gradient by the truncated importance ratio min(π/μ, ``tis_cap``); ``ppo`` is the decoupled
+    PPO clipped objective with clip range ``clip_eps``."""
+    tis_cap: float = 2.0
+    """Truncation C of the importance ratio in the ``tis`` loss. Default 2.0."""
+    clip_eps: float = 0.2
+    """ε of the ``ppo`` loss: ratios are clipped to [1-ε, 1+ε]. Default 0.2."""
+    max_staleness: int = 1
+    """η: most policy versions a trained token may lag behind the version being trained. Default 1."""
+    staleness_policy: Literal["mask", "drop"] = "mask"
+    """What happens to tokens older than η: ``mask`` (default) removes them from the loss;
+    ``drop`` discards their whole sample. Both are counted in the metrics."""
+    normalize_std: bool = True
+    """Divide group-centred rewards by the group's standard deviation (GRPO). Default true."""
+    checkpoint_every: int = 0
+    """Save a checkpoint (weights, optimizer, step) every this many steps; 0 (default): only at the end
+    of the run. A trainer started on a run directory with a checkpoint resumes from it."""
+    weights_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of published weights on the wire; ``bfloat16`` halves the bytes. Default ``float32``."""
+    max_groups_in_flight: int = 8
+    """Groups queued, generating or finished and not yet taken by a step, at most; at least
+    ``batch_groups``. The staleness bound also holds the groups not through a finished step (the one
+    being trained included) to ``(max_staleness + 1) × batch_groups`` (``specroll/rl/admission.py``;
+    the trainer and ``specroll launch`` warn when this is above it). Default 8."""
+    train_threads: int | None = None
+    """Torch intra-op CPU threads of the trainer (of each rank); ``None`` (default): under ``specroll
+    launch`` on a CPU, half the cores divided among the ranks (the launcher's CPU budget,
+    ``actors/launch/cpu_budget.py``), else torch's default."""
+
+    borrow_threads: int | None = None
+    """Torch threads the trainer adds for a micro-batch (``grad_accum_steps`` split a step) while no
+    rollout is queued or generating — the generators' cores are idle then; 0 never borrows. ``None``
+    (default): under ``specroll launch`` on a CPU, the generators' share of the cores (the launcher's
+    CPU budget), else 0. With several ranks: per rank, decided once per step by rank 0."""
+    world_size: int = 1
+    """Trainer ranks: torch.distributed processes the policy and AdamW's state are sharded over with
+    FSDP2 (on CUDA with NCCL, and on the CPU with gloo — no DDP fallback is needed); rank 0 talks to
+    the generators and sends each step's batch to the others, each training its share of the groups
+    (``actors/trainer/ranks/sharded.py``). ``specroll launch`` starts them all; alone, start them with
+    ``torchrun --nproc-per-node N -m specroll.actors.trainer --config FILE``. ``train_threads``,
+    ``borrow_threads`` and ``grad_accum_steps`` are per rank. At most ``batch_groups``. Default 1
+    (one process, no process group)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the trainer trains: ``cpu`` (default; gloo between ranks) or ``cuda`` (rank r on
+    ``cuda:LOCAL_RANK``, NCCL between ranks)."""
+
+    def __post_init__(self) -> None:
+        _check_literals(self)
+        _require(self.batch_groups >= 1, "batch_groups", self.batch_groups, "a positive integer")
+        _require(1 <= self.world_size <= self.batch_groups, "world_size", self.world_size,
+                 f"an integer in [1, batch_groups = {self.batch_groups}] (every rank trains at least one group)")
+        _require(self.borrow_threads is None or self.borrow_threads >= 0, "borrow_threads", self.borrow_threads,
+                 "an integer >= 0 or unset")
+        _require(self.group_size >= 2, "group_size", self.group_size,
+                 "an integer >= 2 (a group of one sample has zero advantage)")
+        _require(self.learning_rate > 0 and math.isfinite(self.learning_rate), "learning_rate",
+                 self.learning_rate, "a positive finite number")
+        _require(self.weight_decay >= 0 and math.isfinite(self.weight_decay), "weight_decay", self.weight_decay,
+                 "a finite number >= 0")
+        _require(self.max_grad_norm >= 0 and math.isfinite(self.max_grad_norm), "max_grad_norm",
+                 self.max_grad_norm, "a finite number >= 0 (0 disables clipping)")
+        samples = self.batch_groups * self.group_size
+        _require(1 <= self.grad_accum_steps <= samples, "grad_accum_steps", self.grad_accum_steps,
+                 f"an integer in [1, batch_groups * group_size = {samples}]")
+        _require(self.tis_cap > 0, "tis_cap", self.tis_cap, "a positive number")
+        _require(0 < self.clip_eps < 1, "clip_eps", self.clip_eps, "a number in (0, 1)")
+        _require(self.max_staleness >= 0, "max_staleness", self.max_staleness, "an integer >= 0")
+        _require(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every,
+                 "an integer >= 0 (0 never checkpoints)")
+        _require(self.max_groups_in_flight >= self.batch_groups, "max_groups_in_flight", self.max_groups_in_flight,
+                 f"an integer >= batch_groups ({self.batch_groups}), or a step could never fill")
+        _require(self.train_threads is None or self.train_threads >= 1, "train_threads", self.train_threads,
+                 "a positive integer or unset")
