@@ -333,7 +333,7 @@ def eagle_engine(path, shape: str, **kw):
     from test_eagle import make_head
 
     from specroll.drafter.eagle import EagleProposer
-    from specroll.engine.checkpoint import load_checkpoint
+    from specroll.engine.loaders.checkpoint import load_checkpoint
 
     head = make_head(load_checkpoint(str(path)).config, taps="eagle3")
     proposer = EagleProposer(head, page_size=PAGE, kv_cache_memory_gb=0.01, sample_drafts=False)

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 from specroll.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from specroll.engine.checkpoint import Checkpoint, load_checkpoint
     from specroll.engine.config import EngineConfig
     from specroll.engine.driver import run_to_completion
     from specroll.engine.engine import Engine
+    from specroll.engine.loaders.checkpoint import Checkpoint, load_checkpoint
     from specroll.engine.model import CausalLM
     from specroll.engine.sequence import Completion, StepOutput
     from specroll.protocol.sampling import SamplingParams
@@ -27,8 +27,8 @@ _EXPORTS = {
     "StepOutput": "specroll.engine.sequence",
     "Completion": "specroll.engine.sequence",
     "run_to_completion": "specroll.engine.driver",
-    "Checkpoint": "specroll.engine.checkpoint",
-    "load_checkpoint": "specroll.engine.checkpoint",
+    "Checkpoint": "specroll.engine.loaders.checkpoint",
+    "load_checkpoint": "specroll.engine.loaders.checkpoint",
     "CausalLM": "specroll.engine.model",
 }
 __all__ = [

@@ -19,11 +19,11 @@ import torch
 
 from specroll.engine.attention import AttentionBackend, flashinfer_problem
 from specroll.engine.block_manager import BlockManager
-from specroll.engine.checkpoint import Checkpoint, load_checkpoint
 from specroll.engine.config import EngineConfig
 from specroll.engine.device import check_device, resolve_dtype
 from specroll.engine.flashinfer_attention import FlashInferAttention
 from specroll.engine.flashinfer_sampling import FlashInferSampler
+from specroll.engine.loaders.checkpoint import Checkpoint, load_checkpoint
 from specroll.engine.model import CausalLM
 from specroll.engine.model_runner import ModelRunner
 from specroll.engine.phases import PhaseClock

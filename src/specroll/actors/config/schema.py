@@ -39,7 +39,7 @@ from specroll.actors.config.section import check_literals as _check_literals
 from specroll.actors.config.section import require as _require
 from specroll.drafter.learner_config import LearnerConfig
 from specroll.engine.config import EngineConfig
-from specroll.engine.registry import DEFAULT_MODEL
+from specroll.engine.loaders.registry import DEFAULT_MODEL
 from specroll.protocol.sampling import SamplingParams
 
 
