@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import teacher_forced_logits
 
-import specroll.engine.engine as engine_module
+import specroll.engine.spec.modes as engine_module
 from specroll.engine.config import EngineConfig
 from specroll.engine.driver import run_to_completion
 from specroll.engine.engine import Engine
