@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from specroll.engine.checkpoint import random_checkpoint
+    from specroll.engine.loaders.checkpoint import random_checkpoint
     from specroll.engine.model_config import SMOLLM2_135M
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():

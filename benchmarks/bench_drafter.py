@@ -88,8 +88,8 @@ if TYPE_CHECKING:
     import torch
 
     from specroll.drafter.learner import DrafterSnapshot
-    from specroll.engine.checkpoint import Checkpoint
     from specroll.engine.engine import Engine
+    from specroll.engine.loaders.checkpoint import Checkpoint
 
 DEFAULT_TRAIN_PROMPTS = DEFAULT_PROMPTS.with_name("train.jsonl")
 """GSM8K training split next to the default test split."""
@@ -329,9 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     from common import setup_torch
 
     from specroll.drafter.learner import DrafterLearner, LearnerConfig
-    from specroll.engine.checkpoint import load_checkpoint
     from specroll.engine.config import EngineConfig
     from specroll.engine.engine import Engine
+    from specroll.engine.loaders.checkpoint import load_checkpoint
     from specroll.engine.model import CausalLM
 
     _, args.dtype, threads, load_before = setup_torch(args.threads, args.dtype)

@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     import torch
 
     from specroll.engine.engine import Engine
+    from specroll.engine.loaders.checkpoint import Checkpoint
 
 COPY_BYTES = 256 * 2**20
 """Size of the tensor the bandwidth probe copies: far above any CPU cache."""
@@ -191,10 +192,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from common import setup_torch
 
-    from specroll.engine.checkpoint import load_checkpoint
     from specroll.engine.config import EngineConfig
     from specroll.engine.engine import Engine
-    from specroll.engine.registry import resolve_model
+    from specroll.engine.loaders.checkpoint import load_checkpoint
+    from specroll.engine.loaders.registry import resolve_model
 
     dtype, args.dtype, threads, load_before = setup_torch(args.threads, args.dtype)
     print(f"model {args.model}, dtype {args.dtype}, {threads} torch threads, "

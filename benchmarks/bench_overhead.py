@@ -46,8 +46,8 @@ from specroll.actors.cli import positive_int
 
 if TYPE_CHECKING:
 
-    from specroll.engine.checkpoint import Checkpoint
     from specroll.engine.engine import Engine
+    from specroll.engine.loaders.checkpoint import Checkpoint
     from specroll.engine.spec.proposer import DraftInput, Proposal
 
 PROMPT_LEN = 32
@@ -95,9 +95,9 @@ def tiny_deep_checkpoint(vocab: int, layers: int) -> Checkpoint:
     import torch
     from tiny_model import write_tiny_tokenizer
 
-    from specroll.engine.checkpoint import Checkpoint
+    from specroll.engine.loaders.checkpoint import Checkpoint
+    from specroll.engine.loaders.tokenizer import Tokenizer
     from specroll.engine.model_config import ModelConfig, expected_weight_shapes
-    from specroll.engine.tokenizer import Tokenizer
 
     config = ModelConfig(architecture="llama", vocab_size=vocab, hidden_size=64, intermediate_size=128,
                          num_layers=layers, num_heads=4, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-5,

@@ -158,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     from common import setup_torch
 
     from specroll.drafter.suffix import SuffixProposer
-    from specroll.engine.checkpoint import load_checkpoint
     from specroll.engine.config import EngineConfig
     from specroll.engine.engine import Engine
+    from specroll.engine.loaders.checkpoint import load_checkpoint
     from specroll.protocol.sampling import SamplingParams
 
     dtype, args.dtype, threads, load_before = setup_torch(args.threads, args.dtype)

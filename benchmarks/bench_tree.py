@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     from common import setup_torch
 
     from specroll.drafter.eagle_head import EagleHead
-    from specroll.engine.checkpoint import load_checkpoint
+    from specroll.engine.loaders.checkpoint import load_checkpoint
     from specroll.rl.tasks import format_question
 
     _, args.dtype, threads, load_before = setup_torch(args.threads, args.dtype)

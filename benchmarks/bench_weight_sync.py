@@ -302,9 +302,9 @@ def main() -> None:
     import anyio
     import torch
 
-    from specroll.engine.checkpoint import load_checkpoint
+    from specroll.engine.loaders.checkpoint import load_checkpoint
+    from specroll.engine.loaders.registry import DEFAULT_MODEL, resolve_model
     from specroll.engine.model import CausalLM
-    from specroll.engine.registry import DEFAULT_MODEL, resolve_model
 
     model = str(resolve_model(args.model or DEFAULT_MODEL))
     ckpt = load_checkpoint(model, torch.float32)  # as the trainer loads its policy (setup.py)

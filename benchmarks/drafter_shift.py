@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from specroll.engine.checkpoint import Checkpoint
+    from specroll.engine.loaders.checkpoint import Checkpoint
 
 RECOVERY_FRACTION = 0.9
 """Acceptance counts as recovered at this fraction of its pre-update value."""

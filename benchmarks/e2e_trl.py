@@ -108,8 +108,8 @@ def _policy(name: str) -> tuple[Any, Any, Any]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from specroll.engine.checkpoint import load_checkpoint
-    from specroll.engine.registry import resolve_model
+    from specroll.engine.loaders.checkpoint import load_checkpoint
+    from specroll.engine.loaders.registry import resolve_model
 
     ckpt = load_checkpoint(name, dtype=torch.float32)
     path = resolve_model(name)

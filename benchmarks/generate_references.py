@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
-    from specroll.engine.checkpoint import Checkpoint
+    from specroll.engine.loaders.checkpoint import Checkpoint
 
 
 def build_hf_model(checkpoint: Checkpoint, source: Path, dtype: torch.dtype) -> PreTrainedModel:

@@ -50,7 +50,7 @@ async def main(args: argparse.Namespace) -> None:
     import torch
 
     from specroll.actors.rollout.client import RolloutClient
-    from specroll.engine.checkpoint import load_checkpoint
+    from specroll.engine.loaders.checkpoint import load_checkpoint
 
     weights = {name: t.to(getattr(torch, args.hold)) for name, t in load_checkpoint(args.model).weights.items()}
     tracemalloc.start()

@@ -31,7 +31,7 @@ from specroll.actors.rollout.drafter_relay import DrafterRelay
 from specroll.drafter.eagle_config import EagleConfig, eagle3_feature_layers
 from specroll.drafter.eagle_files import head_checksum
 from specroll.drafter.eagle_head import EagleHead
-from specroll.engine.checkpoint import load_checkpoint
+from specroll.engine.loaders.checkpoint import load_checkpoint
 from specroll.engine.model_config import expected_weight_shapes
 from specroll.protocol.channel import Channel
 from specroll.protocol.codec import ProtocolError, pack_tensors

@@ -26,8 +26,8 @@ from transformers import (
 )
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from specroll.engine.checkpoint import Checkpoint, CheckpointError, load_checkpoint
-from specroll.engine.registry import REGISTERED_MODELS, RegisteredModel, resolve_model
+from specroll.engine.loaders.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from specroll.engine.loaders.registry import REGISTERED_MODELS, RegisteredModel, resolve_model
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -18,7 +18,7 @@ from conftest import generator_process
 
 from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.rollout.sync_client import SyncRolloutClient
-from specroll.engine.checkpoint import load_checkpoint
+from specroll.engine.loaders.checkpoint import load_checkpoint
 from specroll.protocol.codec import encode
 from specroll.protocol.messages import AckWeights, FetchWeights, Heartbeat, RolloutChunk
 from specroll.protocol.sampling import SamplingParams

@@ -25,7 +25,7 @@ from specroll.actors.config import (
     write_resolved,
 )
 from specroll.engine.config import EngineConfig
-from specroll.engine.registry import DEFAULT_MODEL
+from specroll.engine.loaders.registry import DEFAULT_MODEL
 from specroll.protocol.sampling import SamplingParams
 
 

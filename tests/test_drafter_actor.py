@@ -21,10 +21,10 @@ from specroll.drafter.eagle_config import EagleConfig, eagle3_feature_layers
 from specroll.drafter.eagle_files import head_checksum
 from specroll.drafter.eagle_head import EagleHead
 from specroll.drafter.learner import DrafterLearner, LearnerConfig
-from specroll.engine.checkpoint import load_checkpoint
 from specroll.engine.config import EngineConfig
 from specroll.engine.driver import run_to_completion
 from specroll.engine.engine import Engine
+from specroll.engine.loaders.checkpoint import load_checkpoint
 from specroll.engine.model import CausalLM
 from specroll.protocol.codec import pack_tensors
 from specroll.protocol.messages import Capacity, PublishDrafter, RolloutChunk

@@ -19,10 +19,10 @@ from specroll.drafter.eagle import EagleProposer
 from specroll.drafter.eagle_config import EagleConfig, build_draft_vocab
 from specroll.drafter.eagle_head import EagleHead, draft_lm_head
 from specroll.drafter.ttt import target_features
-from specroll.engine.checkpoint import load_checkpoint
 from specroll.engine.config import EngineConfig
 from specroll.engine.driver import run_to_completion
 from specroll.engine.engine import Engine
+from specroll.engine.loaders.checkpoint import load_checkpoint
 from specroll.engine.model import CausalLM
 from specroll.protocol.sampling import SamplingParams
 

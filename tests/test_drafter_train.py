@@ -18,10 +18,10 @@ from specroll.drafter.train import expected_acceptance_length, train_drafter
 from specroll.drafter.ttt import Rollout, target_features, ttt_loss
 from specroll.engine.attention import allocate_kv_cache
 from specroll.engine.batch import build_metadata
-from specroll.engine.checkpoint import load_checkpoint
 from specroll.engine.config import EngineConfig
 from specroll.engine.driver import run_to_completion
 from specroll.engine.engine import Engine
+from specroll.engine.loaders.checkpoint import load_checkpoint
 from specroll.engine.model import CausalLM
 from specroll.engine.torch_attention import TorchAttention
 from specroll.protocol.sampling import SamplingParams

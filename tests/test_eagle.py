@@ -11,10 +11,10 @@ from conftest import teacher_forced_logits, write_tiny_checkpoint
 from specroll.drafter.eagle import EagleProposer
 from specroll.drafter.eagle_config import DrafterError, EagleConfig, build_draft_vocab, eagle3_feature_layers
 from specroll.drafter.eagle_head import EagleHead
-from specroll.engine.checkpoint import load_checkpoint
 from specroll.engine.config import EngineConfig
 from specroll.engine.driver import run_to_completion
 from specroll.engine.engine import Engine
+from specroll.engine.loaders.checkpoint import load_checkpoint
 from specroll.engine.model_config import ModelConfig
 from specroll.engine.sampler import processed_logprobs
 from specroll.protocol.sampling import SamplingParams

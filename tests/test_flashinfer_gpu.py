@@ -20,10 +20,10 @@ pytestmark = [
 ]
 
 from specroll.engine.batch import build_metadata  # noqa: E402
-from specroll.engine.checkpoint import random_checkpoint  # noqa: E402
 from specroll.engine.config import EngineConfig  # noqa: E402
 from specroll.engine.driver import run_to_completion  # noqa: E402
 from specroll.engine.engine import Engine  # noqa: E402
+from specroll.engine.loaders.checkpoint import random_checkpoint  # noqa: E402
 from specroll.engine.model_config import SMOLLM2_135M  # noqa: E402
 from specroll.engine.sampler import processed_logprobs  # noqa: E402
 from specroll.engine.spec.verify import chain_rejection_sample  # noqa: E402

@@ -180,7 +180,7 @@ def joined(chunks: list[RolloutChunk]) -> tuple[list[int], list[int]]:
 
 
 def load_checkpoint_weights(model: Path) -> dict[str, torch.Tensor]:
-    from specroll.engine.checkpoint import load_checkpoint
+    from specroll.engine.loaders.checkpoint import load_checkpoint
 
     return load_checkpoint(model).weights
 

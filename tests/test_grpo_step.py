@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from specroll.engine.checkpoint import load_checkpoint
+from specroll.engine.loaders.checkpoint import load_checkpoint
 from specroll.engine.model import CausalLM
 from specroll.protocol.sampling import SamplingParams
 from specroll.rl.coordinator import Group, Sample

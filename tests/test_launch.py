@@ -405,7 +405,7 @@ def test_a_bad_drafter_exits_2_before_anything_starts(tmp_path: Path, tiny_check
     from specroll.actors.launch.preflight import preflight
     from specroll.drafter.eagle_config import EagleConfig
     from specroll.drafter.eagle_head import EagleHead
-    from specroll.engine.checkpoint import load_checkpoint
+    from specroll.engine.loaders.checkpoint import load_checkpoint
 
     model = tiny_checkpoint()
     config = write_config(tmp_path, model)

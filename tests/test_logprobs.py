@@ -12,10 +12,10 @@ import torch
 from msgspec.structs import replace
 from transformers import AutoModelForCausalLM, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from specroll.engine.checkpoint import expected_weight_shapes
 from specroll.engine.config import EngineConfig
 from specroll.engine.driver import run_to_completion
 from specroll.engine.engine import Engine
+from specroll.engine.loaders.checkpoint import expected_weight_shapes
 from specroll.engine.sampler import processed_logprobs
 from specroll.engine.sequence import Completion
 from specroll.protocol.sampling import SamplingParams

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from specroll.engine.checkpoint import load_checkpoint
 from specroll.engine.config import EngineConfig
 from specroll.engine.driver import run_to_completion
 from specroll.engine.engine import Engine
+from specroll.engine.loaders.checkpoint import load_checkpoint
 from specroll.engine.model import CausalLM
 from specroll.protocol.sampling import SamplingParams
 from specroll.rl.coordinator import Group, Sample

@@ -7,7 +7,7 @@ import torch
 
 from specroll.engine.attention import allocate_kv_cache
 from specroll.engine.batch import build_metadata
-from specroll.engine.checkpoint import load_checkpoint
+from specroll.engine.loaders.checkpoint import load_checkpoint
 from specroll.engine.model import CausalLM
 from specroll.engine.torch_attention import TorchAttention
 

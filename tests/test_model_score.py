@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specroll.engine.checkpoint import load_checkpoint
+from specroll.engine.loaders.checkpoint import load_checkpoint
 from specroll.engine.model import CausalLM
 
 LENGTHS = [13, 6, 10]  # unequal rows, right-padded to 13

@@ -11,12 +11,12 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from specroll.engine.attention import allocate_kv_cache
 from specroll.engine.batch import build_metadata
-from specroll.engine.checkpoint import Checkpoint, load_checkpoint
 from specroll.engine.config import EngineConfig
 from specroll.engine.driver import run_to_completion
 from specroll.engine.engine import Engine
+from specroll.engine.loaders.checkpoint import Checkpoint, load_checkpoint
+from specroll.engine.loaders.registry import resolve_model
 from specroll.engine.model import CausalLM
-from specroll.engine.registry import resolve_model
 from specroll.engine.torch_attention import TorchAttention
 from specroll.protocol.sampling import SamplingParams
 from specroll.rl.tasks import format_question

@@ -163,7 +163,7 @@ def test_aborts_between_speculative_steps_leave_the_others_unchanged(tiny_checkp
     from test_eagle import make_head
 
     from specroll.drafter.eagle import EagleProposer
-    from specroll.engine.checkpoint import load_checkpoint
+    from specroll.engine.loaders.checkpoint import load_checkpoint
 
     path = tiny_checkpoint("llama")
 

@@ -11,7 +11,7 @@ from conftest import generator_process
 from specroll.actors.rollout.drafter_relay import DrafterRelay
 from specroll.actors.rollout.sync_client import SyncRolloutClient
 from specroll.actors.rollout.timeline import Timeline
-from specroll.engine.checkpoint import load_checkpoint
+from specroll.engine.loaders.checkpoint import load_checkpoint
 from specroll.protocol.messages import AckDrafter, PublishDrafter
 from specroll.protocol.sampling import SamplingParams
 

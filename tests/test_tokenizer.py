@@ -11,9 +11,9 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
-from specroll.engine.checkpoint import CheckpointError
-from specroll.engine.registry import resolve_model
-from specroll.engine.tokenizer import ChatTemplateError, Tokenizer
+from specroll.engine.loaders.checkpoint import CheckpointError
+from specroll.engine.loaders.registry import resolve_model
+from specroll.engine.loaders.tokenizer import ChatTemplateError, Tokenizer
 
 # The pre-tokenizers we implement and transformers' GGUF converter agree on these; they cover
 # words, digits, whitespace runs, newlines, unicode, code and chat special tokens.

@@ -37,9 +37,9 @@ from specroll.actors.trainer.checkpoint import (
 )
 from specroll.actors.trainer.metrics import METRICS_FILENAME
 from specroll.actors.trainer.process import ENDPOINT_FILENAME, run_trainer
-from specroll.engine.checkpoint import expected_weight_shapes, load_checkpoint
 from specroll.engine.config import EngineConfig
 from specroll.engine.engine import Engine
+from specroll.engine.loaders.checkpoint import expected_weight_shapes, load_checkpoint
 from specroll.engine.model import CausalLM
 from specroll.protocol.channel import Channel
 from specroll.protocol.messages import (

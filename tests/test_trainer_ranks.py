@@ -34,7 +34,7 @@ from specroll.actors.trainer.checkpoint import TrainerState
 from specroll.actors.trainer.cli import main as trainer_main
 from specroll.actors.trainer.ranks.join import RankError, resolve_ranks
 from specroll.actors.trainer.setup import load_setup
-from specroll.engine.checkpoint import load_checkpoint
+from specroll.engine.loaders.checkpoint import load_checkpoint
 from specroll.engine.model import CausalLM, fuse_weights, unfuse_weights
 from specroll.protocol.trainer_ranks import BatchShape, Restore, TrainStep, decode_command, encode_command
 

@@ -16,7 +16,7 @@ import zmq.asyncio
 from conftest import generator_process
 
 from specroll.actors.rollout.client import RolloutClient
-from specroll.engine.checkpoint import load_checkpoint
+from specroll.engine.loaders.checkpoint import load_checkpoint
 from specroll.protocol.channel import Channel
 from specroll.protocol.messages import (
     PROTOCOL_VERSION,

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import teacher_forced_logits
 
-import specroll.engine.engine as engine_module
+import specroll.engine.spec.modes as engine_module
 from specroll.engine.config import EngineConfig
 from specroll.engine.driver import run_to_completion
 from specroll.engine.engine import Engine
@@ -333,7 +333,7 @@ def eagle_engine(path, shape: str, **kw):
     from test_eagle import make_head
 
     from specroll.drafter.eagle import EagleProposer
-    from specroll.engine.checkpoint import load_checkpoint
+    from specroll.engine.loaders.checkpoint import load_checkpoint
 
     head = make_head(load_checkpoint(str(path)).config, taps="eagle3")
     proposer = EagleProposer(head, page_size=PAGE, kv_cache_memory_gb=0.01, sample_drafts=False)

@@ -10,10 +10,10 @@ import pytest
 import torch
 from conftest import write_tiny_checkpoint
 
-from specroll.engine.checkpoint import Checkpoint, load_checkpoint
 from specroll.engine.config import EngineConfig
 from specroll.engine.driver import run_to_completion
 from specroll.engine.engine import Engine
+from specroll.engine.loaders.checkpoint import Checkpoint, load_checkpoint
 from specroll.protocol.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -7,7 +7,7 @@ from typing import Literal
 
 import msgspec
 
-from specroll.engine.registry import DEFAULT_MODEL
+from specroll.engine.loaders.registry import DEFAULT_MODEL
 from specroll.engine.spec.tree import TreeShape
 
 BackendName = Literal["auto", "torch", "flashinfer"]

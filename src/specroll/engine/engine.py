@@ -2,10 +2,11 @@
 
 Synchronous and seedable, with no I/O of its own; the generator actor drives it from a worker
 thread. A step is one ragged batch (prefill chunks and decodes together) over the paged KV cache.
-The scheduler picks the batch (``scheduler.py``), the proposer drafts for its decodes
-(``spec/drafts.py``), the model runner runs the target over it (``model_runner.py``), the drafts are
-verified (``spec/verify.py``) or a token is sampled (``sampler.py``), and the tokens are emitted
-here. The device and dtype checks are in ``device.py``.
+The scheduler picks the batch (``scheduler.py``); the step's speculation (``spec/modes.py``: plain
+decoding, chain drafts or tree drafts, chosen by ``spec/draft_length.py``) reserves its drafts' K/V
+slots, drafts for the decodes and, after the model runner has run the target over the batch
+(``model_runner.py``), verifies the drafts or samples a token; the tokens are emitted here. The
+model comes from ``loaders/``; the device and dtype checks are in ``device.py``.
 """
 
 from __future__ import annotations
@@ -14,30 +15,46 @@ import itertools
 import time
 from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
 
 import torch
 
 from specroll.engine.attention import AttentionBackend, flashinfer_problem
 from specroll.engine.block_manager import BlockManager
-from specroll.engine.checkpoint import Checkpoint, load_checkpoint
 from specroll.engine.config import EngineConfig
 from specroll.engine.device import check_device, resolve_dtype
 from specroll.engine.flashinfer_attention import FlashInferAttention
 from specroll.engine.flashinfer_sampling import FlashInferSampler
+from specroll.engine.loaders.checkpoint import Checkpoint, load_checkpoint
 from specroll.engine.model import CausalLM
 from specroll.engine.model_runner import ModelRunner
 from specroll.engine.phases import PhaseClock
-from specroll.engine.sampler import sample
 from specroll.engine.scheduler import ScheduledSequence, Scheduler
 from specroll.engine.sequence import Completion, Sequence, SequenceStatus, StepOutput
-from specroll.engine.spec.draft_length import Arm, DraftLengthBandit
-from specroll.engine.spec.drafts import observe_features, propose_drafts, propose_trees
-from specroll.engine.spec.proposer import Proposer, drafts_trees
+from specroll.engine.spec.draft_length import Arm, SpeculationPolicy
+from specroll.engine.spec.drafts import observe_features
+from specroll.engine.spec.modes import SpecContext, Speculation, StepDrafts, Verified, speculation_for
+from specroll.engine.spec.proposer import Proposer
 from specroll.engine.spec.stats import SpeculativeStats
-from specroll.engine.spec.tree import DraftTree, TreeShape, verify_trees
-from specroll.engine.spec.verify import verify_drafts
 from specroll.protocol.messages import FinishReason
 from specroll.protocol.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One step in flight: its speculation and batch, and what was true of the batch when scheduled."""
+
+    started: float
+    """``time.perf_counter()`` at the step's start."""
+    arm: Arm
+    spec: Speculation
+    scheduled: list[ScheduledSequence]
+    stats: SpeculativeStats
+    """The step's counters, filled in as it runs."""
+    starts: list[int]
+    """Each scheduled sequence's computed tokens before the step."""
+    samplers: list[Sequence]
+    """The sequences the step samples a token for (it reaches their last token)."""
 
 
 class Engine:
@@ -53,8 +70,9 @@ class Engine:
 
     Raises:
         CheckpointError: the model cannot be loaded.
-        ValueError: the KV-cache memory holds too few pages to serve one full-length request, or the
-            proposer taps a layer the model does not have.
+        ValueError: the KV-cache memory holds too few pages to serve one full-length request, the
+            proposer taps a layer the model does not have, or ``draft_length="tree"`` with a
+            proposer that drafts chains only.
     """
 
     def __init__(
@@ -87,11 +105,10 @@ class Engine:
         """Speculative-decoding counters summed over every step so far."""
         self.last_step_stats = SpeculativeStats()
         """The last step's counters (k chosen, drafted, accepted, draft and verify time)."""
-        self._bandit: DraftLengthBandit | None = None
-        self._tree: TreeShape | None = None
         self.proposer: Proposer | None = None
-        if proposer is not None:
-            self.set_proposer(proposer)
+        self._policy: SpeculationPolicy
+        """Which speculation each step runs (``spec/draft_length.py``); made by :meth:`set_proposer`."""
+        self.set_proposer(proposer)
         self._arrivals = itertools.count()
         self.phases = PhaseClock(self.device)
         """Per-phase step timing (``phases.py``); off until ``phases.enabled = True``."""
@@ -122,7 +139,8 @@ class Engine:
 
         Raises:
             DrafterError: a drafter made for another target (the engine keeps its proposer).
-            ValueError: the proposer taps a layer the model does not have (likewise).
+            ValueError: the proposer taps a layer the model does not have, or ``draft_length="tree"``
+                and it drafts chains only (likewise).
         """
         if proposer is not None:
             proposer.attach(self.model)  # a drafter checks it fits this model first, naming its file
@@ -131,6 +149,9 @@ class Engine:
             if bad:
                 raise ValueError(f"the proposer taps layers {bad}; the model has {layers} layers, "
                                  f"expected taps in [0, {layers}]")
+        config = self.config
+        policy = SpeculationPolicy(proposer, draft_length=config.draft_length, max_k=config.num_draft_tokens,
+                                   tree_shapes=config.tree_shapes, seed=config.seed)
         if self.proposer is not None:
             for request_id in self._requests:
                 self.proposer.finish(request_id)
@@ -138,16 +159,7 @@ class Engine:
         self.runner.feature_layers = tuple(proposer.feature_layers) if proposer is not None else ()
         if self.runner.feature_layers:
             self.block_manager.forget_cached()
-        self._bandit = None
-        trees = self.config.tree_shapes if proposer is not None and drafts_trees(proposer) else ()
-        if proposer is not None and self.config.draft_length == "adaptive":
-            self._bandit = DraftLengthBandit(self.config.num_draft_tokens, trees=trees, seed=self.config.seed)
-        self._tree = None
-        if proposer is not None and self.config.draft_length == "tree":
-            if not trees:
-                raise ValueError(f"draft_length='tree' needs a proposer that drafts trees; "
-                                 f"{type(proposer).__name__} drafts chains only")
-            self._tree = trees[0]
+        self._policy = policy
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -255,159 +267,98 @@ class Engine:
         """Run one batch and return a delta for every request that produced a token or finished.
 
         With a proposer, each decoding sequence's drafts ride along in the same forward pass and
-        are verified losslessly (``spec/verify.py``); K/V slots of rejected drafts are rolled back.
+        are verified losslessly (``spec/modes.py``); K/V slots of rejected drafts are rolled back.
         """
-        start_time = time.perf_counter()
-        clock = self.phases
-        clock.start()
-        arm = self._choose_speculation()
-        tree_shape = arm if isinstance(arm, TreeShape) else None
-        k = tree_shape.depth if tree_shape is not None else int(arm)
-        scheduled = self.scheduler.schedule(self.weight_version, lookahead=tree_shape.nodes if tree_shape else k)
-        if not scheduled:
+        step = self._schedule()
+        if step is None:  # nothing can run
             return []
-        clock.mark("schedule")
-        stats = SpeculativeStats(num_steps=1, k=k)
-        trees: dict[Sequence, DraftTree] | None = None
-        if tree_shape is not None:
-            assert self.proposer is not None  # a tree is chosen only with a proposer
-            trees = propose_trees(self.proposer, scheduled, tree_shape, self.model_config.vocab_size,
-                                  self.config.page_size, self.max_model_len)
-            drafts, draft_probs = {seq: tree.tokens for seq, tree in trees.items()}, {}
-        else:
-            drafts, draft_probs = self._propose(scheduled, k)
-        clock.mark("propose")
-        stats.draft_time_s = time.perf_counter() - start_time
-        starts = [s.seq.num_computed_tokens for s in scheduled]
-        inputs = self.runner.prepare(scheduled, drafts, trees)
-        clock.mark("metadata")
-        # logits [rows, V]: 1 + drafts per sampling sequence, where the sampler reads them
-        # a tree step's LM head runs in the verification, on the rows the walk reaches
-        logits, features = self.runner.forward(inputs, to_cpu=self._gpu_sampler is None, hidden_only=bool(trees))
-        clock.mark("forward")
-        for s in scheduled:  # the forward wrote their K/V; rejected drafts are rolled back in _verify
-            s.seq.num_computed_tokens += s.num_new_tokens + len(drafts.get(s.seq, ()))
-        samplers = [s.seq for s in scheduled if s.samples]
-        paths: dict[Sequence, list[int]] | None = None
-        if not samplers:  # only prefill chunks that stop short of their last token: nothing to sample or verify
-            emitted = []
-        elif trees:
-            emitted, paths = self._verify_trees(logits, samplers, trees, stats)
-        elif k:
-            emitted = self._verify(logits, samplers, drafts, draft_probs, k, stats)
-        else:
-            emitted = self._sample(logits, samplers)
-        clock.mark("sample")
-        stats.verify_time_s = time.perf_counter() - start_time - stats.draft_time_s
-        outputs = self._emit(scheduled, samplers, emitted)
-        if features is not None:
-            assert self.proposer is not None  # features are tapped only for a proposer
-            observe_features(self.proposer, scheduled, drafts, starts, features, paths)
-        stats.num_emitted = sum(len(out.new_token_ids) for out in outputs)
-        self._record_step(scheduled, arm, stats, time.perf_counter() - start_time)
-        clock.mark("emit")
-        clock.end_step()
+        drafts = self._propose(step)
+        output, features = self._forward(step, drafts)
+        verified = self._verify(step, drafts, output)
+        outputs = self._emit(step, verified)
+        self._observe(step, drafts, features, verified)
+        self._count(step, outputs)
         return outputs
 
     def _choose_speculation(self) -> Arm:
-        """This step's speculation: none without a proposer, the fixed k or tree, or the bandit's
-        pick for the live decode batch size."""
-        if self.proposer is None:
-            return 0
-        if self._bandit is None or not self.scheduler.running:
-            return self._tree if self._tree is not None else self.config.num_draft_tokens
-        return self._bandit.choose(len(self.scheduler.running))
+        """This step's speculation (``spec/draft_length.py``): none without a proposer, the fixed k
+        or tree, or the bandit's pick for the live decode batch size."""
+        return self._policy.choose(len(self.scheduler.running))
 
-    def _propose(
-        self, scheduled: list[ScheduledSequence], k: int
-    ) -> tuple[dict[Sequence, list[int]], dict[Sequence, torch.Tensor]]:
-        """The drafts (and their q, when sampled) of the sequences that decode this step; none at k = 0."""
-        if not k:
-            return {}, {}
-        assert self.proposer is not None  # k > 0 only with a proposer
-        return propose_drafts(self.proposer, scheduled, k, self.model_config.vocab_size, self.config.page_size)
+    def _schedule(self) -> _Step | None:
+        """Choose the step's speculation and its batch, with K/V slots for the drafts; ``None``
+        when nothing can run."""
+        started = time.perf_counter()
+        self.phases.start()
+        arm = self._choose_speculation()
+        spec = speculation_for(arm, SpecContext(self.proposer, self.runner, self.block_manager, self._gpu_sampler))
+        scheduled = self.scheduler.schedule(self.weight_version, lookahead=spec.lookahead)
+        if not scheduled:
+            return None
+        self.phases.mark("schedule")
+        return _Step(started, arm, spec, scheduled, SpeculativeStats(num_steps=1, k=spec.k),
+                     [s.seq.num_computed_tokens for s in scheduled], [s.seq for s in scheduled if s.samples])
 
-    def _verify(
-        self, logits: torch.Tensor, samplers: list[Sequence], drafts: dict[Sequence, list[int]],
-        draft_probs: dict[Sequence, torch.Tensor], k: int, stats: SpeculativeStats,
-    ) -> list[tuple[list[int], list[float], int]]:
-        """Verify each sampling sequence's drafts, roll back the K/V of the rejected ones and count
-        them in ``stats``; per sequence ``(tokens, behavior logprobs, drafts accepted)``."""
-        seq_drafts = [drafts.get(seq, []) for seq in samplers]
-        seq_probs = [draft_probs.get(seq) for seq in samplers]
-        verify = verify_drafts if self._gpu_sampler is None else self._gpu_sampler.verify
-        emitted = verify(logits, samplers, seq_drafts, seq_probs, k)
-        for seq, d, (_, _, accepted) in zip(samplers, seq_drafts, emitted, strict=True):
-            # Roll back the K/V of rejected drafts: only [last, d_1..d_accepted] stay valid.
-            seq.num_computed_tokens -= len(d) - accepted
-            self.block_manager.truncate(seq, seq.num_computed_tokens)
-            stats.count_verify(len(d), accepted)
-        return emitted
+    def _propose(self, step: _Step) -> StepDrafts:
+        """The drafts of the sequences that decode this step (none when the step does not draft)."""
+        drafts = step.spec.propose(step.scheduled)
+        self.phases.mark("propose")
+        step.stats.draft_time_s = time.perf_counter() - step.started
+        return drafts
 
-    def _verify_trees(
-        self, hidden: torch.Tensor, samplers: list[Sequence], trees: dict[Sequence, DraftTree],
-        stats: SpeculativeStats,
-    ) -> tuple[list[tuple[list[int], list[float], int]], dict[Sequence, list[int]]]:
-        """Walk each sampling sequence's draft tree (``spec/tree.py``) over the final hidden states
-        ``hidden`` of its rows (the LM head runs on the rows the walk reaches), keep the accepted path's K/V
-        (moved to the slots of its positions) and roll back the rest; per sequence ``(tokens,
-        behavior logprobs, drafts accepted)``, and each tree sequence's accepted nodes."""
-        seq_trees = [trees.get(seq, DraftTree([], [])) for seq in samplers]
-        model = self.model
-        verdicts = verify_trees(lambda rows: model.compute_logits(hidden.index_select(0, rows.to(hidden.device))),
-                                samplers, seq_trees, num_rows=hidden.shape[0])
-        paths = {}
-        for seq, tree, verdict in zip(samplers, seq_trees, verdicts, strict=True):
-            if not len(tree):
-                continue
-            root = seq.num_computed_tokens - len(tree) - 1  # the slot of the last token before the step
-            self.runner.keep_tree_path(seq, root, verdict.path)
-            seq.num_computed_tokens -= len(tree) - len(verdict.path)
-            self.block_manager.truncate(seq, seq.num_computed_tokens)
-            stats.count_verify(len(tree), len(verdict.path))
-            paths[seq] = verdict.path
-        return [(v.token_ids, v.logprobs, len(v.path)) for v in verdicts], paths
+    def _forward(self, step: _Step, drafts: StepDrafts) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the target over the batch, drafts included, and advance every sequence past the K/V
+        it wrote. Returns float32 logits ``[rows, V]`` (1 + drafts per sampling sequence, where the
+        sampler reads them) — a tree step's final hidden states instead, the LM head then running
+        in the verification on the rows the walk reaches — and the proposer's features or None."""
+        inputs = self.runner.prepare(step.scheduled, drafts.tokens, drafts.trees)
+        self.phases.mark("metadata")
+        output, features = self.runner.forward(inputs, to_cpu=self._gpu_sampler is None,
+                                               hidden_only=drafts.defers_lm_head)
+        self.phases.mark("forward")
+        for s in step.scheduled:  # the forward wrote their K/V; the verification rolls rejected drafts back
+            s.seq.num_computed_tokens += s.num_new_tokens + len(drafts.tokens.get(s.seq, ()))
+        return output, features
 
-    def _sample(self, logits: torch.Tensor, samplers: list[Sequence]) -> list[tuple[list[int], list[float], int]]:
-        """One token per sampling sequence (plain decoding), in :meth:`_verify`'s form."""
-        params = [s.sampling for s in samplers]
-        if self._gpu_sampler is None:
-            tokens, logprobs = sample(logits, params, [s.generator for s in samplers])
-        else:
-            tokens, logprobs = self._gpu_sampler.sample(logits, params)
-        return [([t], [lp], 0) for t, lp in zip(tokens.tolist(), logprobs.tolist(), strict=True)]
+    def _verify(self, step: _Step, drafts: StepDrafts, output: torch.Tensor) -> Verified:
+        """Each sampling sequence's tokens: its drafts verified, or one token sampled."""
+        if step.samplers:
+            verified = step.spec.verify(output, step.samplers, drafts, step.stats)
+        else:  # only prefill chunks that stop short of their last token: nothing to sample or verify
+            verified = Verified([])
+        self.phases.mark("sample")
+        step.stats.verify_time_s = time.perf_counter() - step.started - step.stats.draft_time_s
+        return verified
 
-    def _emit(
-        self, scheduled: list[ScheduledSequence], samplers: list[Sequence],
-        emitted: list[tuple[list[int], list[float], int]],
-    ) -> list[StepOutput]:
+    def _emit(self, step: _Step, verified: Verified) -> list[StepOutput]:
         """Key the pages a prefill chunk completed, append each sampling sequence's tokens, report."""
-        for s in scheduled:
+        for s in step.scheduled:
             if not s.samples:  # a prefill chunk; sampling sequences are keyed in _emit_tokens, tokens appended
                 self.block_manager.cache_full_pages(s.seq, self.weight_version)
-        return [self._emit_tokens(seq, tokens, lps) for seq, (tokens, lps, _) in zip(samplers, emitted, strict=True)]
+        return [self._emit_tokens(seq, tokens, lps)
+                for seq, (tokens, lps, _) in zip(step.samplers, verified.emitted, strict=True)]
 
-    def _record_step(
-        self, scheduled: list[ScheduledSequence], arm: Arm, stats: SpeculativeStats, seconds: float
+    def _observe(
+        self, step: _Step, drafts: StepDrafts, features: torch.Tensor | None, verified: Verified
     ) -> None:
+        """Hand the proposer the features of the positions the step made valid (when it taps some)."""
+        if features is not None:
+            assert self.proposer is not None  # features are tapped only for a proposer
+            observe_features(self.proposer, step.scheduled, drafts.tokens, step.starts, features, verified.paths)
+
+    def _count(self, step: _Step, outputs: list[StepOutput]) -> None:
+        """Fold the step into the counters, the adaptive controller and the phase clock."""
+        stats = step.stats
+        stats.num_emitted = sum(len(out.new_token_ids) for out in outputs)
         self.last_step_stats = stats
         self.spec_stats.add(stats)
-        # Only pure decode steps measure a speculation: a prefill chunk's cost says nothing about it.
-        if self._bandit is not None and all(s.num_new_tokens == 1 for s in scheduled):
-            self._bandit.record(arm, stats.num_emitted, seconds)
+        self._policy.record(step.arm, step.scheduled, stats.num_emitted, time.perf_counter() - step.started)
+        self.phases.mark("emit")
+        self.phases.end_step()
 
     def _emit_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> StepOutput:
         """Append tokens in order until one finishes the request; report the delta."""
-        finish: FinishReason | None = None
-        kept = 0
-        for token, logprob in zip(tokens, logprobs, strict=True):
-            seq.token_ids.append(token)
-            seq.logprobs.append(logprob)
-            seq.versions.append(self.weight_version)
-            kept += 1
-            finish = seq.stop_reason(token, self.eos_token_ids)
-            if finish is not None:
-                break
+        kept, finish = seq.append_tokens(tokens, logprobs, self.weight_version, self.eos_token_ids)
         # Key the pages whose K/V is now complete: accepted drafts are in token_ids only from here.
         self.block_manager.cache_full_pages(seq, self.weight_version)
         if finish is not None:

@@ -1,8 +1,9 @@
 """Architecture hyper-parameters of a Llama-family decoder.
 
 One struct describes Llama/SmolLM2, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm); the
-loaders in ``checkpoint.py`` (Hugging Face directories) and ``gguf_loader.py`` (GGUF files) fill it
-from a checkpoint and validate it at that boundary.
+loaders in ``loaders/checkpoint.py`` (Hugging Face directories) and ``loaders/gguf.py`` (GGUF
+files) fill it from a checkpoint and validate it at that boundary. It lives beside the model, not
+with the loaders: the model, the attention backends and the runner are built from it.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ SMOLLM2_135M = ModelConfig(
     tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
 )
 """The default model's shapes, as its GGUF states them: random-weight stand-ins at real size
-(``checkpoint.random_checkpoint``) where the file is not at hand, e.g. on a GPU machine."""
+(``loaders.checkpoint.random_checkpoint``) where the file is not at hand, e.g. on a GPU machine."""
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -17,9 +17,9 @@ import torch
 
 from specroll.engine.attention import allocate_kv_cache, flashinfer_problem, kv_bytes_per_page, select_backend
 from specroll.engine.batch import build_metadata
-from specroll.engine.checkpoint import Checkpoint
 from specroll.engine.config import EngineConfig
 from specroll.engine.flashinfer_attention import FlashInferAttention
+from specroll.engine.loaders.checkpoint import Checkpoint
 from specroll.engine.model import CausalLM
 from specroll.engine.model_config import expected_weight_shapes
 from specroll.engine.scheduler import ScheduledSequence

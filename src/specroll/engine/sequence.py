@@ -69,6 +69,26 @@ class Sequence:
             return "length"
         return None
 
+    def append_tokens(
+        self, tokens: list[int], logprobs: list[float], version: int, eos_token_ids: frozenset[int]
+    ) -> tuple[int, FinishReason | None]:
+        """Append ``tokens`` (behavior ``logprobs``, policy ``version``) in order until one finishes
+        the sequence (:meth:`stop_reason`); the tokens after it are dropped.
+
+        Returns:
+            How many tokens were appended, and why the sequence finished (``None``: it goes on).
+        """
+        kept = 0
+        for token, logprob in zip(tokens, logprobs, strict=True):
+            self.token_ids.append(token)
+            self.logprobs.append(logprob)
+            self.versions.append(version)
+            kept += 1
+            finish = self.stop_reason(token, eos_token_ids)
+            if finish is not None:
+                return kept, finish
+        return kept, None
+
 
 @dataclass(frozen=True)
 class StepOutput:

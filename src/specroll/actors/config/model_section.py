@@ -7,7 +7,7 @@ from typing import Literal
 from specroll.actors.config.section import Section as _Section
 from specroll.actors.config.section import check_literals as _check_literals
 from specroll.actors.config.section import require as _require
-from specroll.engine.registry import DEFAULT_MODEL
+from specroll.engine.loaders.registry import DEFAULT_MODEL
 
 
 class ModelSection(_Section):

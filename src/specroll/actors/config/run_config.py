@@ -45,7 +45,7 @@ from specroll.actors.config.section import Section as _Section
 from specroll.actors.config.section import require as _require
 from specroll.actors.config.task_section import EvalConfig, TaskConfig
 from specroll.actors.config.trainer_section import TrainerConfig
-from specroll.engine.registry import DEFAULT_MODEL
+from specroll.engine.loaders.registry import DEFAULT_MODEL
 
 
 class RunConfig(_Section):

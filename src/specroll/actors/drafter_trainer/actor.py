@@ -43,7 +43,7 @@ from specroll.actors.shared.security import peer_keys
 from specroll.drafter.eagle_config import DrafterError, max_tensor_bytes
 from specroll.drafter.eagle_head import EagleHead
 from specroll.drafter.learner import DrafterLearner, DrafterSnapshot
-from specroll.engine.checkpoint import load_checkpoint
+from specroll.engine.loaders.checkpoint import load_checkpoint
 from specroll.engine.model import CausalLM
 from specroll.protocol.channel import Channel, Received
 from specroll.protocol.codec import pack_tensors

@@ -20,7 +20,7 @@ from specroll.actors.peer.exit import run_stoppable
 from specroll.actors.shared.exit_codes import EXIT_REFUSED
 from specroll.actors.shared.security import keys_overrides, keys_usable
 from specroll.drafter.eagle_config import DrafterError
-from specroll.engine.checkpoint import CheckpointError
+from specroll.engine.loaders.checkpoint import CheckpointError
 
 
 def serve(config: RunConfig, connect: str, actor_id: str | None = None, log_level: str = "INFO",

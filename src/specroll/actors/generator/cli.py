@@ -25,7 +25,7 @@ from specroll.actors.shared.exit_codes import EXIT_REFUSED
 from specroll.actors.shared.keys_flag import add_keys_argument
 from specroll.actors.shared.security import keys_overrides, keys_usable
 from specroll.drafter.eagle_config import DrafterError
-from specroll.engine.errors import CheckpointError
+from specroll.engine.loaders.errors import CheckpointError
 
 FLAG_KEYS: dict[str, str] = {
     "model": "model.name",

@@ -23,7 +23,7 @@ from specroll.drafter.eagle3_format import eagle3_config, eagle3_tensors, read_e
 from specroll.drafter.eagle_config import DrafterError
 from specroll.drafter.eagle_files import CONFIG_FILE, WEIGHTS_FILE
 from specroll.drafter.eagle_head import EagleHead
-from specroll.engine.checkpoint import CheckpointError, load_model_config
+from specroll.engine.loaders.checkpoint import CheckpointError, load_model_config
 from specroll.engine.model_config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -20,8 +20,8 @@ from specroll.actors.jobs.generate import GenerateError
 from specroll.drafter.eagle_config import DrafterError, eagle3_feature_layers
 from specroll.drafter.eagle_head import EagleHead
 from specroll.drafter.learner import DrafterLearner, LearnerConfig
-from specroll.engine.checkpoint import CheckpointError, load_checkpoint
 from specroll.engine.device import check_device
+from specroll.engine.loaders.checkpoint import CheckpointError, load_checkpoint
 from specroll.engine.model import CausalLM
 
 

@@ -14,10 +14,10 @@ import msgspec
 from specroll.actors.jobs.progress import run_with_progress
 from specroll.drafter.eagle import EagleProposer
 from specroll.drafter.suffix import SuffixProposer
-from specroll.engine.chat_template import ChatTemplateError
-from specroll.engine.checkpoint import CheckpointError
 from specroll.engine.config import EngineConfig
 from specroll.engine.engine import Engine
+from specroll.engine.loaders.chat_template import ChatTemplateError
+from specroll.engine.loaders.checkpoint import CheckpointError
 from specroll.protocol.sampling import SamplingParams
 from specroll.rl.tasks import (
     Prompt,
@@ -30,7 +30,7 @@ from specroll.rl.tasks import (
 )
 
 if TYPE_CHECKING:
-    from specroll.engine.tokenizer import Tokenizer
+    from specroll.engine.loaders.tokenizer import Tokenizer
 
 
 class GenerateError(Exception):

@@ -17,7 +17,7 @@ import torch
 from specroll.actors.jobs.generate import GenerateError, _encode_prompt, _load_task
 from specroll.drafter.eagle_config import EagleConfig, build_draft_vocab, eagle3_feature_layers
 from specroll.drafter.eagle_head import EagleHead
-from specroll.engine.checkpoint import CheckpointError, load_checkpoint
+from specroll.engine.loaders.checkpoint import CheckpointError, load_checkpoint
 
 
 def run_init_drafter(args: argparse.Namespace) -> None:

@@ -17,8 +17,8 @@ from specroll.actors.trainer.checkpoint import STATE_FILE, find_checkpoint
 from specroll.actors.trainer.task_load import load_task
 from specroll.drafter.eagle_config import DrafterError
 from specroll.drafter.eagle_head import EagleHead
-from specroll.engine.checkpoint import CheckpointError, load_model_config
-from specroll.engine.registry import resolve_model
+from specroll.engine.loaders.checkpoint import CheckpointError, load_model_config
+from specroll.engine.loaders.registry import resolve_model
 from specroll.rl.admission import run_ahead_warning
 from specroll.rl.tasks import PromptFileError
 

@@ -33,7 +33,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from specroll.engine.checkpoint import CheckpointError, check_weights
+from specroll.engine.loaders.checkpoint import CheckpointError, check_weights
 from specroll.engine.model import CausalLM
 from specroll.engine.model_config import ModelConfig
 

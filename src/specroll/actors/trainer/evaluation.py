@@ -24,7 +24,7 @@ from anyio.abc import TaskGroup
 
 from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.rollout.timeline import Timeline
-from specroll.engine.tokenizer import Tokenizer
+from specroll.engine.loaders.tokenizer import Tokenizer
 from specroll.protocol.sampling import SamplingParams
 from specroll.rl.evaluation import EvalResult, eval_sampling, score
 from specroll.rl.tasks import Prompt, RewardFn

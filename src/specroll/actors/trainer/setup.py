@@ -19,9 +19,9 @@ from specroll.actors.trainer.ranks.channel import RankChannel
 from specroll.actors.trainer.ranks.join import RankError, Ranks, join_group, rank_device
 from specroll.actors.trainer.ranks.sharded import ShardedModel
 from specroll.actors.trainer.task_load import load_task
-from specroll.engine.checkpoint import load_checkpoint
+from specroll.engine.loaders.checkpoint import load_checkpoint
+from specroll.engine.loaders.tokenizer import Tokenizer
 from specroll.engine.model import CausalLM
-from specroll.engine.tokenizer import Tokenizer
 from specroll.rl.tasks import Prompt, format_question
 
 

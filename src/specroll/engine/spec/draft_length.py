@@ -1,4 +1,10 @@
-"""Adaptive speculation: a bucketed epsilon-greedy bandit over k in {0, 1, ..., K} and draft-tree shapes.
+"""Each step's speculation: fixed, or adaptive by a bucketed epsilon-greedy bandit over k in {0, 1, ..., K}
+and draft-tree shapes.
+
+:class:`SpeculationPolicy` does what ``EngineConfig.draft_length`` says: ``fixed`` drafts a chain of
+K every step, ``tree`` a tree of the first ``draft_trees`` shape, ``adaptive`` what
+:class:`DraftLengthBandit` picks for the live decode batch; without a proposer every step decodes
+plainly (k = 0).
 
 Each engine step drafts a chain of k tokens per sequence (k = 0 is plain decoding) or a draft tree
 of a given shape (``spec/tree.py``). The best arm depends on how well the drafter is doing and on
@@ -40,6 +46,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from specroll.engine.config import DraftLength
+from specroll.engine.scheduler import ScheduledSequence
+from specroll.engine.spec.proposer import Proposer, drafts_trees
 from specroll.engine.spec.tree import TreeShape
 
 Bucket = tuple[int, int]
@@ -180,3 +189,53 @@ class DraftLengthBandit:
                 order.sort(key=lambda i: -(rates[self.arms[i]] or 0.0))  # stable: unknown arms keep costliest first
             self._stats[bucket] = _BucketStats([deque(maxlen=self.window) for _ in arms], [0 for _ in arms], order)
         return self._stats[bucket]
+
+
+class SpeculationPolicy:
+    """Chooses each engine step's speculation (module docstring) and credits the adaptive one.
+
+    Args:
+        proposer: the engine's drafter; ``None``: plain decoding every step.
+        draft_length: ``fixed``, ``tree`` or ``adaptive`` (``EngineConfig.draft_length``).
+        max_k: K, the chain length of ``fixed`` and the longest chain ``adaptive`` tries.
+        tree_shapes: the draft-tree shapes (``EngineConfig.tree_shapes``); used only when the
+            proposer drafts trees.
+        seed: the bandit's seed.
+
+    Raises:
+        ValueError: ``draft_length="tree"`` with a proposer that drafts chains only.
+    """
+
+    def __init__(
+        self, proposer: Proposer | None, *, draft_length: DraftLength, max_k: int,
+        tree_shapes: Sequence[TreeShape], seed: int,
+    ) -> None:
+        self.bandit: DraftLengthBandit | None = None
+        """The adaptive controller (``adaptive`` with a proposer); ``None`` otherwise."""
+        self._fixed: Arm = 0
+        if proposer is None:
+            return
+        trees = tuple(tree_shapes) if drafts_trees(proposer) else ()
+        if draft_length == "adaptive":
+            self.bandit = DraftLengthBandit(max_k, trees=trees, seed=seed)
+        if draft_length == "tree":
+            if not trees:
+                raise ValueError(f"draft_length='tree' needs a proposer that drafts trees; "
+                                 f"{type(proposer).__name__} drafts chains only")
+            self._fixed = trees[0]
+        else:
+            self._fixed = max_k
+
+    def choose(self, num_running: int) -> Arm:
+        """This step's speculation: the fixed k or tree, or the bandit's pick for ``num_running``
+        live decoding sequences (the fixed k while none runs yet)."""
+        if self.bandit is None or not num_running:
+            return self._fixed
+        return self.bandit.choose(num_running)
+
+    def record(self, arm: Arm, scheduled: Sequence[ScheduledSequence], num_emitted: int, seconds: float) -> None:
+        """Credit the bandit with a step that ran ``arm`` over ``scheduled``: ``num_emitted`` tokens
+        in ``seconds`` of wall time."""
+        # Only pure decode steps measure a speculation: a prefill chunk's cost says nothing about it.
+        if self.bandit is not None and all(s.num_new_tokens == 1 for s in scheduled):
+            self.bandit.record(arm, num_emitted, seconds)

@@ -21,7 +21,7 @@ from specroll.actors.shared.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_REFUSED
 from specroll.actors.trainer.ranks.channel import RankChannel
 from specroll.actors.trainer.ranks.join import RankError, Ranks, join_group, rank_device
 from specroll.actors.trainer.ranks.sharded import ShardedModel
-from specroll.engine.checkpoint import load_checkpoint
+from specroll.engine.loaders.checkpoint import load_checkpoint
 from specroll.engine.model import CausalLM
 from specroll.protocol.trainer_ranks import GatherState, GatherWeights, Restore, Stop, TrainStep
 

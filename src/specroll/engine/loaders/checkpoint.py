@@ -16,11 +16,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from specroll.engine.errors import CheckpointError
-from specroll.engine.gguf_loader import load_gguf, read_gguf
+from specroll.engine.loaders.errors import CheckpointError
+from specroll.engine.loaders.gguf import load_gguf, read_gguf
+from specroll.engine.loaders.registry import resolve_model
+from specroll.engine.loaders.tokenizer import Tokenizer
 from specroll.engine.model_config import Architecture, ModelConfig, expected_weight_shapes
-from specroll.engine.registry import resolve_model
-from specroll.engine.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ import gguf
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
-from specroll.engine.chat_template import compile_chat_template, read_hf_chat_template
-from specroll.engine.errors import ChatTemplateError, CheckpointError
+from specroll.engine.loaders.chat_template import compile_chat_template, read_hf_chat_template
+from specroll.engine.loaders.errors import ChatTemplateError, CheckpointError
 
 __all__ = ["ChatTemplateError", "Tokenizer"]
 

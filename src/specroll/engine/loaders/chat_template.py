@@ -19,7 +19,7 @@ import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from specroll.engine.errors import ChatTemplateError, CheckpointError
+from specroll.engine.loaders.errors import ChatTemplateError, CheckpointError
 
 
 def read_hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:

@@ -10,7 +10,7 @@ import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
 
-from specroll.engine.errors import CheckpointError
+from specroll.engine.loaders.errors import CheckpointError
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ import gguf
 import numpy as np
 import torch
 
-from specroll.engine.errors import CheckpointError
+from specroll.engine.loaders.errors import CheckpointError
+from specroll.engine.loaders.tokenizer import Tokenizer
 from specroll.engine.model_config import Architecture, ModelConfig
-from specroll.engine.tokenizer import Tokenizer
 
 GGUF_ARCHITECTURES: tuple[Architecture, ...] = ("llama", "qwen2", "qwen3")
 """``general.architecture`` values we load."""
