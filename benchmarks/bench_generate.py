@@ -67,7 +67,6 @@ if TYPE_CHECKING:
     import torch
 
     from specroll.engine.engine import Engine
-    from specroll.engine.loaders.checkpoint import Checkpoint
 
 COPY_BYTES = 256 * 2**20
 """Size of the tensor the bandwidth probe copies: far above any CPU cache."""
