@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_bench_e2e import alive, run_benchmark
-from test_launch import members_of_groups, started_pids
+from helpers.bench_runs import run_benchmark
+from helpers.launch import live, members_of_groups, started_pids
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_chaos.py"
 TIMEOUT_S = 900  # about 2 minutes on a loaded 2-core machine (every restart imports torch again)
@@ -37,5 +37,5 @@ def test_quick_chaos_run_trains_every_group_once(tmp_path: Path) -> None:
 
     run_dir = work / "chaos"
     pids = set(started_pids(run_dir).values()) | {k["pid"] for k in doc["kills"]}
-    assert not alive(pids), "a process of the run outlived the benchmark"
+    assert not live(pids), "a process of the run outlived the benchmark"
     assert not members_of_groups(pids | {pid})

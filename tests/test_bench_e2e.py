@@ -4,46 +4,17 @@ arm — checked on the JSON it writes and on the processes it leaves (none)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from test_launch import members_of_groups, started_pids
+from helpers.bench_runs import run_benchmark
+from helpers.launch import live, members_of_groups, started_pids
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_e2e.py"
 TIMEOUT_S = 900  # three arms of two steps on a loaded 2-core machine take about a minute
-
-
-def alive(pids: set[int]) -> set[int]:
-    """The non-zombie processes among ``pids``."""
-    out = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
-                out.add(pid)
-    return out
-
-
-def run_benchmark(cmd: list[str], timeout_s: float) -> tuple[str, int]:
-    """Run a benchmark script to its end; return its output and its pid (the id of its process
-    group, which must be empty afterwards); fail the test on a non-zero exit or
-    after ``timeout_s`` (a hang guard). It runs in its own session, so on a timeout the whole tree goes
-    (the launchers' roles die with their launcher)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd[1:3])} did not finish within {timeout_s} s:\n{log[-3000:]}")
-    assert proc.returncode == 0, log[-3000:]
-    return log, proc.pid
 
 
 def check_arm(run: dict, steps: int) -> None:
@@ -85,7 +56,7 @@ def test_quick_run_measures_every_arm_and_leaves_no_process(tmp_path: Path, tiny
     started = {arm: set(started_pids(work / f"{arm}-seed0" / "run").values()) for arm in ("sync", "specroll")}
 
     def leftovers() -> set[int]:
-        return members_of_groups({pid}) | {p for pids in started.values() for p in alive(pids)} \
+        return members_of_groups({pid}) | {p for pids in started.values() for p in live(pids)} \
             | members_of_groups({p for pids in started.values() for p in pids})
 
     deadline = time.monotonic() + 30  # a hang guard; normally the first look finds nothing
@@ -93,4 +64,4 @@ def test_quick_run_measures_every_arm_and_leaves_no_process(tmp_path: Path, tiny
         time.sleep(0.05)
     assert not members_of_groups({pid}), "processes left in the benchmark's process group"
     for arm, pids in started.items():
-        assert not alive(pids) and not members_of_groups(pids), f"{arm}: processes left running"
+        assert not live(pids) and not members_of_groups(pids), f"{arm}: processes left running"

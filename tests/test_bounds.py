@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,8 @@ import pytest
 import torch
 import zmq
 import zmq.asyncio
-from test_generator_actor import FakeTrainer, fake_trainer, generator_process
+from helpers.fake_peers import FakeTrainer, fake_generator, fake_trainer
+from helpers.processes import generator_process
 
 from specroll.actors.config import DrafterConfig, ModelSection, RunConfig
 from specroll.actors.drafter_trainer.actor import DrafterActor, build_learner
@@ -34,7 +34,7 @@ from specroll.drafter.eagle_head import EagleHead
 from specroll.engine.checkpoint import load_checkpoint
 from specroll.engine.model_config import expected_weight_shapes
 from specroll.protocol.channel import Channel
-from specroll.protocol.codec import ProtocolError, pack_tensors
+from specroll.protocol.codec import pack_tensors
 from specroll.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -55,7 +55,6 @@ from specroll.protocol.messages import (
     SubmitGroup,
     TensorSpec,
     ToDrafter,
-    ToGenerator,
     WeightsAvailable,
     Welcome,
 )
@@ -241,40 +240,6 @@ async def test_random_extreme_groups_are_each_served_or_refused_and_the_generato
 
 
 # ---- the rollout client (trainer side) ------------------------------------------------------
-
-
-class FakeGenerator:
-    """A DEALER channel to a rollout client, with its receive task; messages are queued for :meth:`next`."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
-        self.sock = make_socket(ctx, zmq.DEALER, connect=endpoint, identity=b"fake-gen")
-        self.channel: Channel[Any] = Channel(self.sock, ToGenerator)
-        self._send, self._recv = anyio.create_memory_object_stream[Any](math.inf)
-
-    async def serve(self) -> None:
-        while True:
-            with contextlib.suppress(ProtocolError):
-                self._send.send_nowait((await self.channel.recv()).msg)
-
-    async def expect(self, kind: type, timeout: float = 30) -> Any:
-        with anyio.fail_after(timeout):
-            msg = await self._recv.receive()
-        assert isinstance(msg, kind), f"expected {kind.__name__}, got {msg!r:.300}"
-        return msg
-
-
-@contextlib.asynccontextmanager
-async def fake_generator(endpoint: str) -> AsyncIterator[FakeGenerator]:
-    ctx = zmq.asyncio.Context()
-    gen = FakeGenerator(ctx, endpoint)
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(gen.serve)
-            yield gen
-            tg.cancel_scope.cancel()
-    finally:
-        close_socket(gen.sock)
-        ctx.term()
 
 
 def chunk(group_id: str, index: int, tokens: int, offset: int = 0, finished: bool = False) -> RolloutChunk:

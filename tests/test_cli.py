@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_tiny_checkpoint
+from helpers.checkpoints import write_tiny_checkpoint
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,

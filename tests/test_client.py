@@ -14,7 +14,7 @@ import anyio
 import pytest
 import zmq
 import zmq.asyncio
-from conftest import generator_process
+from helpers.processes import generator_process
 
 from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.rollout.sync_client import SyncRolloutClient

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import drafter_process, generator_process, wait_until
+from helpers.processes import drafter_process, generator_process, wait_until
 
 from specroll.actors.config import DrafterConfig, GeneratorConfig, ModelSection, RunConfig, write_resolved
 from specroll.actors.rollout.client import RolloutClient

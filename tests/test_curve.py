@@ -20,10 +20,10 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from conftest import actor_process, generator_process
+from helpers.drafters import run_config
+from helpers.launch import assert_nothing_left, children_of, finish, launch, write_config
+from helpers.processes import actor_process, generator_process
 from safetensors.torch import load_file
-from test_drafter_actor import run_config
-from test_launch import assert_nothing_left, children_of, finish, launch, write_config
 from zmq.utils.monitor import parse_monitor_message
 
 from specroll.actors.rollout.client import RolloutClient

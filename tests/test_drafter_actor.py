@@ -11,9 +11,11 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from conftest import drafter_process, generator_process, wait_until, write_tiny_checkpoint
+from helpers.checkpoints import write_tiny_checkpoint
+from helpers.drafters import run_config
+from helpers.processes import drafter_process, generator_process, wait_until
 
-from specroll.actors.config import DrafterConfig, ModelSection, RunConfig, write_resolved
+from specroll.actors.config import DrafterConfig, ModelSection, RunConfig
 from specroll.actors.drafter_trainer.actor import DrafterActor
 from specroll.actors.rollout.client import RolloutClient
 from specroll.drafter.eagle import EagleProposer
@@ -52,13 +54,6 @@ def model(tmp_path_factory) -> Path:
     path.mkdir()
     write_tiny_checkpoint(path)
     return path
-
-
-def run_config(model: Path, run_dir: Path) -> Path:
-    drafter = DrafterConfig(enabled=True, min_rollouts=4, publish_every_steps=3, batch=4, window_tokens=32,
-                            draft_vocab_size=128, duty_cycle=1.0, num_threads=1)
-    config = RunConfig(run_dir=str(run_dir), model=ModelSection(name=str(model)), drafter=drafter)
-    return write_resolved(config)
 
 
 async def test_drafter_versions_reach_the_generator_and_survive_the_drafter_trainer(model, tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import write_tiny_checkpoint
+from helpers.checkpoints import write_tiny_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 

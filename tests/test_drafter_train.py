@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hf_tiny_config, write_tiny_tokenizer
+from helpers.checkpoints import hf_tiny_config, write_tiny_tokenizer
 
 from specroll.actors.cli import main
 from specroll.drafter.eagle import EagleProposer

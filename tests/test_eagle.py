@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 import torch
-from conftest import teacher_forced_logits, write_tiny_checkpoint
+from helpers import engines
+from helpers.checkpoints import teacher_forced_logits, write_tiny_checkpoint
+from helpers.drafters import make_head
 
 from specroll.drafter.eagle import EagleProposer
 from specroll.drafter.eagle_config import DrafterError, EagleConfig, build_draft_vocab, eagle3_feature_layers
@@ -15,26 +18,17 @@ from specroll.engine.checkpoint import load_checkpoint
 from specroll.engine.config import EngineConfig
 from specroll.engine.driver import run_to_completion
 from specroll.engine.engine import Engine
-from specroll.engine.model_config import ModelConfig
 from specroll.engine.sampler import processed_logprobs
 from specroll.protocol.sampling import SamplingParams
 
 PAGE, K = 8, 4
 
 
-def make_head(config: ModelConfig, taps: str = "last", draft_vocab: int = 200, seed: int = 0,
-              architecture: str = "eagle3") -> EagleHead:
-    layers = (config.num_layers,) if taps == "last" else eagle3_feature_layers(config.num_layers)
-    counts = torch.arange(config.vocab_size, 0, -1).float()  # low ids most frequent
-    return EagleHead.init(EagleConfig.for_target(config, layers, draft_vocab, architecture),
-                          build_draft_vocab(counts, draft_vocab), seed=seed)
+make_engine = functools.partial(engines.make_engine, num_draft_tokens=K)  # every engine here drafts up to K tokens
 
 
-def make_engine(path, head: EagleHead | None, **kw) -> Engine:
-    settings: dict = dict(model=str(path), page_size=PAGE, kv_cache_memory_gb=0.01, max_model_len=256,
-                          dtype="float32", num_draft_tokens=K)
-    proposer = EagleProposer(head, page_size=PAGE, kv_cache_memory_gb=0.01) if head is not None else None
-    return Engine(EngineConfig(**{**settings, **kw}), proposer=proposer)
+def eagle(head: EagleHead) -> EagleProposer:
+    return EagleProposer(head, page_size=PAGE, kv_cache_memory_gb=0.01)
 
 
 def prompts_at_page_boundaries() -> list[list[int]]:
@@ -58,8 +52,8 @@ def test_greedy_eagle_equals_greedy_plain_and_frees_everything(tiny_checkpoint, 
     config = load_checkpoint(str(path)).config
     prompts = prompts_at_page_boundaries()
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    plain = run(make_engine(path, None), prompts, greedy, n=2)
-    engine = make_engine(path, make_head(config, taps, architecture=architecture))
+    plain = run(make_engine(path), prompts, greedy, n=2)
+    engine = make_engine(path, eagle(make_head(config, taps, architecture=architecture)))
     spec = run(engine, prompts, greedy, n=2)
     assert {r: c.token_ids for r, c in spec.items()} == {r: c.token_ids for r, c in plain.items()}
     for r, c in spec.items():
@@ -82,10 +76,10 @@ def test_sampled_eagle_drafts_keep_exact_logprobs_and_get_accepted(tiny_checkpoi
     sampling = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=24, seed=5, ignore_eos=True)
     prompts = prompts_at_page_boundaries()[:4]
     head = make_head(config, "eagle3", draft_vocab=config.vocab_size, architecture=architecture)
-    engine = make_engine(path, head)
+    engine = make_engine(path, eagle(head))
     done = run(engine, prompts, sampling)
     assert engine.spec_stats.num_accepted > 0  # sampled q close to a flat p: many drafts pass
-    reference = make_engine(path, None)
+    reference = make_engine(path)
     for i, p in enumerate(prompts):
         c = done[f"r{i}.0"]
         logits = teacher_forced_logits(reference, p, c.token_ids)
@@ -126,9 +120,7 @@ class RecordingProposer:
 def test_observed_features_are_the_target_taps_of_every_verified_position(tiny_checkpoint, layers):
     path = tiny_checkpoint("llama")
     proposer = RecordingProposer(layers)
-    engine = Engine(EngineConfig(model=str(path), page_size=PAGE, kv_cache_memory_gb=0.01, max_model_len=256,
-                                 dtype="float32", num_draft_tokens=K, max_num_batched_tokens=16,
-                                 enable_prefix_caching=False), proposer=proposer)
+    engine = make_engine(path, proposer, max_num_batched_tokens=16, enable_prefix_caching=False)
     prompts = prompts_at_page_boundaries()[::3]  # chunked prefill: 16-token budget
     done = run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     assert engine.spec_stats.num_accepted > 0 and engine.spec_stats.num_drafted > engine.spec_stats.num_accepted
@@ -152,9 +144,9 @@ def test_eagle_survives_preemption_with_identical_greedy_output(tiny_checkpoint)
     config = load_checkpoint(str(path)).config
     prompts = prompts_at_page_boundaries()
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    plain = run(make_engine(path, None), prompts, greedy)
+    plain = run(make_engine(path), prompts, greedy)
     small = dict(kv_cache_memory_gb=30 * PAGE * config.kv_bytes_per_token * 4 / 2**30, max_model_len=96)
-    engine = make_engine(path, make_head(config), **small)
+    engine = make_engine(path, eagle(make_head(config)), **small)
     proposer = engine.proposer
     assert isinstance(proposer, EagleProposer)
     for i, p in enumerate(prompts):
@@ -186,10 +178,8 @@ def test_save_load_round_trip_gives_the_same_drafts(tiny_checkpoint, tmp_path, a
         assert torch.equal(a, b), name
     sampling = SamplingParams(temperature=0.9, max_tokens=12, seed=1, ignore_eos=True)
     prompts = prompts_at_page_boundaries()[:3]
-    first = run(make_engine(path, head), prompts, sampling)
-    again = Engine(EngineConfig(model=str(path), page_size=PAGE, kv_cache_memory_gb=0.01, max_model_len=256,
-                                dtype="float32", num_draft_tokens=K),
-                   proposer=EagleProposer(tmp_path / "drafter", page_size=PAGE, kv_cache_memory_gb=0.01))
+    first = run(make_engine(path, eagle(head)), prompts, sampling)
+    again = make_engine(path, EagleProposer(tmp_path / "drafter", page_size=PAGE, kv_cache_memory_gb=0.01))
     second = run(again, prompts, sampling)
     assert {r: c.token_ids for r, c in first.items()} == {r: c.token_ids for r, c in second.items()}
 
@@ -262,7 +252,7 @@ def test_malformed_drafter_files_are_refused_naming_the_file(tiny_checkpoint, tm
 def test_a_weight_update_reaches_the_drafters_lm_head(tiny_checkpoint):
     path = tiny_checkpoint("llama")  # tied: the LM head is the embedding
     config = load_checkpoint(str(path)).config
-    engine = make_engine(path, make_head(config, architecture="eagle"))  # "eagle" drafts through the target's
+    engine = make_engine(path, eagle(make_head(config, architecture="eagle")))  # "eagle" drafts through the target's
     proposer = engine.proposer
     assert isinstance(proposer, EagleProposer)
     new = torch.randn(config.vocab_size, config.hidden_size, generator=torch.Generator().manual_seed(5))

@@ -4,22 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import teacher_forced_logits
+from helpers.checkpoints import teacher_forced_logits
+from helpers.engines import make_engine
 
-from specroll.engine.config import EngineConfig
 from specroll.engine.driver import run_to_completion
 from specroll.engine.engine import Engine
 from specroll.protocol.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PAGE = 8
-
-
-def make_engine(path, **kw) -> Engine:
-    defaults = dict(model=str(path), page_size=PAGE, kv_cache_memory_gb=0.01, max_model_len=256,
-                    dtype="float32")
-    defaults.update(kw)
-    return Engine(EngineConfig(**defaults))
 
 
 def prompts(n: int, lengths: list[int] | None = None, seed: int = 1) -> list[list[int]]:

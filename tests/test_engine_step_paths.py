@@ -5,14 +5,16 @@ nothing — with speculation on, such a step has nothing to verify. Each path ru
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from helpers import engines
 
 from specroll.drafter.eagle import EagleProposer
 from specroll.drafter.eagle_config import EagleConfig, build_draft_vocab
 from specroll.drafter.eagle_head import EagleHead
 from specroll.drafter.suffix import SuffixProposer
-from specroll.engine.config import EngineConfig
 from specroll.engine.driver import run_to_completion
 from specroll.engine.engine import Engine
 from specroll.engine.model_config import ModelConfig
@@ -57,15 +59,15 @@ SPECULATION = {
 }
 
 
-def make_engine(path, speculation: str | None, **kw) -> Engine:
-    settings: dict = dict(model=str(path), page_size=PAGE, kv_cache_memory_gb=0.01, max_model_len=256,
-                          dtype="float32", num_draft_tokens=K, max_num_batched_tokens=BUDGET,
-                          draft_trees=("4x2:8",))
-    if speculation is not None:
-        settings["draft_length"] = SPECULATION[speculation][1]
-    engine = Engine(EngineConfig(**{**settings, **kw}))
-    if speculation is not None:
-        engine.set_proposer(SPECULATION[speculation][0](engine.model_config))
+make_engine = functools.partial(engines.make_engine, num_draft_tokens=K, max_num_batched_tokens=BUDGET,
+                                draft_trees=("4x2:8",))
+
+
+def speculating(path, speculation: str) -> Engine:
+    """An engine drafting as ``SPECULATION[speculation]`` says, its proposer built for the model it loaded."""
+    build, draft_length = SPECULATION[speculation]
+    engine = make_engine(path, draft_length=draft_length)
+    engine.set_proposer(build(engine.model_config))
     return engine
 
 
@@ -76,7 +78,7 @@ def motif_prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def plain(path, prompts: dict[str, list[int]], sampling: SamplingParams = GREEDY) -> dict[str, list[int]]:
-    engine = make_engine(path, None)
+    engine = make_engine(path)
     for rid, p in prompts.items():
         engine.add_request(p, sampling, rid)
     return {rid: c.token_ids for rid, c in run_to_completion(engine).items()}
@@ -86,7 +88,7 @@ def plain(path, prompts: dict[str, list[int]], sampling: SamplingParams = GREEDY
 def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks_with_speculation_on(tiny_checkpoint, speculation):
     path = tiny_checkpoint("llama")
     prompt = motif_prompt(100)  # 100 tokens, 32 a step: three steps in which nothing samples
-    engine = make_engine(path, speculation)
+    engine = speculating(path, speculation)
     engine.add_request(prompt, GREEDY, "long")
     steps = []
     while engine.has_unfinished():
@@ -103,7 +105,7 @@ def test_a_chunked_prefill_beside_drafting_decodes(tiny_checkpoint, speculation)
     chunks, which take what is left of the budget and sample nothing until the last."""
     path = tiny_checkpoint("llama")
     short, long = motif_prompt(12, seed=1), motif_prompt(90, seed=2)
-    engine = make_engine(path, speculation)
+    engine = speculating(path, speculation)
     engine.add_request(short, GREEDY, "short")
     out: dict[str, list[int]] = {"short": [], "long": []}
     for o in engine.step():  # the short prompt's prefill: it decodes from the next step on
@@ -130,7 +132,7 @@ def test_a_tree_step_whose_drafts_the_length_cap_all_cut(tiny_checkpoint):
     capped = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     prompts = {"a": motif_prompt(10, seed=3), "b": motif_prompt(11, seed=4)}
     long = motif_prompt(80, seed=5)
-    engine = make_engine(path, "eagle-tree")
+    engine = speculating(path, "eagle-tree")
     for rid, p in prompts.items():
         engine.add_request(p, capped, rid)
     first = engine.step()  # both prefills, one token each
@@ -152,7 +154,7 @@ def test_every_sequence_aborted_between_steps_mid_prefill_and_mid_draft(tiny_che
     with drafts: the next step has nothing to run, every page is free, the proposer forgot them,
     and a request added afterwards decodes as if nothing had happened."""
     path = tiny_checkpoint("llama")
-    engine = make_engine(path, speculation)
+    engine = speculating(path, speculation)
     engine.add_request(motif_prompt(12, seed=6), GREEDY, "a")
     engine.add_request(motif_prompt(14, seed=7), GREEDY, "b")
     engine.step()

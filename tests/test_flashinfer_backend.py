@@ -159,7 +159,7 @@ def gpu_sampler_on_cpu():
 def test_gpu_sampler_bookkeeping_matches_the_reference(tiny_checkpoint, temperature: float) -> None:
     """Greedy: the same tokens as the CPU path. Sampled: every emitted token's logprob is the
     target's processed logprob (teacher forcing), and draft counts group into one kernel call each."""
-    from conftest import teacher_forced_logits
+    from helpers.checkpoints import teacher_forced_logits
 
     from specroll.drafter.suffix import SuffixProposer
     from specroll.engine.driver import run_to_completion

@@ -5,30 +5,20 @@ transformers' model and its own logits warpers; and each token carries its polic
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from helpers.engines import make_engine
 from msgspec.structs import replace
 from transformers import AutoModelForCausalLM, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from specroll.engine.checkpoint import expected_weight_shapes
-from specroll.engine.config import EngineConfig
 from specroll.engine.driver import run_to_completion
-from specroll.engine.engine import Engine
 from specroll.engine.sampler import processed_logprobs
 from specroll.engine.sequence import Completion
 from specroll.protocol.sampling import SamplingParams
 
 TOL = 1e-4
 MAX_TOKENS = 20
-
-
-def make_engine(path: Path, **kw: object) -> Engine:
-    defaults: dict[str, object] = dict(model=str(path), page_size=8, kv_cache_memory_gb=0.01, max_model_len=256,
-                    dtype="float32")
-    defaults.update(kw)
-    return Engine(EngineConfig(**defaults))
 
 
 def prompts(n: int, seed: int = 1) -> list[list[int]]:

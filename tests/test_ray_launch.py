@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_launch import finish, live, members_of_groups, started_pids, wait_for, write_config
+from helpers.launch import finish, live, members_of_groups, started_pids, wait_for, write_config
 
 from specroll.actors.config import ConfigError, load_config
 

@@ -178,7 +178,7 @@ def test_not_a_run_directory_is_one_error_line_and_exit_2(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_a_real_launch_is_reported_whole_and_cut_short(tmp_path: Path, tiny_checkpoint) -> None:
-    from test_launch import finish, launch, write_config
+    from helpers.launch import finish, launch, write_config
 
     config = write_config(tmp_path, tiny_checkpoint(), steps=3, count=2, eval_every=2)
     code, _, err = finish(launch(tmp_path, config))

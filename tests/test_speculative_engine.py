@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import msgspec
 import pytest
 import torch
-from conftest import teacher_forced_logits
+from helpers import engines
+from helpers.checkpoints import teacher_forced_logits
 
 from specroll.drafter.suffix import SuffixProposer
-from specroll.engine.config import EngineConfig
 from specroll.engine.driver import run_to_completion
 from specroll.engine.engine import Engine
 from specroll.engine.sampler import processed_logprobs
@@ -17,11 +19,11 @@ from specroll.protocol.sampling import SamplingParams
 PAGE, K = 8, 4
 
 
-def make_engine(path, speculative: bool, **kw) -> Engine:
-    settings: dict = dict(model=str(path), page_size=PAGE, kv_cache_memory_gb=0.01, max_model_len=256,
-                          dtype="float32", num_draft_tokens=K)
-    config = EngineConfig(**{**settings, **kw})
-    return Engine(config, proposer=SuffixProposer(min_ngram=1, max_ngram=4) if speculative else None)
+make_engine = functools.partial(engines.make_engine, num_draft_tokens=K)  # every engine here drafts up to K tokens
+
+
+def suffix() -> SuffixProposer:
+    return SuffixProposer(min_ngram=1, max_ngram=4)
 
 
 def repetitive_prompts(lengths: list[int]) -> list[list[int]]:
@@ -46,8 +48,8 @@ def test_greedy_speculative_equals_greedy_plain_across_page_boundaries(tiny_chec
     lengths = [PAGE * m - j for m in (2, 3) for j in range(K + 1)]  # page_size·m − j, j = 0..k
     prompts = repetitive_prompts(lengths)
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    plain = run(make_engine(path, False), prompts, greedy, groups)
-    spec_engine = make_engine(path, True)
+    plain = run(make_engine(path), prompts, greedy, groups)
+    spec_engine = make_engine(path, suffix())
     spec = run(spec_engine, prompts, greedy, groups)
     assert {r: c.token_ids for r, c in spec.items()} == {r: c.token_ids for r, c in plain.items()}
     for r, c in spec.items():
@@ -62,10 +64,10 @@ def test_sampled_speculative_logprobs_equal_teacher_forcing(tiny_checkpoint):
     path = tiny_checkpoint("llama")
     prompts = repetitive_prompts([13, 21, 30])
     sampling = SamplingParams(temperature=0.8, top_k=30, top_p=0.95, max_tokens=24, seed=3, ignore_eos=True)
-    engine = make_engine(path, True)
+    engine = make_engine(path, suffix())
     done = run(engine, prompts, sampling)
     assert engine.spec_stats.num_drafted > 0
-    reference = make_engine(path, False)
+    reference = make_engine(path)
     for i, p in enumerate(prompts):
         c = done[f"r{i}"]
         logits = teacher_forced_logits(reference, p, c.token_ids)
@@ -78,7 +80,7 @@ def test_sampled_speculative_logprobs_equal_teacher_forcing(tiny_checkpoint):
 def test_rejected_drafts_release_their_pages_and_the_context_is_never_passed(tiny_checkpoint):
     path = tiny_checkpoint("llama")
     prompt = repetitive_prompts([27])[0]
-    engine = make_engine(path, True, max_model_len=len(prompt) + 9)
+    engine = make_engine(path, suffix(), max_model_len=len(prompt) + 9)
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True), "r")
     bm = engine.block_manager
     while engine.has_unfinished():
@@ -131,14 +133,13 @@ def test_the_engine_verifies_sampled_drafts_against_the_proposers_q(tiny_checkpo
     the target's p, and drafts pass at the rate sum(min(p, q)) only if each row is verified against
     its own q (one-hot q would give sum(p·q); another row's q would skew the output)."""
     path = tiny_checkpoint("llama")
-    reference = make_engine(path, False)
+    reference = make_engine(path)
     p = torch.softmax(teacher_forced_logits(reference, [5], [0])[0], -1).double()  # [V] target, first step
     ranked = torch.argsort(p, descending=True).tolist()
     q_even, q_odd = skewed(p, ranked[0]), skewed(p, ranked[1])
     n = 3000
-    engine = Engine(EngineConfig(model=str(path), page_size=PAGE, kv_cache_memory_gb=0.05, max_model_len=64,
-                                 dtype="float32", num_draft_tokens=1, max_num_seqs=256),
-                    proposer=SkewedProposer(q_even.float(), q_odd.float()))
+    engine = make_engine(path, SkewedProposer(q_even.float(), q_odd.float()), kv_cache_memory_gb=0.05,
+                         max_model_len=64, num_draft_tokens=1, max_num_seqs=256)
     sampling = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
     for i in range(n):
         engine.add_request([5], msgspec.structs.replace(sampling, seed=i), f"r{i}")
@@ -160,7 +161,7 @@ def test_the_engine_verifies_sampled_drafts_against_the_proposers_q(tiny_checkpo
 
 @pytest.mark.parametrize("drafter", ["suffix", "eagle"])
 def test_aborts_between_speculative_steps_leave_the_others_unchanged(tiny_checkpoint, drafter):
-    from test_eagle import make_head
+    from helpers.drafters import make_head
 
     from specroll.drafter.eagle import EagleProposer
     from specroll.engine.checkpoint import load_checkpoint
@@ -169,11 +170,9 @@ def test_aborts_between_speculative_steps_leave_the_others_unchanged(tiny_checkp
 
     def build() -> Engine:
         if drafter == "suffix":
-            return make_engine(path, True)
+            return make_engine(path, suffix())
         head = make_head(load_checkpoint(str(path)).config, draft_vocab=320)
-        config = EngineConfig(model=str(path), page_size=PAGE, kv_cache_memory_gb=0.01, max_model_len=256,
-                              dtype="float32", num_draft_tokens=K)
-        return Engine(config, proposer=EagleProposer(head, page_size=PAGE, kv_cache_memory_gb=0.01))
+        return make_engine(path, EagleProposer(head, page_size=PAGE, kv_cache_memory_gb=0.01))
 
     prompts = repetitive_prompts([13, 21, 30, 17, 25])
     sampling = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
@@ -217,8 +216,8 @@ def test_adaptive_draft_length_tries_every_k_and_keeps_greedy_output(tiny_checkp
     path = tiny_checkpoint("llama")
     prompts = repetitive_prompts([13, 21, 30, 17])
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    plain = run(make_engine(path, False), prompts, greedy)
-    engine = make_engine(path, True, draft_length="adaptive")
+    plain = run(make_engine(path), prompts, greedy)
+    engine = make_engine(path, suffix(), draft_length="adaptive")
     chosen: list[int] = []
     for i, p in enumerate(prompts):
         engine.add_request(p, greedy, f"r{i}")
@@ -234,9 +233,8 @@ def test_sequences_without_drafts_sample_exactly_as_plain_decoding(tiny_checkpoi
     path = tiny_checkpoint("llama")
     prompts = repetitive_prompts([13, 21, 30])
     sampling = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=16, seed=11, ignore_eos=True)
-    plain = run(make_engine(path, False), prompts, sampling)
-    settings = dict(model=str(path), page_size=PAGE, kv_cache_memory_gb=0.01, max_model_len=256, dtype="float32")
-    never = Engine(EngineConfig(**settings), proposer=ReplayProposer({}))  # knows no rollout: never drafts
+    plain = run(make_engine(path), prompts, sampling)
+    never = engines.make_engine(path, ReplayProposer({}))  # knows no rollout: never drafts
     done = run(never, prompts, sampling)
     assert never.spec_stats.num_steps > 0 and never.spec_stats.num_drafted == 0
     assert {r: c.token_ids for r, c in done.items()} == {r: c.token_ids for r, c in plain.items()}
@@ -267,10 +265,8 @@ def test_drafts_after_a_broken_q_or_id_are_dropped_so_output_stays_exact(tiny_ch
     path = tiny_checkpoint("llama")
     prompts = repetitive_prompts([13, 21])
     sampling = SamplingParams(temperature=1.0, max_tokens=12, seed=4, ignore_eos=True)
-    plain = run(make_engine(path, False), prompts, sampling)
-    settings = dict(model=str(path), page_size=PAGE, kv_cache_memory_gb=0.01, max_model_len=256, dtype="float32",
-                    num_draft_tokens=K)
-    broken = Engine(EngineConfig(**settings), proposer=BrokenProposer(fault))
+    plain = run(make_engine(path), prompts, sampling)
+    broken = make_engine(path, BrokenProposer(fault))
     done = run(broken, prompts, sampling)
     assert broken.spec_stats.num_drafted == 0  # the first draft of every row is bad: nothing verified
     assert {r: c.token_ids for r, c in done.items()} == {r: c.token_ids for r, c in plain.items()}
@@ -282,10 +278,8 @@ def test_pages_filled_by_accepted_drafts_are_shared_through_the_prefix_cache(tin
     path = tiny_checkpoint("llama")
     prompt = repetitive_prompts([13])[0]
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    rollout = run(make_engine(path, False), [prompt], greedy)["r0"].token_ids
-    settings = dict(model=str(path), page_size=PAGE, kv_cache_memory_gb=0.01, max_model_len=256, dtype="float32",
-                    num_draft_tokens=K)
-    engine = Engine(EngineConfig(**settings), proposer=ReplayProposer({"g": prompt + rollout}))
+    rollout = run(make_engine(path), [prompt], greedy)["r0"].token_ids
+    engine = make_engine(path, ReplayProposer({"g": prompt + rollout}))
     engine.add_request(prompt, greedy, "a", group_id="g")
     assert run_to_completion(engine)["a"].token_ids == rollout
     assert engine.spec_stats.num_accepted > 30  # pages were filled by accepted drafts
@@ -305,8 +299,8 @@ def test_a_sibling_admitted_with_its_whole_prompt_cached_drafts_only_into_its_pa
     path = tiny_checkpoint("llama")
     prompts = repetitive_prompts([23]) * 2  # one group: the same prompt twice
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    plain = run(make_engine(path, False, page_size=1), prompts, greedy, groups=True)
-    spec_engine = make_engine(path, True, page_size=1, num_draft_tokens=k)
+    plain = run(make_engine(path, page_size=1), prompts, greedy, groups=True)
+    spec_engine = make_engine(path, suffix(), page_size=1, num_draft_tokens=k)
     spec = run(spec_engine, prompts, greedy, groups=True)
     assert {r: c.token_ids for r, c in spec.items()} == {r: c.token_ids for r, c in plain.items()}
     assert spec_engine.spec_stats.num_drafted > 0

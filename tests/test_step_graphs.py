@@ -3,10 +3,12 @@ with ``cuda_graphs = "emulate"`` (the graph path without capturing) against eage
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
 import torch
+from helpers import engines
 
 from specroll.drafter.suffix import SuffixProposer
 from specroll.engine.config import EngineConfig
@@ -30,11 +32,11 @@ class KDrafts(SuffixProposer):
         return type(proposal)(ids, torch.full_like(proposal.num_drafts, k), None)
 
 
-def make_engine(path, graphs: str, speculative: bool = False, **kw) -> Engine:
-    settings: dict = dict(model=str(path), page_size=PAGE, kv_cache_memory_gb=0.01, max_model_len=256,
-                          dtype="float32", num_draft_tokens=K, max_num_seqs=8, cuda_graphs=graphs)
-    proposer = KDrafts(min_ngram=1, max_ngram=4) if speculative else None
-    return Engine(EngineConfig(**{**settings, **kw}), proposer=proposer)
+make_engine = functools.partial(engines.make_engine, num_draft_tokens=K, max_num_seqs=8)  # each call sets cuda_graphs
+
+
+def k_drafts(speculative: bool) -> KDrafts | None:
+    return KDrafts(min_ngram=1, max_ngram=4) if speculative else None
 
 
 def repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -85,8 +87,8 @@ def test_graph_steps_emit_exactly_what_eager_steps_emit(tiny_checkpoint, specula
     # real row's logits reach its own request: padding rows and bucket changes must not move them.
     path = tiny_checkpoint("llama")
     prompts = repetitive_prompts(7)
-    eager = run(make_engine(path, "off", speculative), prompts, temperature)
-    engine = make_engine(path, "emulate", speculative)
+    eager = run(make_engine(path, k_drafts(speculative), cuda_graphs="off"), prompts, temperature)
+    engine = make_engine(path, k_drafts(speculative), cuda_graphs="emulate")
     graphed = run(engine, prompts, temperature)
     assert {r: t for r, (t, _) in graphed.items()} == {r: t for r, (t, _) in eager.items()}
     for r, (_, logprobs) in graphed.items():
@@ -103,7 +105,7 @@ def test_graph_steps_emit_exactly_what_eager_steps_emit(tiny_checkpoint, specula
 
 
 def test_padding_writes_only_to_scratch_pages_no_request_is_given(tiny_checkpoint):
-    engine = make_engine(tiny_checkpoint("llama"), "emulate")
+    engine = make_engine(tiny_checkpoint("llama"), cuda_graphs="emulate")
     runner = engine.runner
     total = runner.kv_caches[0].shape[0]
     assert runner.scratch_pages == list(range(total - 1, total)) and engine.block_manager.num_pages == total - 1
@@ -124,8 +126,8 @@ def test_padding_writes_only_to_scratch_pages_no_request_is_given(tiny_checkpoin
 def test_steps_outside_the_buckets_run_eagerly(tiny_checkpoint):
     path = tiny_checkpoint("llama")
     prompts = repetitive_prompts(4)
-    eager = run(make_engine(path, "off", max_num_seqs=4), prompts, 0.0)
-    engine = make_engine(path, "emulate", max_num_seqs=4, cuda_graph_batch_sizes=(2,))
+    eager = run(make_engine(path, cuda_graphs="off", max_num_seqs=4), prompts, 0.0)
+    engine = make_engine(path, cuda_graphs="emulate", max_num_seqs=4, cuda_graph_batch_sizes=(2,))
     for i, prompt in enumerate(prompts):
         engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True), f"r{i}")
     out: dict[str, list[int]] = {}
@@ -159,8 +161,8 @@ def test_scratch_pages_count_against_the_cache_before_any_request(tiny_checkpoin
     path = tiny_checkpoint("llama")
     pages = 256 // PAGE
     page_bytes = 2 * 2 * PAGE * 2 * 16 * 4  # K and V, 2 layers, 2 K/V heads of 16, float32
-    eager = make_engine(path, "off", kv_cache_memory_gb=pages * page_bytes / 2**30)
+    eager = make_engine(path, cuda_graphs="off", kv_cache_memory_gb=pages * page_bytes / 2**30)
     assert eager.block_manager.num_pages == pages
     with pytest.raises(ValueError, match=r"holds 32 pages of 8 tokens \(1 of them kept as the CUDA-graph "
                                          r"padding's scratch\), fewer than one 256-token request needs"):
-        make_engine(path, "emulate", kv_cache_memory_gb=pages * page_bytes / 2**30)
+        make_engine(path, cuda_graphs="emulate", kv_cache_memory_gb=pages * page_bytes / 2**30)

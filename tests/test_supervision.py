@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from chaos_checks import check_run
-from test_launch import (
+from helpers.launch import (
     assert_nothing_left,
     children_of,
     finish,

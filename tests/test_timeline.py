@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import generator_process
+from helpers.processes import generator_process
 
 from specroll.actors.rollout.drafter_relay import DrafterRelay
 from specroll.actors.rollout.sync_client import SyncRolloutClient

@@ -8,15 +8,11 @@ checkpoints (conftest), responses at most 16 tokens, groups of 2, batches of 2 g
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import signal
-import socket
-import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -24,8 +20,9 @@ import pytest
 import torch
 import zmq
 import zmq.asyncio
+from helpers.processes import actor_process
+from helpers.trainer_runs import free_port, generators, metrics, overrides, run_config, wait_for
 
-from specroll.actors.config import RunConfig, load_config
 from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.shared.exit_codes import EXIT_PEER_LOST
 from specroll.actors.trainer.checkpoint import (
@@ -36,7 +33,7 @@ from specroll.actors.trainer.checkpoint import (
     save_checkpoint,
 )
 from specroll.actors.trainer.process import run_trainer
-from specroll.actors.trainer.trainer import ENDPOINT_FILENAME, METRICS_FILENAME
+from specroll.actors.trainer.trainer import ENDPOINT_FILENAME
 from specroll.engine.checkpoint import expected_weight_shapes, load_checkpoint
 from specroll.engine.config import EngineConfig
 from specroll.engine.engine import Engine
@@ -66,75 +63,6 @@ def anyio_backend() -> str:
 # ---- helpers --------------------------------------------------------------------------------
 
 
-def overrides(run_dir: Path, model: Path, **extra: object) -> list[str]:
-    """``--set`` strings of a small fast run (η = 1; generation runs ahead of training).
-
-    ``network.heartbeat_timeout_s`` is a hang guard here, never a deadline a test meets: it is how
-    long a silent generator lives on and how long the trainer waits for acknowledgements of a version
-    before it goes on without them, so a process starved for a few seconds changes nothing."""
-    values: dict[str, object] = {
-        "run_dir": str(run_dir), "steps": 3, "model.name": str(model), "task.builtin_count": 16,
-        "trainer.batch_groups": 2, "trainer.group_size": 2, "trainer.max_groups_in_flight": 8,
-        "trainer.learning_rate": 1e-3, "trainer.weight_decay": 0.1, "trainer.max_staleness": 1,
-        "trainer.checkpoint_every": 1, "trainer.train_threads": 1, "generator.count": 2, "generator.heartbeat_s": 0.2,
-        "generator.sampling.max_tokens": 16, "network.heartbeat_timeout_s": 60.0, "eval.every": 0,
-    }
-    values.update({k.replace("__", "."): v for k, v in extra.items()})
-    return [f"{k}={json.dumps(v)}" for k, v in values.items()]
-
-
-def run_config(run_dir: Path, model: Path, **extra: object) -> RunConfig:
-    return load_config(None, overrides(run_dir, model, **extra))
-
-
-@contextlib.contextmanager
-def process(cmd: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """``cmd`` in its own process group; the whole group killed and reaped on the way out."""
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        yield proc
-    finally:
-        kill(proc)
-
-
-def kill(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-
-
-@contextlib.contextmanager
-def generators(endpoint: str, model: Path, logs: Path, count: int = 2) -> Iterator[list[subprocess.Popen[bytes]]]:
-    with contextlib.ExitStack() as stack:
-        procs = [
-            stack.enter_context(process(
-                [sys.executable, "-m", "specroll.actors.generator", "--connect", endpoint, "--model", str(model),
-                 "--actor-id", f"gen-{i}", "--seed", str(i), "--dtype", "float32", "--kv-cache-gb", str(KV_GB),
-                 "--threads", "1", "--heartbeat-s", "0.2", "--stats-s", "0.5", "--trainer-timeout-s", "60"],
-                logs / f"gen-{i}.log"))
-            for i in range(count)
-        ]
-        yield procs
-
-
-async def wait_for(predicate, timeout: float, what: str, procs: list[subprocess.Popen[bytes]] = ()) -> None:  # type: ignore[assignment]
-    """Poll ``predicate`` until true; fail after ``timeout`` s or when a process in ``procs`` exited."""
-    with anyio.fail_after(timeout):
-        while not predicate():
-            for p in procs:
-                assert p.poll() is None, f"{p.args[2]} exited with {p.returncode} while waiting for {what}"
-            await anyio.sleep(0.02)
-
-
-def metrics(run_dir: Path, skipped: bool = False) -> list[dict]:
-    """The metrics lines of ``run_dir``; the lines of skipped batches (nothing to train) only with ``skipped``."""
-    path = run_dir / METRICS_FILENAME
-    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return [m for m in lines if skipped or not m.get("skipped")]
-
-
 def saved_step(run_dir: Path) -> int:
     path = find_checkpoint(run_dir)
     return json.loads((path / "trainer_state.json").read_text())["step"] if path else 0
@@ -142,12 +70,6 @@ def saved_step(run_dir: Path) -> int:
 
 def served_versions(log: Path) -> list[int]:
     return [int(v) for v in re.findall(r"serving policy version (\d+)", log.read_text())]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- the pipeline ---------------------------------------------------------------------------
@@ -235,7 +157,7 @@ async def _kill_and_resume(model: Path, tmp_path: Path) -> None:
         version = lines[-1]["policy_version"]
         return all(served_versions(tmp_path / f"gen-{i}.log")[-1:] == [version] for i in range(2))
 
-    with process(command(2, 96), tmp_path / "trainer-1.log") as first:
+    with actor_process(command(2, 96), tmp_path / "trainer-1.log", append=True) as first:
         await wait_for(lambda: (run / ENDPOINT_FILENAME).exists(), 60, "the endpoint", [first])
         endpoint = (run / ENDPOINT_FILENAME).read_text()
         assert endpoint == f"tcp://127.0.0.1:{port}"
@@ -245,7 +167,7 @@ async def _kill_and_resume(model: Path, tmp_path: Path) -> None:
             os.killpg(first.pid, signal.SIGKILL)
             first.wait(timeout=30)
             before, saved = metrics(run), saved_step(run)
-            with process(command(8, 16), tmp_path / "trainer-2.log") as second:
+            with actor_process(command(8, 16), tmp_path / "trainer-2.log", append=True) as second:
                 await wait_for(lambda: second.poll() is not None, 120, "the resumed trainer to finish", gens)
             assert second.returncode == 0, (tmp_path / "trainer-2.log").read_text()[-3000:]
             assert [g.poll() for g in gens] == [None, None] and [g.pid for g in gens] == pids  # same processes

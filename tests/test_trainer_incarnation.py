@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_trainer_modes import _trainer
+from helpers.trainer_runs import trainer_without_generators
 
 from specroll.actors.shared.restarts import write_restarts
 from specroll.actors.trainer.metrics import truncate_metrics
@@ -49,7 +49,7 @@ async def _start(trainer: Trainer, serving: int | None) -> list[int]:
 @pytest.mark.parametrize("left", ["metrics", "restarts", "nothing"])
 async def test_a_trainer_killed_before_its_first_checkpoint_starts_again_above_the_served_version(
         tiny_checkpoint, tmp_path: Path, left: str) -> None:
-    async with _trainer(tiny_checkpoint("llama"), tmp_path, eval__every=2, eval__count=2,
+    async with trainer_without_generators(tiny_checkpoint("llama"), tmp_path, eval__every=2, eval__count=2,
                         task__builtin_count=16) as trainer:
         metrics = trainer.run_dir / METRICS_FILENAME
         if left == "metrics":  # the old incarnation evaluated step 0 and trained step 1 (version 1)

@@ -1,30 +1,27 @@
 """The trainer's held-out evaluation and its synchronous mode, with real generator processes on a tiny
-random-weight checkpoint (helpers from ``test_trainer.py``); both are checked on what the run wrote:
+random-weight checkpoint (helpers from ``helpers/trainer_runs.py``); both are checked on what the run wrote:
 ``metrics.jsonl`` and ``timeline.jsonl``. Then its feeder's staleness window and a batch with every
 token stale, with a stand-in for the generator that decides which version sampled each token.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
 import pytest
 import torch
-from test_trainer import ENDPOINT_FILENAME, free_port, generators, metrics, run_config, wait_for
+from helpers.trainer_runs import free_port, generators, metrics, run_config, trainer_without_generators, wait_for
 from tqdm import tqdm
 
 from specroll.actors.launch.metrics_tail import format_metrics
 from specroll.actors.launch.preflight import preflight
-from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.rollout.timeline import TIMELINE_FILENAME
 from specroll.actors.trainer.process import run_trainer
-from specroll.actors.trainer.setup import TrainerError, load_setup
-from specroll.actors.trainer.trainer import Trainer
+from specroll.actors.trainer.setup import TrainerError
+from specroll.actors.trainer.trainer import ENDPOINT_FILENAME, Trainer
 from specroll.engine.config import EngineConfig
 from specroll.engine.engine import Engine
 from specroll.protocol.messages import RolloutChunk
@@ -140,15 +137,6 @@ async def test_sync_mode_trains_only_after_every_rollout_of_the_step_finished(ti
 # ---- the feeder's staleness window and batches with nothing to train ------------------------
 
 
-@contextlib.asynccontextmanager
-async def _trainer(model: Path, tmp_path: Path, **extra: object) -> AsyncIterator[Trainer]:
-    """A trainer (B = 2, η = 1) whose client no generator connects to: :func:`_finish` stands in."""
-    config = run_config(tmp_path / "run", model, steps=10, trainer__checkpoint_every=0, **extra)
-    (tmp_path / "run").mkdir()
-    async with RolloutClient() as client:
-        yield Trainer(config, load_setup(config), client)
-
-
 def _finish(trainer: Trainer, count: int, version: int) -> None:
     """Finish the ``count`` oldest queued groups, every token sampled by policy ``version``: a generator
     added to the coordinator, handed them, and removed again without an ``await`` in between, so the
@@ -168,7 +156,8 @@ def _finish(trainer: Trainer, count: int, version: int) -> None:
 async def test_the_feeder_keeps_eta_plus_one_batches_ahead_and_a_stale_batch_is_no_step(
         tiny_checkpoint, tmp_path: Path, caplog, capsys) -> None:
     bar = tqdm(disable=True)
-    async with _trainer(tiny_checkpoint("llama"), tmp_path, trainer__max_groups_in_flight=6) as trainer:
+    async with trainer_without_generators(tiny_checkpoint("llama"), tmp_path,
+                                          trainer__max_groups_in_flight=6) as trainer:
         assert preflight(trainer.config) is None
         assert "warning: trainer.max_groups_in_flight=6 is above" in capsys.readouterr().err
         client = trainer.client

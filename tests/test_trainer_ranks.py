@@ -24,8 +24,8 @@ import msgspec
 import pytest
 import torch
 from bench_trainer_ranks import max_weight_diff, run_arm
+from helpers.launch import assert_nothing_left, children_of, finish, launch, started_pids, wait_for, write_config
 from safetensors.torch import load_file
-from test_launch import assert_nothing_left, children_of, finish, launch, started_pids, wait_for, write_config
 
 from specroll.actors.config import load_config
 from specroll.actors.launch.cpu_budget import budget_line, with_cpu_budget

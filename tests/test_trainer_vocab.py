@@ -13,11 +13,12 @@ from typing import Any
 
 import anyio
 import pytest
-from conftest import TINY_VOCAB
-from test_bounds import FakeGenerator, fake_generator
-from test_trainer import ENDPOINT_FILENAME, free_port, metrics, run_config, wait_for
+from helpers.checkpoints import TINY_VOCAB
+from helpers.fake_peers import FakeGenerator, fake_generator
+from helpers.trainer_runs import free_port, metrics, run_config, wait_for
 
 from specroll.actors.trainer.process import run_trainer
+from specroll.actors.trainer.trainer import ENDPOINT_FILENAME
 from specroll.protocol.messages import (
     PROTOCOL_VERSION,
     AckWeights,

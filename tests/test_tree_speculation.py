@@ -11,38 +11,23 @@ tokens, which a deliberately biased verifier fails.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
-from conftest import teacher_forced_logits
+from helpers import engines
+from helpers.checkpoints import teacher_forced_logits
+from helpers.engines import StandIn
 
 import specroll.engine.engine as engine_module
 from specroll.engine.config import EngineConfig
 from specroll.engine.driver import run_to_completion
 from specroll.engine.engine import Engine
 from specroll.engine.sampler import processed_logprobs
-from specroll.engine.spec.proposer import Proposal
 from specroll.engine.spec.tree import DraftTree, TreeShape, TreeVerdict, cap_tree, valid_tree
 from specroll.protocol.sampling import SamplingParams
 
 PAGE = 8
-
-
-class StandIn:
-    """The parts of the proposer protocol a tree proposer needs and nothing more."""
-
-    feature_layers: tuple[int, ...] = ()
-
-    def attach(self, target) -> None:
-        pass
-
-    def propose(self, batch, k):
-        return Proposal(torch.zeros(len(batch), k, dtype=torch.long), torch.zeros(len(batch), dtype=torch.long), None)
-
-    def observe(self, updates) -> None:
-        pass
-
-    def finish(self, request_id: str) -> None:
-        pass
 
 
 class Oracle(StandIn):
@@ -67,10 +52,7 @@ class Oracle(StandIn):
         return trees
 
 
-def make_engine(path, proposer=None, **kw) -> Engine:
-    settings: dict = dict(model=str(path), page_size=PAGE, kv_cache_memory_gb=0.01, max_model_len=256,
-                          dtype="float32", num_draft_tokens=4, draft_length="tree", draft_trees=("5x2:10",))
-    return Engine(EngineConfig(**{**settings, **kw}), proposer=proposer)
+make_engine = functools.partial(engines.make_engine, **engines.TREE_SPECULATION)
 
 
 def prompts(lengths: list[int]) -> list[list[int]]:
@@ -190,7 +172,7 @@ NUM_SAMPLES = 1500
 
 @pytest.fixture(scope="module")
 def chi_square_model(tmp_path_factory):
-    from conftest import write_tiny_checkpoint
+    from helpers.checkpoints import write_tiny_checkpoint
 
     path = tmp_path_factory.mktemp("chi") / "tiny"
     path.mkdir()
@@ -330,7 +312,7 @@ def test_adaptive_speculation_tries_tree_shapes_and_keeps_greedy_output(tiny_che
 # ---- the EAGLE head's trees --------------------------------------------------------------------
 
 def eagle_engine(path, shape: str, **kw):
-    from test_eagle import make_head
+    from helpers.drafters import make_head
 
     from specroll.drafter.eagle import EagleProposer
     from specroll.engine.checkpoint import load_checkpoint

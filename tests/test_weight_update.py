@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_tiny_checkpoint
+from helpers.checkpoints import write_tiny_checkpoint
+from helpers.engines import make_engine
 
 from specroll.engine.checkpoint import Checkpoint, load_checkpoint
 from specroll.engine.config import EngineConfig
@@ -18,12 +19,6 @@ from specroll.protocol.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 PAGE = 8
-
-
-def make_engine(path: Path, checkpoint: Checkpoint | None = None) -> Engine:
-    config = EngineConfig(model=str(path), page_size=PAGE, kv_cache_memory_gb=0.01, max_model_len=256,
-                          dtype="float32")
-    return Engine(config, checkpoint)
 
 
 def prompts() -> list[list[int]]:
@@ -151,7 +146,7 @@ def test_bf16_update_is_cast_to_the_engine_dtype(two_checkpoints) -> None:
     target = load_checkpoint(second)
     bf16 = {name: t.to(torch.bfloat16) for name, t in target.weights.items()}
     rounded = {name: t.float() for name, t in bf16.items()}  # what a float32 engine must hold
-    reference = make_engine(second, Checkpoint(target.config, rounded, target.tokenizer, "bf16"))
+    reference = make_engine(second, checkpoint=Checkpoint(target.config, rounded, target.tokenizer, "bf16"))
     expected_tokens, _ = generate(reference, prompts())
     engine = make_engine(first)
     engine.update_weights(bf16, version=1)
@@ -169,7 +164,7 @@ def test_partial_update_replaces_only_the_named_tensors(two_checkpoints) -> None
     named = ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.self_attn.v_proj.weight",
              "model.layers.1.mlp.up_proj.weight", "model.layers.0.mlp.gate_proj.weight", "lm_head.weight"]
     merged = dict(served.weights) | {n: new.weights[n] for n in named}
-    reference = make_engine(first, Checkpoint(served.config, merged, served.tokenizer, "merged"))
+    reference = make_engine(first, checkpoint=Checkpoint(served.config, merged, served.tokenizer, "merged"))
     expected_tokens, _ = generate(reference, prompts())
     engine = make_engine(first)
     engine.update_weights({n: new.weights[n] for n in named}, version=1)

@@ -24,7 +24,8 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
-from conftest import generator_process, write_tiny_checkpoint
+from helpers.checkpoints import write_tiny_checkpoint
+from helpers.processes import generator_process
 
 from specroll.actors.peer.weights_fetch import check_announcement
 from specroll.actors.rollout.client import RolloutClient
