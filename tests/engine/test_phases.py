@@ -13,7 +13,7 @@ from specroll.engine.engine import Engine
 from specroll.engine.phases import PHASES
 from specroll.protocol.sampling import SamplingParams
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_overhead.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_overhead.py"
 
 
 def test_phase_clock_times_every_phase_of_the_steps_it_is_on_for(tiny_checkpoint):

@@ -13,7 +13,7 @@ import pytest
 from helpers.bench_runs import run_benchmark
 from helpers.launch import live, members_of_groups, started_pids
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_e2e.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_e2e.py"
 TIMEOUT_S = 900  # three arms of two steps on a loaded 2-core machine take about a minute
 
 
