@@ -32,6 +32,10 @@ PEER = b"gen-0"
 """The generator a :class:`FakeTrainer` talks to (``generator_process``'s default actor id)."""
 HANG_S = 60
 """Longest wait for one message: only a hang guard, never what a test checks."""
+LONG_CONTEXT = 4096
+"""Positions of the models whose rollouts must still be running when the test acts (an ``Abort``, a
+weight update): their budgets are thousands of tokens, far more than a generator makes while a
+starved test process is late, so the action always lands mid-rollout; the test then aborts them."""
 
 
 # ---- the fake trainer -----------------------------------------------------------------------

@@ -3,14 +3,12 @@ before any work is done for it, answered with an ``Error`` naming the field, the
 limit, and the receiving actor goes on serving.
 
 Well-formed messages with extreme values, over real sockets: a generator process (tiny random
-checkpoint) fed by a fake trainer, the rollout client fed by a fake generator, a drafter trainer
-fed by a fake trainer.
+checkpoint) fed by a fake trainer. The rollout client's bounds: ``test_client_bounds.py``; the
+drafter trainer's: ``test_drafter_trainer_bounds.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
 import random
 from pathlib import Path
 from typing import Any
@@ -19,47 +17,29 @@ import anyio
 import msgspec
 import pytest
 import torch
-import zmq
-import zmq.asyncio
-from helpers.fake_peers import FakeTrainer, fake_generator, fake_trainer
+from helpers.fake_peers import FakeTrainer, fake_trainer
 from helpers.processes import generator_process
 
-from specroll.actors.config import DrafterConfig, ModelSection, RunConfig
-from specroll.actors.drafter_trainer.actor import DrafterActor, build_learner
-from specroll.actors.rollout.client import RolloutClient
-from specroll.actors.rollout.drafter_relay import DrafterRelay
 from specroll.drafter.eagle_config import EagleConfig, eagle3_feature_layers
 from specroll.drafter.eagle_files import head_checksum
 from specroll.drafter.eagle_head import EagleHead
 from specroll.engine.checkpoint import load_checkpoint
 from specroll.engine.model_config import expected_weight_shapes
-from specroll.protocol.channel import Channel
 from specroll.protocol.codec import pack_tensors
 from specroll.protocol.messages import (
-    PROTOCOL_VERSION,
     Abort,
     AckDrafter,
     DrafterAvailable,
     DrafterWeights,
     Error,
     FetchDrafter,
-    FetchWeights,
-    FinishedRollouts,
-    Heartbeat,
-    Hello,
-    PublishDrafter,
     RolloutChunk,
-    RolloutTokens,
     SampleResume,
-    Stats,
     SubmitGroup,
     TensorSpec,
-    ToDrafter,
     WeightsAvailable,
-    Welcome,
 )
 from specroll.protocol.sampling import SamplingParams
-from specroll.protocol.sockets import close_socket, make_socket
 
 pytestmark = pytest.mark.anyio
 
@@ -237,172 +217,6 @@ async def test_random_extreme_groups_are_each_served_or_refused_and_the_generato
             await trainer.next_heartbeat()
             await serves_a_normal_group(trainer, "after")
             assert proc.poll() is None
-
-
-# ---- the rollout client (trainer side) ------------------------------------------------------
-
-
-def chunk(group_id: str, index: int, tokens: int, offset: int = 0, finished: bool = False) -> RolloutChunk:
-    return RolloutChunk(group_id=group_id, sample_index=index, offset=offset, token_ids=[1] * tokens,
-                        logprobs=[-1.0] * tokens, versions=[0] * tokens, finished=finished,
-                        finish_reason="length" if finished else None)
-
-
-async def test_the_client_refuses_chunks_past_max_tokens_and_bad_group_ids_and_keeps_serving() -> None:
-    async with RolloutClient(heartbeat_timeout_s=30) as client, fake_generator(client.endpoint) as gen:
-        await gen.channel.send(Hello(protocol_version=PROTOCOL_VERSION, role="generator", actor_id="fake-gen"))
-        await gen.expect(Welcome)
-        # Extreme but well-formed statistics are harmless: taken as they are.
-        await gen.channel.send(Stats(policy_version=2**63 - 1, num_steps=2**64 - 1, num_tokens=2**64 - 1,
-                                     busy_s=math.inf, idle_s=-1.0))
-        await gen.channel.send(Heartbeat(policy_version=0, batch_size=0, free_groups=2**64 - 1, free_seqs=2**64 - 1))
-        err = await gen.expect(Error)
-        assert err.code == "bad_request" and "Heartbeat.free_seqs" in err.message and str(2**64 - 1) in err.message
-        await gen.channel.send(Heartbeat(policy_version=0, batch_size=0, free_groups=1, free_seqs=4))
-        group_id = await client.submit([5, 6, 7], 2, SamplingParams(max_tokens=8))
-        sub = await gen.expect(SubmitGroup)
-        assert sub.group_id == group_id
-
-        await gen.channel.send(chunk(group_id, 0, 10**6))
-        err = await gen.expect(Error)
-        assert err.code == "bad_request" and "len(token_ids) = 1000000" in err.message and "limit 8" in err.message
-        await gen.channel.send(chunk("g" + "1" * 5000, 0, 1))  # int() of it would raise
-        err = await gen.expect(Error)
-        assert err.code == "bad_request" and "len(group_id) = 5001" in err.message
-        await gen.channel.send(chunk("g²", 0, 1))  # a digit int() does not read: foreign, aborted
-        assert (await gen.expect(Abort)).group_id == "g²"
-
-        await gen.channel.send(chunk(group_id, 0, 8, finished=True))
-        await gen.channel.send(chunk(group_id, 1, 8, finished=True))
-        group = await client.next_finished(timeout=30)
-    assert group.group_id == group_id and [len(s.token_ids) for s in group.samples] == [8, 8]
-
-
-async def test_a_frame_over_the_clients_cap_is_dropped_unread_and_the_generator_goes_on() -> None:
-    """A chunk whose frame is over the client's ``max_frame_bytes`` never reaches the codec: the
-    socket drops that connection before reading the frame's body (``MAXMSGSIZE``). The generator's
-    connection comes back by itself, its next message shows the lost one as a sequence gap, and it
-    is told to register again; nothing of the chunk is held."""
-    async with RolloutClient(heartbeat_timeout_s=60, max_frame_bytes=1 << 20) as client, \
-            fake_generator(client.endpoint) as gen:
-        await gen.channel.send(Hello(protocol_version=PROTOCOL_VERSION, role="generator", actor_id="fake-gen"))
-        await gen.expect(Welcome)
-        await gen.channel.send(Heartbeat(policy_version=0, batch_size=0, free_groups=1, free_seqs=4))
-        group_id = await client.submit([5, 6, 7], 2, SamplingParams(max_tokens=8))
-        assert (await gen.expect(SubmitGroup)).group_id == group_id
-        await gen.channel.send(chunk(group_id, 0, 200_000))  # a 2 MB frame
-        with anyio.fail_after(60):
-            while True:  # a heartbeat carries the next number: the first that gets through shows the gap
-                await gen.channel.send(Heartbeat(policy_version=0, batch_size=1, free_groups=0, free_seqs=3))
-                with contextlib.suppress(TimeoutError):
-                    err = await gen.expect(Error, timeout=0.2)
-                    break
-        assert err.code == "unknown_peer" and "never arrived" in err.message, err
-        assert [len(s.token_ids) for s in client.coordinator.groups[group_id].samples] == [0, 0]
-        assert client.coordinator.groups[group_id].generator is None  # queued again
-
-
-async def test_a_generator_whose_messages_were_lost_registers_again_and_its_groups_resume() -> None:
-    """A connection that dropped and came back (a trainer paused past the ZeroMQ heartbeat) loses
-    what was in flight: the next message shows a sequence gap. The generator's groups would wait
-    forever for chunks no one resends, so the client treats it as gone (its groups resume from the
-    tokens held) and answers ``unknown_peer``; after ``Hello`` it gets them back as resumes."""
-    async with RolloutClient(heartbeat_timeout_s=60) as client, fake_generator(client.endpoint) as gen:
-        await gen.channel.send(Hello(protocol_version=PROTOCOL_VERSION, role="generator", actor_id="fake-gen"))
-        await gen.expect(Welcome)
-        await gen.channel.send(Heartbeat(policy_version=0, batch_size=0, free_groups=1, free_seqs=4))
-        group_id = await client.submit([5, 6, 7], 2, SamplingParams(max_tokens=8))
-        assert (await gen.expect(SubmitGroup)).group_id == group_id
-        await gen.channel.send(chunk(group_id, 0, 3))
-        gen.channel._state(gen.channel._key(None)).next_seq += 5  # five messages lost on the way
-        await gen.channel.send(chunk(group_id, 0, 4, offset=3))  # held: 3 tokens; these 4 would leave a gap
-        err = await gen.expect(Error)
-        assert err.code == "unknown_peer" and "never arrived" in err.message, err
-        assert client.coordinator.groups[group_id].generator is None  # queued again, to resume
-
-        gen.channel.forget()  # what the generator does on unknown_peer: a new session, then Hello
-        await gen.channel.send(Hello(protocol_version=PROTOCOL_VERSION, role="generator", actor_id="fake-gen"))
-        await gen.expect(Welcome)
-        await gen.channel.send(Heartbeat(policy_version=0, batch_size=0, free_groups=1, free_seqs=4))
-        sub = await gen.expect(SubmitGroup)
-        assert sub.group_id == group_id and [len(r.token_ids) for r in sub.resume if r.index == 0] == [3]
-
-
-def test_the_relay_refuses_drafter_versions_past_the_protocol_limits() -> None:
-    sent: list[tuple[str, Any]] = []
-    relay = DrafterRelay(lambda actor, msg, tensors: sent.append((actor, msg)))
-    relay.add_drafter("drafter-0")
-    for count, version, needle in ((300, 1, "PublishDrafter.len(tensors) = 300"),
-                                   (1, 2**64 - 1, f"PublishDrafter.version = {2**64 - 1}")):
-        refs, frames = pack_tensors((f"t{i}", torch.zeros(1)) for i in range(count))
-        msg = PublishDrafter(version=version, policy_version=0, config="{}", checksum="c", tensors=refs)
-        relay.on_publish("drafter-0", msg, dict(zip((r.name for r in refs), frames, strict=True)))
-        assert relay.published is None
-        [(actor, err)] = sent
-        assert actor == "drafter-0" and isinstance(err, Error) and needle in err.message, err
-        sent.clear()
-
-
-# ---- drafter trainer ------------------------------------------------------------------------
-
-
-async def test_a_drafter_trainer_refuses_oversized_rollouts_and_weights_and_keeps_running(tiny_checkpoint, tmp_path):
-    model = tiny_checkpoint("llama")
-    config = RunConfig(run_dir=str(tmp_path / "run"), model=ModelSection(name=str(model)),
-                       drafter=DrafterConfig(draft_vocab_size=64))
-    threads = torch.get_num_threads()
-    learner = build_learner(config)  # sets torch's threads to drafter.num_threads: restored below
-    torch.set_num_threads(threads)
-    context = learner.target.config.max_position_embeddings
-    shapes = {n: tuple(t.shape) for n, t in learner.target.hf_weights().items()}
-    peer = b"drafter-0"
-    ctx = zmq.asyncio.Context()
-    trainer = FakeTrainer(ctx)
-    sock = make_socket(ctx, zmq.DEALER, connect=trainer.endpoint, identity=peer)
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(trainer.serve)
-            actor = DrafterActor(config, learner, Channel(sock, ToDrafter), connect=trainer.endpoint,
-                                 actor_id=peer.decode())
-            done = anyio.Event()
-
-            async def run() -> None:
-                await actor.run()
-                done.set()
-
-            tg.start_soon(run)
-            assert (await trainer.expect(Hello)).role == "drafter"
-            await trainer.channel.send(Welcome(protocol_version=PROTOCOL_VERSION, actor_id="trainer"), peer=peer)
-
-            long = RolloutTokens(prompt_token_ids=[5] * context, token_ids=[6] * 10**5, policy_version=0)
-            await trainer.channel.send(FinishedRollouts(rollouts=[long]), peer=peer)
-            err = await trainer.expect(Error)
-            assert f"= {context + 10**5}" in err.message and f"limit {context}" in err.message, err
-            tiny = RolloutTokens(prompt_token_ids=[5], token_ids=[6], policy_version=0)
-            await trainer.channel.send(FinishedRollouts(rollouts=[tiny] * 70_000), peer=peer)
-            err = await trainer.expect(Error)
-            assert "len(rollouts) = 70000" in err.message and "limit 65536" in err.message, err
-            await trainer.channel.send(DrafterAvailable(version=2**64 - 1, policy_version=0, checksum=""), peer=peer)
-            err = await trainer.expect(Error)  # its next version would not fit the wire
-            assert f"DrafterAvailable.version = {2**64 - 1}" in err.message and f"limit {2**62}" in err.message, err
-            params = [TensorSpec(name=n, shape=s) for n, s in shapes.items()]
-            await trainer.channel.send(WeightsAvailable(version=1, dtype="float32", num_chunks=2**31 - 1,
-                                                        params=params), peer=peer)
-            err = await trainer.expect(Error)
-            assert "num_chunks = 2147483647" in err.message and f"limit {len(shapes)}" in err.message, err
-            await trainer.channel.send(WeightsAvailable(version=1, dtype="float32", num_chunks=1, params=params),
-                                       peer=peer)
-            assert (await trainer.expect(FetchWeights)).version == 1  # a sane announcement is fetched
-            assert not done.is_set()
-            assert learner.num_rollouts == 0 and not actor._rollouts  # nothing of the refused messages kept
-            actor.stop(0, "test over")
-            with anyio.fail_after(30):
-                await done.wait()
-            tg.cancel_scope.cancel()
-    finally:
-        close_socket(sock)
-        close_socket(trainer.sock)
-        ctx.term()
 
 
 def peak_rss_mb(pid: int) -> float:
