@@ -206,6 +206,7 @@ def assert_clean_failure(run: Run, match: str, usage: bool) -> None:
     assert run.stdout == ""
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", list(BAD))
 def test_bad_input_fails_cleanly_and_writes_nothing(runs: dict[str, Run], name: str) -> None:
     run = runs[name]
@@ -220,6 +221,7 @@ def test_bad_input_fails_cleanly_and_writes_nothing(runs: dict[str, Run], name: 
         assert not run.out.parent.exists() or list(run.out.parent.iterdir()) == []
 
 
+@pytest.mark.integration
 def test_failed_run_leaves_an_existing_output_untouched(runs: dict[str, Run]) -> None:
     run = runs["keeps_existing"]
     assert_clean_failure(run, r"context holds 32", usage=False)
@@ -227,6 +229,7 @@ def test_failed_run_leaves_an_existing_output_untouched(runs: dict[str, Run]) ->
     assert sorted(p.name for p in run.out.parent.iterdir()) == ["rollouts.jsonl"]
 
 
+@pytest.mark.integration
 def test_generate_writes_gsm8k_rollouts(runs: dict[str, Run], work: Path) -> None:
     run = runs["gsm8k"]
     assert run.rc == 0, run.stderr
@@ -273,6 +276,7 @@ def test_generate_writes_gsm8k_rollouts(runs: dict[str, Run], work: Path) -> Non
     assert f"mean reward {mean:.3f}" in run.stdout
 
 
+@pytest.mark.integration
 def test_rewards_follow_the_answers(runs: dict[str, Run], work: Path) -> None:
     first, run = read_records(runs["gsm8k"].out), runs["gsm8k_rewarded"]
     assert run.rc == 0, run.stderr
@@ -290,6 +294,7 @@ def test_rewards_follow_the_answers(runs: dict[str, Run], work: Path) -> None:
     assert f"mean reward {mean:.3f}" in run.stdout
 
 
+@pytest.mark.integration
 def test_greedy_builtin_task_without_reward(runs: dict[str, Run]) -> None:
     run = runs["greedy"]
     assert run.rc == 0, run.stderr
@@ -302,6 +307,7 @@ def test_greedy_builtin_task_without_reward(runs: dict[str, Run]) -> None:
     assert "mean reward n/a" in run.stdout
 
 
+@pytest.mark.integration
 def test_prompts_longer_than_the_step_budget_are_prefilled_in_chunks(runs: dict[str, Run]) -> None:
     # --max-num-batched-tokens 8 is far below the chat-templated prompt: the first steps compute
     # prompt chunks only. Greedy output must equal the unchunked run's.
@@ -311,6 +317,7 @@ def test_prompts_longer_than_the_step_budget_are_prefilled_in_chunks(runs: dict[
     assert chunked == [(r["prompt_id"], r["token_ids"]) for r in read_records(runs["greedy"].out)]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", ["greedy_suffix", "greedy_eagle", "greedy_auto", "greedy_tree"])
 def test_speculative_runs_emit_what_plain_greedy_emits(runs: dict[str, Run], name: str) -> None:
     run = runs[name]
@@ -322,6 +329,7 @@ def test_speculative_runs_emit_what_plain_greedy_emits(runs: dict[str, Run], nam
     assert re.search(r"\d+/[1-9]\d* drafts accepted", run.stdout), "nothing was drafted"
 
 
+@pytest.mark.integration
 def test_init_drafter_writes_a_loadable_drafter_and_refuses_bad_input(runs: dict[str, Run], work: Path,
                                                                      tmp_path: Path) -> None:
     from specroll.drafter.eagle_head import EagleHead

@@ -14,6 +14,8 @@ import pytest
 from helpers.bench_runs import run_benchmark
 from helpers.launch import live, members_of_groups, started_pids
 
+pytestmark = pytest.mark.integration  # every test here starts a process
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_chaos.py"
 TIMEOUT_S = 900  # about 2 minutes on a loaded 2-core machine (every restart imports torch again)
 

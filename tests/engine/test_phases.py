@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from specroll.engine.config import EngineConfig
 from specroll.engine.engine import Engine
 from specroll.engine.phases import PHASES
@@ -38,6 +40,7 @@ def test_phase_clock_times_every_phase_of_the_steps_it_is_on_for(tiny_checkpoint
     assert engine.phases.totals.steps == 0
 
 
+@pytest.mark.integration
 def test_bench_overhead_reports_decode_and_verify_per_batch_size(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
     cmd = [sys.executable, str(BENCH), "--layers", "2", "--batch-sizes", "1,3", "--steps", "4", "--rounds", "2",

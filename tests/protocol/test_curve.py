@@ -151,6 +151,7 @@ async def test_peers_without_the_runs_keys_or_with_the_wrong_roles_key_are_refus
 
 
 
+@pytest.mark.integration
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.parametrize("case", ["no_keys", "unknown_key", "drafter_key", "unsecured_trainer"])
@@ -190,6 +191,7 @@ async def test_a_refused_generator_process_exits_2_naming_the_cause(tmp_path: Pa
 
 
 
+@pytest.mark.integration
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_drafter_trainer_and_a_generator_with_keys_carry_a_drafter_version_over_curve(
@@ -296,6 +298,7 @@ def recording_proxy(upstream: str) -> Iterator[tuple[str, bytearray]]:
         thread.join(timeout=5)
 
 
+@pytest.mark.integration
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.parametrize("security", ["none", "curve"])
@@ -327,6 +330,7 @@ async def test_no_token_crosses_the_wire_in_the_clear_with_curve(tmp_path: Path,
 # ---- a launched run ------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_launched_curve_run_trains_exactly_like_an_unsecured_one(tmp_path: Path, tiny_checkpoint) -> None:
     model = tiny_checkpoint()

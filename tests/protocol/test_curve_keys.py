@@ -156,6 +156,7 @@ def test_a_missing_or_malformed_key_file_names_the_file(tmp_path: Path, case: st
         ClientKeys.load(tmp_path / "keys", "generator")
 
 
+@pytest.mark.integration
 def test_a_role_with_a_missing_key_exits_2_in_one_line_before_opening_a_socket(tmp_path: Path,
                                                                                tiny_checkpoint) -> None:
     init_keys(tmp_path / "keys")

@@ -137,6 +137,7 @@ time.sleep(3600)  # never receives: the test kills it
 """
 
 
+@pytest.mark.integration
 @pytest.mark.anyio
 async def test_a_member_killed_mid_broadcast_fails_the_send_instead_of_hanging(tmp_path: Path) -> None:
     timeout_s = 600.0  # far beyond the hang guard: the send must fail because the member died
@@ -253,6 +254,7 @@ def tiny_model(tmp_path: Path) -> tuple[Path, dict[str, tuple[int, ...]]]:
     return path, {n: tuple(t.shape) for n, t in model.state_dict().items() if n != "lm_head.weight"}
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.anyio
 async def test_collective_versions_decode_like_the_published_weights_and_a_corrupted_one_is_refused(
@@ -286,6 +288,7 @@ async def test_collective_versions_decode_like_the_published_weights_and_a_corru
             assert tokens == greedy_locally(model, publisher.weights[good])[0]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.anyio
 async def test_a_restarted_generator_gets_a_new_group_and_the_other_keeps_its_own(tmp_path: Path) -> None:
@@ -312,6 +315,7 @@ async def test_a_restarted_generator_gets_a_new_group_and_the_other_keeps_its_ow
                 assert groups.group_name("gen-0") == name0, "gen-0's group was rebuilt"
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.anyio
 async def test_a_group_that_cannot_be_opened_falls_back_to_chunks_logged_once(

@@ -45,6 +45,7 @@ LONG_CONTEXT = 4096
 """Positions of the model whose long rollout must outlast two drafter swaps."""
 
 
+@pytest.mark.integration
 async def test_drafter_versions_reach_the_generator_and_survive_the_drafter_trainer(tiny_llama, tmp_path):
     chunks: list[tuple[RolloutChunk, int]] = []
     client = RolloutClient(heartbeat_timeout_s=HANG_S)
@@ -139,6 +140,7 @@ def served_version(client: RolloutClient) -> int:
     return client.drafters.generator_drafters.get("gen-0", (0, ""))[0]
 
 
+@pytest.mark.integration
 async def test_a_drafter_for_another_target_is_refused_and_generation_goes_on(tiny_llama, tmp_path):
     other = EagleConfig(target_vocab_size=999, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=2,
                         head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, feature_layers=(2,), draft_vocab_size=64,
@@ -155,6 +157,7 @@ async def test_a_drafter_for_another_target_is_refused_and_generation_goes_on(ti
             assert "gen-0" not in client.drafters.generator_drafters
 
 
+@pytest.mark.integration
 async def test_a_drafter_swap_splits_live_samples_chunks_by_drafter_version(tmp_path):
     """Each chunk's draft counts come from the one drafter version it names: the generator sends every
     live sample's pending tokens before a swap. Chunks are only sent at a swap here (``--stream-every``
@@ -222,6 +225,7 @@ def test_schedule_trains_on_idle_capacity_and_pauses_when_asked(tiny_llama, capa
     assert actor.may_train() is expected
 
 
+@pytest.mark.integration
 async def test_a_drafter_trainer_for_another_model_exits_with_a_clear_error(tiny_llama, tmp_path):
     """Started without the run's config (another model), it refuses the trainer's policy: exit 2."""
     other = tmp_path / "other"

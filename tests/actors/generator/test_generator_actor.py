@@ -38,7 +38,7 @@ from specroll.protocol.messages import (
 )
 from specroll.protocol.sampling import SamplingParams
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 
 KV_GB = 0.02
 TOKEN_A, TOKEN_B = 100, 200

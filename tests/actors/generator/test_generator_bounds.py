@@ -41,7 +41,7 @@ from specroll.protocol.messages import (
 )
 from specroll.protocol.sampling import SamplingParams
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 
 MAX_NUM_SEQS, MAX_MODEL_LEN = 4, 64
 """The generator under test: ``--max-num-seqs 4 --max-model-len 64`` (vocabulary 320, conftest's)."""

@@ -16,7 +16,7 @@ from helpers.processes import generator_process
 from specroll.protocol.messages import Abort, Dead, Hello, RolloutChunk, SubmitGroup
 from specroll.protocol.sampling import SamplingParams
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 
 
 @pytest.fixture

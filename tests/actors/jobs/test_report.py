@@ -160,6 +160,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=120)
 
 
+@pytest.mark.integration
 def test_not_a_run_directory_is_one_error_line_and_exit_2(tmp_path: Path) -> None:
     proc = cli(str(tmp_path / "nope"))
     assert proc.returncode == 2 and proc.stdout == ""
@@ -176,6 +177,7 @@ def test_not_a_run_directory_is_one_error_line_and_exit_2(tmp_path: Path) -> Non
     assert not (tmp_path / "empty" / "report").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_real_launch_is_reported_whole_and_cut_short(tmp_path: Path, tiny_checkpoint) -> None:
     from helpers.launch import finish, launch, write_config

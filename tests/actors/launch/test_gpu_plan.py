@@ -46,6 +46,7 @@ def test_no_pinning(overrides: tuple[str, ...]) -> None:
     assert plan(*overrides) == {}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("forked", [True, False], ids=["forked", "fresh"])
 def test_the_role_sees_the_environment_it_was_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                     forked: bool) -> None:
@@ -64,6 +65,7 @@ def test_the_role_sees_the_environment_it_was_given(tmp_path: Path, monkeypatch:
     assert "visible=5" in log.read_text()
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
 @pytest.mark.parametrize("key", ["generator.engine.device=cuda", "trainer.device=cuda"])
 def test_a_cuda_role_on_a_host_without_cuda_is_refused_before_anything_starts(tmp_path: Path, key: str) -> None:
@@ -77,6 +79,7 @@ def test_a_cuda_role_on_a_host_without_cuda_is_refused_before_anything_starts(tm
     assert "started" not in proc.stderr and not (run_dir / "logs").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("sets", "expected"), [
     (["generator.engine.cuda_graphs=on"],
      "cuda_graphs='on' needs device 'cuda' and the flashinfer backend; got device 'cpu'"),

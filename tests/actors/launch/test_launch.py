@@ -27,6 +27,7 @@ from helpers.launch import (
 )
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("fork_roles", [True, False], ids=["forked", "fresh-interpreters"])
 def test_launch_runs_three_steps_and_leaves_nothing(tmp_path: Path, tiny_checkpoint, fork_roles: bool) -> None:
@@ -59,6 +60,7 @@ def test_launch_runs_three_steps_and_leaves_nothing(tmp_path: Path, tiny_checkpo
     assert "finished 3 steps" in err
 
 
+@pytest.mark.integration
 def test_config_error_exits_2_and_starts_nothing(tmp_path: Path) -> None:
     config = tmp_path / "bad.toml"
     config.write_text(f'run_dir = "{tmp_path / "run"}"\n[trainer]\ngroup_sise = 4\n')
@@ -76,6 +78,7 @@ def test_config_error_exits_2_and_starts_nothing(tmp_path: Path) -> None:
     assert children_of(os.getpid()) <= before
 
 
+@pytest.mark.integration
 def test_trainer_dying_before_its_endpoint_is_reported(tmp_path: Path) -> None:
     config = tmp_path / "run.toml"
     config.write_text(f'run_dir = "{tmp_path / "run"}"\n')
@@ -91,6 +94,7 @@ def test_trainer_dying_before_its_endpoint_is_reported(tmp_path: Path) -> None:
     assert_nothing_left(tmp_path / "run", set())
 
 
+@pytest.mark.integration
 def test_config_warnings_are_printed_at_start(tmp_path: Path, tiny_checkpoint) -> None:
     """A drafter trainer no generator drafts with: one warning line before anything starts."""
     config = write_config(tmp_path, tiny_checkpoint())
@@ -122,6 +126,7 @@ def test_a_warning_in_a_metrics_record_is_printed_by_the_launcher(tmp_path: Path
     assert out.getvalue() == f"specroll launch: warning: step 3: {text}\n"
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_sigkilled_generator_tears_down_the_run_without_supervision(tmp_path: Path, tiny_checkpoint) -> None:
     """``launch.max_restarts = 0``: the first death ends the run (supervision: ``test_supervision.py``)."""
@@ -141,6 +146,7 @@ def test_sigkilled_generator_tears_down_the_run_without_supervision(tmp_path: Pa
     assert_nothing_left(run_dir, before)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_ctrl_c_tears_down_the_run(tmp_path: Path, tiny_checkpoint) -> None:
     config = write_config(tmp_path, tiny_checkpoint(), steps=1_000_000, count=1)
@@ -177,6 +183,7 @@ def test_generator_settings_from_config_with_flag_overrides(tmp_path: Path) -> N
             flags_only.generator.engine.kv_cache_memory_gb) == ("m", 2, 1.0)
 
 
+@pytest.mark.integration
 def test_generator_config_errors_exit_2_with_one_line(tmp_path: Path) -> None:
     config = tmp_path / "run.toml"
     config.write_text("[generator]\nkv_policy = \"sometimes\"\n")
@@ -189,6 +196,7 @@ def test_generator_config_errors_exit_2_with_one_line(tmp_path: Path) -> None:
          "tcp://127.0.0.1:9"], capture_output=True, text=True, timeout=60).stderr
 
 
+@pytest.mark.integration
 def test_missing_inputs_and_a_taken_port_exit_2_before_anything_starts(tmp_path: Path, tiny_checkpoint) -> None:
     import socket
 
@@ -215,6 +223,7 @@ def test_missing_inputs_and_a_taken_port_exit_2_before_anything_starts(tmp_path:
             assert "Traceback" not in err and not (tmp_path / "run").exists()
 
 
+@pytest.mark.integration
 def test_a_run_dir_in_use_is_refused_and_a_finished_run_starts_nothing(tmp_path: Path, tiny_checkpoint) -> None:
     config = write_config(tmp_path, tiny_checkpoint(), steps=3)
     run_dir = tmp_path / "run"
@@ -240,6 +249,7 @@ def test_resume_replaces_the_metrics_of_steps_after_the_checkpoint(tmp_path: Pat
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_drafter_trainer_publishes_and_its_death_stops_nothing(tmp_path: Path, tiny_checkpoint) -> None:
     """The drafter trainer is SIGKILLed: the launcher restarts it (it warm-starts from RUN_DIR/drafter,
@@ -276,6 +286,7 @@ duty_cycle = 1.0
     assert_nothing_left(run_dir, before)
 
 
+@pytest.mark.integration
 def test_a_bad_drafter_exits_2_before_anything_starts(tmp_path: Path, tiny_checkpoint) -> None:
     import torch
 

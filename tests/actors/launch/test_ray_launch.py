@@ -24,6 +24,8 @@ from helpers.launch import finish, live, members_of_groups, started_pids, wait_f
 
 from specroll.actors.config import ConfigError, load_config
 
+pytestmark = pytest.mark.integration  # every test here starts a process
+
 HANG_S = 900
 """Hang guards only: a fresh interpreter per role plus Ray's own workers take minutes of wall time on
 2 busy cores (a 120 s guard was exceeded beside two busy processes)."""

@@ -24,7 +24,7 @@ import pytest
 from specroll.actors.launch.role_fork import ForkedProcess, Forker, fork_supported
 from specroll.actors.launch.role_process import observe_exit, start_role
 
-pytestmark = pytest.mark.skipif(not fork_supported(), reason="forking roles needs Linux")
+pytestmark = [pytest.mark.skipif(not fork_supported(), reason="forking roles needs Linux"), pytest.mark.integration]
 
 WAIT_S = 120  # a hang guard only: every child here ends within a second on an idle machine
 

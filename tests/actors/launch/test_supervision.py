@@ -42,6 +42,7 @@ def welcomed_again(run_dir: Path, role: str, offset: int) -> bool:
     return log.exists() and "welcomed by" in log.read_bytes()[offset:].decode(errors="replace")
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_killed_generator_is_restarted_and_the_run_trains_every_group_once(tmp_path: Path, tiny_checkpoint) -> None:
     config = supervised_config(tmp_path, tiny_checkpoint(), steps=12, max_restarts=3)
@@ -63,6 +64,7 @@ def test_a_killed_generator_is_restarted_and_the_run_trains_every_group_once(tmp
     assert_nothing_left(run_dir, before)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_generator_dying_past_max_restarts_ends_the_run_naming_it(tmp_path: Path, tiny_checkpoint) -> None:
     config = supervised_config(tmp_path, tiny_checkpoint(), steps=1_000_000, max_restarts=1)

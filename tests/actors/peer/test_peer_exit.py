@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.integration  # every test here starts a process
+
 TIMEOUT_S = 120
 """A hang guard for a process that normally ends within two seconds (importing torch on a loaded machine)."""
 PROCESS = """

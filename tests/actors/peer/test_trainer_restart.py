@@ -30,7 +30,7 @@ from specroll.protocol.messages import (
 from specroll.protocol.sampling import SamplingParams
 from specroll.protocol.sockets import close_socket, last_endpoint, make_socket
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 

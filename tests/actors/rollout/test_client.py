@@ -32,6 +32,7 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.mark.integration
 async def test_a_killed_generators_groups_finish_elsewhere_from_their_streamed_tokens(tiny_checkpoint, tmp_path):
     model = tiny_checkpoint("llama")
     streamed: dict[tuple[str, int], list[int]] = {}  # (group, sample) -> tokens merged when gen-a was killed
@@ -74,6 +75,7 @@ async def test_a_killed_generators_groups_finish_elsewhere_from_their_streamed_t
     assert {g for g in victims} <= by_actor["gen-b"]  # the victims really finished on gen-b
 
 
+@pytest.mark.integration
 def test_sync_client_round_trip_with_a_weight_update(tiny_checkpoint, tmp_path: Path):
     model = tiny_checkpoint("llama")
     weights = load_checkpoint(model).weights
@@ -121,6 +123,7 @@ def client_fuzz_frames(rng: random.Random, n: int) -> list[list[bytes]]:
     return frames
 
 
+@pytest.mark.integration
 async def test_ten_thousand_bad_frames_never_stop_the_client(tiny_checkpoint, tmp_path):
     """A peer that sends 10,000 random or corrupted messages and never reads a reply: each one is
     refused (counted and logged), and a real generator is served normally afterwards."""

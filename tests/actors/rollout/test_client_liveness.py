@@ -17,7 +17,7 @@ from specroll.actors.rollout.client import RolloutClient
 from specroll.protocol.messages import RolloutChunk
 from specroll.protocol.sampling import SamplingParams
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 
 TIMEOUT_S = 2.0
 """The client's heartbeat timeout. The peers heartbeat every 0.2 s."""

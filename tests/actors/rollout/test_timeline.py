@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from helpers.processes import generator_process
 
 from specroll.actors.rollout.drafter_relay import DrafterRelay
@@ -20,6 +21,7 @@ def events(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.integration
 def test_the_client_records_loads_finished_groups_and_policy_versions(tiny_checkpoint, tmp_path: Path) -> None:
     model = tiny_checkpoint("llama")
     timeline = Timeline(tmp_path / "timeline.jsonl")

@@ -75,6 +75,7 @@ def served_versions(log: Path) -> list[int]:
 # ---- the pipeline ---------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.anyio
 async def test_three_grpo_steps_with_two_generators(tiny_checkpoint, tmp_path: Path) -> None:
     model, run, port = tiny_checkpoint("llama"), tmp_path / "run", free_port()
@@ -128,6 +129,7 @@ async def test_three_grpo_steps_with_two_generators(tiny_checkpoint, tmp_path: P
     engine.update_weights(policy.hf_weights(), 3)
 
 
+@pytest.mark.integration
 def test_staleness_bound_holds_across_a_trainer_kill_and_resume(tiny_checkpoint, tmp_path: Path) -> None:
     anyio.run(_kill_and_resume, tiny_checkpoint("llama"), tmp_path, backend="asyncio")
 

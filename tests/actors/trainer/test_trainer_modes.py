@@ -64,6 +64,7 @@ def _timeline(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / TIMELINE_FILENAME).read_text().splitlines()]
 
 
+@pytest.mark.integration
 @pytest.mark.anyio
 async def test_held_out_evaluation_runs_on_generators_and_is_never_trained_on(tiny_checkpoint, tmp_path: Path) -> None:
     steps, every, count = 5, 2, 8  # the last step right after an evaluated one: two evaluations back to back
@@ -110,6 +111,7 @@ async def test_held_out_evaluation_runs_on_generators_and_is_never_trained_on(ti
             assert published and published[0] >= e["t"]
 
 
+@pytest.mark.integration
 @pytest.mark.anyio
 async def test_sync_mode_trains_only_after_every_rollout_of_the_step_finished(tiny_checkpoint,
                                                                                tmp_path: Path) -> None:

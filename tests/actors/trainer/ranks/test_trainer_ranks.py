@@ -93,6 +93,7 @@ def test_the_trainer_exits_2_on_bad_ranks_before_loading_anything(tmp_path: Path
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.integration
 def test_specroll_trainer_takes_the_rank_flags(tmp_path: Path) -> None:
     config = tmp_path / "run.toml"
     config.write_text(f'run_dir = "{tmp_path / "run"}"\nmodel.name = "{tmp_path / "no-model"}"\n'
@@ -156,6 +157,7 @@ def _assert_close_checkpoints(a: Path, b: Path) -> None:
     assert state_a == state_b
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_two_ranks_train_like_one_and_checkpoints_resume_across_rank_counts(tmp_path: Path) -> None:
     from bench_trainer_ranks import write_model
@@ -211,6 +213,7 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_launched_two_rank_trainer_trains_to_the_one_rank_weights(tmp_path: Path, tiny_checkpoint) -> None:
     model = tiny_checkpoint()
@@ -240,6 +243,7 @@ def test_a_launched_two_rank_trainer_trains_to_the_one_rank_weights(tmp_path: Pa
     assert max(float((weights[1][k] - t).abs().max()) for k, t in initial.items()) > 100 * TOLERANCE
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_killed_rank_restarts_every_rank_from_the_checkpoint_once(tmp_path: Path, tiny_checkpoint) -> None:
     config = _launch_config(tmp_path, tiny_checkpoint(), "killed", 2, steps=5)
@@ -265,6 +269,7 @@ def test_a_killed_rank_restarts_every_rank_from_the_checkpoint_once(tmp_path: Pa
     assert_nothing_left(run_dir, before)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_torchrun_starts_the_ranks_from_its_environment(tmp_path: Path, tiny_checkpoint) -> None:
     """Rank 0 restores a checkpoint written by one rank into both ranks' shards, finds the run done
@@ -298,6 +303,7 @@ def test_torchrun_starts_the_ranks_from_its_environment(tmp_path: Path, tiny_che
     assert "trainer rank 1: stopped by rank 0 after 0 steps" in text
 
 
+@pytest.mark.integration
 def test_rank_0_waiting_for_the_other_ranks_stops_at_sigterm(tmp_path: Path) -> None:
     """Rank 0 meets the other ranks before anything else, with the default signal dispositions: a
     launcher stopping a run whose ranks never all came up does not wait out the rendezvous timeout."""
