@@ -6,7 +6,7 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup run test lint docs clean
+.PHONY: setup run test test-fast lint docs clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,14 @@ setup: $(BIN)/.installed
 run: setup
 	$(BIN)/specroll launch examples/gsm8k_smollm2.toml
 
+# Every test (slow and integration ones included), the 25 slowest named at the end.
 test: setup
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
+
+# The inner loop: no test that starts a process or loads the real default model (see the markers
+# in pyproject.toml).
+test-fast: setup
+	$(BIN)/pytest -q -m "not integration and not slow" --durations=10
 
 lint: setup
 	$(BIN)/ruff check .

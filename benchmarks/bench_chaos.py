@@ -9,7 +9,7 @@ the kill, the staleness bound (max lag ≤ η), the launcher's exit 0; and it me
 against the same run without kills, run first (``--no-baseline`` skips it)::
 
     python benchmarks/bench_chaos.py --json chaos.json            # ~300 groups, 20 generator kills
-    python benchmarks/bench_chaos.py --quick --json chaos.json    # the CI version (tests/test_bench_chaos.py)
+    python benchmarks/bench_chaos.py --quick --json chaos.json    # CI: tests/benchmarks/test_bench_chaos.py
 
 The model is a 2-layer random-weight Llama written to the work directory (``tiny_model.py``), unless
 ``--model`` names a checkpoint. Exit 0 when every check passed, 1 otherwise. The run's size and its

@@ -18,7 +18,7 @@ summation order (and thread blocking) amplified by AdamW where a gradient is far
 isolates what sharding itself adds. On a machine with other work running, threads beyond the free
 cores slow every torch operator down (its OpenMP threads wait for each other): the load average is
 printed with the figures.
-``tests/test_trainer_ranks.py`` runs the same worker (:func:`run_arm`) for its equality checks.
+``tests/actors/trainer/ranks/test_trainer_ranks.py`` runs the same worker (:func:`run_arm`) for its equality checks.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "gsm8k_smollm2.t
 """The example run the specroll arms launch; the defaults of the common settings are its values."""
 
 TINY_RUN_SETS = (
-    # What tests/test_launch.py passes for runs on a tiny random-weight checkpoint: one generator, a
+    # What tests/helpers/launch.py writes for runs on a tiny random-weight checkpoint: one generator, a
     # small float32 KV cache, fast heartbeats, and a drafter small enough for a 320-token vocabulary.
     "generator.count=1",
     "generator.heartbeat_s=0.5",

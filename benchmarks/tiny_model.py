@@ -2,7 +2,7 @@
 (``config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json`` with a chat
 template), from specroll's own dependencies only (``safetensors``, ``tokenizers``): benchmarks that
 exercise the actors rather than the model (``bench_chaos.py``) run on it, and the tests' fixtures
-(``tests/conftest.py``) take its tokenizer.
+(``tests/helpers/checkpoints.py``) take its tokenizer.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ PY
 jit_rc=${PIPESTATUS[0]}
 
 stamp "tests (pytest -m gpu)"
-timeout 200 python3 -m pytest -q -m gpu tests/test_flashinfer_gpu.py -p no:cacheprovider \
+timeout 200 python3 -m pytest -q -m gpu tests/engine/test_flashinfer_gpu.py -p no:cacheprovider \
     --junitxml "$out/gpu_tests.xml" 2>&1 | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 if grep -q "skipped" "$out/gpu_tests.log"; then  # a skipped GPU test here means the check did not check

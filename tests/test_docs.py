@@ -38,6 +38,7 @@ def test_the_configuration_reference_is_what_the_generator_writes_now() -> None:
         "and commit the result")
 
 
+@pytest.mark.integration  # runs the script as a process
 def test_the_check_fails_on_a_stale_page(tmp_path: Path) -> None:
     reference = _reference()
     stale = tmp_path / "configuration.md"
@@ -132,6 +133,7 @@ def test_the_readme_is_a_front_door() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.integration  # runs mkdocs as a process
 def test_the_site_builds_with_mkdocs_strict(tmp_path: Path) -> None:
     pytest.importorskip("mkdocs", reason="the docs extra is not installed (pip install -e '.[docs]')")
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],

@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_external_trainer_example_trains_and_pushes_weights(tiny_checkpoint) -> None:
     source = (ROOT / "examples" / "external_trainer.py").read_text()

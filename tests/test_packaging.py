@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # every test here starts a process
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -1,0 +1,329 @@
+"""``specroll launch``: real processes (launcher, trainer, generators on a tiny random model), real
+sockets; every test checks that no process the launcher started outlives it.
+
+The trainer is the real one (``specroll.actors.trainer``); the launcher's hidden
+``--trainer-module`` option is used only to start a trainer that cannot start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers.launch import (
+    assert_nothing_left,
+    children_of,
+    finish,
+    generators_connected,
+    launch,
+    started_pids,
+    wait_for,
+    write_config,
+)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.parametrize("fork_roles", [True, False], ids=["forked", "fresh-interpreters"])
+def test_launch_runs_three_steps_and_leaves_nothing(tmp_path: Path, tiny_checkpoint, fork_roles: bool) -> None:
+    config = write_config(tmp_path, tiny_checkpoint(), steps=3, count=2, eval_every=2)
+    config.write_text(config.read_text() + f"\n[launch]\nfork_roles = {str(fork_roles).lower()}\n")
+    before = children_of(os.getpid())
+    code, out, err = finish(launch(tmp_path, config))
+    run_dir = tmp_path / "run"
+    assert code == 0, err
+    assert set(started_pids(run_dir)) == {"trainer", "generator-0", "generator-1"}
+    assert_nothing_left(run_dir, before)
+    # A batch whose every token came out too stale is skipped and drawn again (a line marked
+    # "skipped", not a step): on a loaded machine generation can run that far ahead.
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if r.get("skipped") is not True]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]  # step 0: the evaluation before training
+    assert [r["step"] for r in records if "eval_accuracy" in r] == [0, 2, 3]
+    assert all(r["eval_step"] == r["step"] for r in records if "eval_accuracy" in r)
+    lines = [line.split(":")[0] for line in out.splitlines() if " skipped (" not in line.split(":")[0]]
+    assert lines == ["step 0", "step 1", "step 2", "step 3"]
+    assert "eval_accuracy=" in out.splitlines()[0]
+    assert (run_dir / "config.toml").exists() and (run_dir / "trainer.endpoint").exists()
+    logs = [(run_dir / "logs" / f"generator-{i}.log").read_text() for i in range(2)]
+    # Each is stopped by the launcher's SIGTERM (not by the SIGKILL fallback) — also one still loading
+    # its model when the short run ended, which a loaded machine makes possible; at least one served.
+    assert all("exits with code 0: received SIGTERM" in log for log in logs), logs
+    assert any("welcomed by" in log for log in logs), logs
+    assert all(log.startswith(f"==== specroll launch: generator-{i} {'forked' if fork_roles else 'started'} ")
+               for i, log in enumerate(logs)), logs
+    assert "finished 3 steps" in err
+
+
+@pytest.mark.integration
+def test_config_error_exits_2_and_starts_nothing(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text(f'run_dir = "{tmp_path / "run"}"\n[trainer]\ngroup_sise = 4\n')
+    before = children_of(os.getpid())
+    code, out, err = finish(launch(tmp_path, config))
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "trainer.group_sise" in err and "group_size" in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+    # an override out of range: the same
+    config.write_text(f'run_dir = "{tmp_path / "run"}"\n')
+    code, _, err = finish(launch(tmp_path, config, "--set", "trainer.group_size=1"))
+    assert code == 2 and err.count("\n") == 1 and "group_size=1" in err, err
+    assert not (tmp_path / "run").exists()
+    assert children_of(os.getpid()) <= before
+
+
+@pytest.mark.integration
+def test_trainer_dying_before_its_endpoint_is_reported(tmp_path: Path) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text(f'run_dir = "{tmp_path / "run"}"\n')
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "trainer.endpoint").write_text("tcp://127.0.0.1:1")  # stale: must not be used
+    env_module = "no_such_trainer_module_xyz"
+    cmd = [sys.executable, "-m", "specroll.actors.cli", "launch", str(config), "--trainer-module", env_module]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "trainer (pid" in proc.stderr and "exited with code 1 before writing its endpoint" in proc.stderr
+    assert "No module named" in proc.stderr  # the tail of its log
+    assert set(started_pids(tmp_path / "run")) == {"trainer"}  # no generator was started
+    assert_nothing_left(tmp_path / "run", set())
+
+
+@pytest.mark.integration
+def test_config_warnings_are_printed_at_start(tmp_path: Path, tiny_checkpoint) -> None:
+    """A drafter trainer no generator drafts with: one warning line before anything starts."""
+    config = write_config(tmp_path, tiny_checkpoint())
+    cmd = [sys.executable, "-m", "specroll.actors.cli", "launch", str(config), "--set", "drafter.enabled=true",
+           "--set", "drafter.draft_vocab_size=64", "--trainer-module", "no_such_trainer_module_xyz"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr  # the stand-in trainer cannot start
+    warning, started = proc.stderr.index("specroll launch: warning: drafter.enabled = true with "
+                                         "generator.speculative = 'off'"), proc.stderr.index("started trainer")
+    assert warning < started, proc.stderr
+    assert_nothing_left(tmp_path / "run", set())
+
+
+def test_a_warning_in_a_metrics_record_is_printed_by_the_launcher(tmp_path: Path) -> None:
+    """The trainer's acceptance-floor warning reaches the launcher's output, not only trainer.log."""
+    import io
+
+    from specroll.actors.config import RunConfig
+    from specroll.actors.launch.launch import Launcher
+
+    out, metrics_out = io.StringIO(), io.StringIO()
+    launcher = Launcher(RunConfig(run_dir=str(tmp_path)), out=out, metrics_out=metrics_out)
+    text = "acceptance length 1.20 under policy version 3 is below the floor 2.00 (drafter version 1, ...)"
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 3, "loss": 0.5, "acceptance_floor_warning": text})
+                                            + "\n" + json.dumps({"step": 4, "loss": 0.4,
+                                                                  "acceptance_floor_warning": None}) + "\n")
+    launcher._print_metrics()
+    assert metrics_out.getvalue() == "step 3: loss=0.5\nstep 4: loss=0.4\n"
+    assert out.getvalue() == f"specroll launch: warning: step 3: {text}\n"
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_sigkilled_generator_tears_down_the_run_without_supervision(tmp_path: Path, tiny_checkpoint) -> None:
+    """``launch.max_restarts = 0``: the first death ends the run (supervision: ``test_supervision.py``)."""
+    config = write_config(tmp_path, tiny_checkpoint(), steps=1_000_000, count=2)
+    config.write_text(config.read_text() + "\n[launch]\nmax_restarts = 0\n")
+    before = children_of(os.getpid())
+    proc = launch(tmp_path, config)
+    run_dir = tmp_path / "run"
+    wait_for(lambda: generators_connected(run_dir, 2), "both generators to connect", proc)
+    victim = started_pids(run_dir)["generator-1"]
+    os.kill(victim, signal.SIGKILL)
+    code, _, err = finish(proc)
+    assert code == 1, err
+    assert f"generator-1 (pid {victim}) was killed by SIGKILL" in err, err
+    assert "logs/generator-1.log" in err
+    assert "exits with code 0: received SIGTERM" in (run_dir / "logs" / "generator-0.log").read_text()
+    assert_nothing_left(run_dir, before)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_ctrl_c_tears_down_the_run(tmp_path: Path, tiny_checkpoint) -> None:
+    config = write_config(tmp_path, tiny_checkpoint(), steps=1_000_000, count=1)
+    before = children_of(os.getpid())
+    proc = launch(tmp_path, config)
+    run_dir = tmp_path / "run"
+    wait_for(lambda: generators_connected(run_dir, 1), "the generator to connect", proc)
+    proc.send_signal(signal.SIGINT)
+    code, _, err = finish(proc)
+    assert code == 130, err
+    assert "interrupted by SIGINT" in err
+    assert "SIGKILL" not in err.split("interrupted by SIGINT")[1]  # everyone stopped within the grace period
+    assert "exits with code 0: received SIGTERM" in (run_dir / "logs" / "generator-0.log").read_text()
+    assert_nothing_left(run_dir, before)
+
+
+def test_generator_settings_from_config_with_flag_overrides(tmp_path: Path) -> None:
+    from specroll.actors.generator.cli import parse_args
+
+    config = tmp_path / "run.toml"
+    config.write_text('[model]\nname = "some/model"\n[generator]\nstream_every_steps = 3\nkv_policy = "recompute"\n'
+                      '[generator.engine]\nmax_num_seqs = 5\nnum_threads = 1\nkv_cache_memory_gb = 0.25\n'
+                      '[network]\nwindow = 32\nheartbeat_timeout_s = 9.0\n')
+    s = parse_args(["--config", str(config), "--connect", "tcp://127.0.0.1:9", "--actor-id", "g1",
+                    "--set", "generator.speculative=auto", "--max-num-seqs", "7"])
+    c = s.config
+    assert (c.generator.engine.model, s.actor_id, c.generator.stream_every_steps, c.generator.kv_policy,
+            c.generator.engine.num_threads, c.generator.engine.kv_cache_memory_gb) == (
+        "some/model", "g1", 3, "recompute", 1, 0.25)
+    assert (c.network.window, c.network.heartbeat_timeout_s, c.speculative()) == (32, 9.0, "suffix")  # auto, no drafter
+    assert c.generator.engine.max_num_seqs == 7  # the explicit flag wins over generator.engine.max_num_seqs
+    flags_only = parse_args(["--connect", "tcp://127.0.0.1:9", "--model", "m", "--max-num-seqs", "2"]).config
+    assert (flags_only.generator.engine.model, flags_only.generator.engine.max_num_seqs,
+            flags_only.generator.engine.kv_cache_memory_gb) == ("m", 2, 1.0)
+
+
+@pytest.mark.integration
+def test_generator_config_errors_exit_2_with_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text("[generator]\nkv_policy = \"sometimes\"\n")
+    for args in (["--config", str(config)], ["--set", "a=1", "--model", "m"], ["--model", str(tmp_path / "none")]):
+        proc = subprocess.run([sys.executable, "-m", "specroll.actors.generator", "--connect", "tcp://127.0.0.1:9",
+                               *args], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "generator.kv_policy='sometimes'" in subprocess.run(
+        [sys.executable, "-m", "specroll.actors.cli", "generator", "--config", str(config), "--connect",
+         "tcp://127.0.0.1:9"], capture_output=True, text=True, timeout=60).stderr
+
+
+@pytest.mark.integration
+def test_missing_inputs_and_a_taken_port_exit_2_before_anything_starts(tmp_path: Path, tiny_checkpoint) -> None:
+    import socket
+
+    model = tiny_checkpoint()
+    config = write_config(tmp_path, model)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        unanswered = tmp_path / "unanswered.jsonl"
+        unanswered.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n{"question": "Why?"}\n')
+        cases = [
+            (["--set", f'task.prompts="{tmp_path / "nope.jsonl"}"'], "task.prompts"),
+            (["--set", f'eval.prompts="{tmp_path / "nope.jsonl"}"'], "eval.prompts: "),
+            (["--set", f'eval.prompts="{unanswered}"'], "eval.prompts: evaluation prompts without an answer"),
+            (["--set", "eval.count=300"], "eval.count: 1-digit problems"),  # 255 one-digit problems
+            (["--set", 'task.operators="-"', "--set", "eval.count=55"], "with '-' number 55"),
+            (["--set", f'model.name="{tmp_path / "no-model"}"'], "model.name"),
+            (["--set", f"network.trainer_port={port}"], f"network.trainer_port={port}"),
+        ]
+        for extra, key in cases:
+            code, _, err = finish(launch(tmp_path, config, *extra))
+            assert code == 2 and key in err and err.count("\n") == 1, err
+            assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.integration
+def test_a_run_dir_in_use_is_refused_and_a_finished_run_starts_nothing(tmp_path: Path, tiny_checkpoint) -> None:
+    config = write_config(tmp_path, tiny_checkpoint(), steps=3)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "launch.lock").write_text(str(os.getpid()))  # a live launcher holds it
+    code, _, err = finish(launch(tmp_path, config))
+    assert code == 2 and "in use by the launcher with pid" in err, err
+    (run_dir / "launch.lock").write_text("999999999")  # a stale lock is taken over...
+    (run_dir / "checkpoint").mkdir()
+    (run_dir / "checkpoint" / "trainer_state.json").write_text('{"step": 3}')  # ...and the run is already done
+    before = children_of(os.getpid())
+    code, _, err = finish(launch(tmp_path, config))
+    assert code == 0 and "nothing to train" in err and not (run_dir / "pids.json").exists(), err
+    assert children_of(os.getpid()) <= before
+
+
+def test_resume_replaces_the_metrics_of_steps_after_the_checkpoint(tmp_path: Path) -> None:
+    from specroll.actors.trainer.metrics import truncate_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(f'{{"step": {s}}}\n' for s in (1, 2, 3, 4)) + '{"step": 5, "cut')  # killed mid-line
+    truncate_metrics(path, 2)
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_drafter_trainer_publishes_and_its_death_stops_nothing(tmp_path: Path, tiny_checkpoint) -> None:
+    """The drafter trainer is SIGKILLed: the launcher restarts it (it warm-starts from RUN_DIR/drafter,
+    ``test_drafter_actor.py``) and training goes on to the end meanwhile."""
+    config = write_config(tmp_path, tiny_checkpoint(), steps=40, count=1)
+    config.write_text(config.read_text().replace("[generator]\n", '[generator]\nspeculative = "auto"\n') + """
+[drafter]
+enabled = true
+min_rollouts = 2
+publish_every_steps = 2
+window_tokens = 16
+draft_vocab_size = 64
+duty_cycle = 1.0
+""")
+    before = children_of(os.getpid())
+    proc = launch(tmp_path, config)
+    run_dir = tmp_path / "run"
+    drafter_log = run_dir / "logs" / "drafter.log"
+    served = run_dir / "logs" / "generator-0.log"
+    wait_for(lambda: served.exists() and "serving drafter version 1" in served.read_text(errors="replace"),
+             "the generator to serve drafter version 1", proc)
+    victim = started_pids(run_dir)["drafter"]
+    os.kill(victim, signal.SIGKILL)
+    code, _, err = finish(proc, timeout=300)
+    assert code == 0, err
+    assert f"drafter (pid {victim}) was killed by SIGKILL; restart 1 of drafter" in err, err
+    assert "sent drafter version 1 to the trainer" in drafter_log.read_text()
+    records = [r for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+               if not (r := json.loads(line))["skipped"]]
+    assert [r["step"] for r in records] == list(range(1, 41))  # training went on to the end
+    assert any(p["drafter_version"] >= 1 and p["draft_steps"] > 0 for r in records for p in r["acceptance_by_version"])
+    assert records[-1]["generator_drafters"]["generator-0"] >= 1 and records[-1]["drafter_checksums_match"]
+    assert (run_dir / "drafter" / "model.safetensors").exists()  # the latest version, for a warm start
+    assert_nothing_left(run_dir, before)
+
+
+@pytest.mark.integration
+def test_a_bad_drafter_exits_2_before_anything_starts(tmp_path: Path, tiny_checkpoint) -> None:
+    import torch
+
+    from specroll.actors.config import load_config
+    from specroll.actors.launch.preflight import preflight
+    from specroll.drafter.eagle_config import EagleConfig
+    from specroll.drafter.eagle_head import EagleHead
+    from specroll.engine.loaders.checkpoint import load_checkpoint
+
+    model = tiny_checkpoint()
+    config = write_config(tmp_path, model)
+    fits = EagleConfig.for_target(load_checkpoint(str(model)).config, (2,), 64)
+    EagleHead.init(fits, torch.arange(64)).save(good := tmp_path / "good")
+    (junk_file := tmp_path / "junk.bin").write_bytes(b"\x00junk")
+    (junk_config := tmp_path / "junk_config").mkdir()
+    (junk_config / "config.json").write_text('{"x": 1}')
+    (junk_config / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes())
+    EagleHead.init(fits, torch.arange(64)).save(junk_weights := tmp_path / "junk_weights")
+    (junk_weights / "model.safetensors").write_bytes(b"\x00" * 100)
+    other = EagleConfig(400, 64, 128, 4, 2, 16, 1e-5, 10000.0, (2,), 100, 2)  # a 400-token vocabulary
+    EagleHead.init(other, torch.arange(100)).save(foreign := tmp_path / "foreign")
+    cases = [
+        ([f'drafter.path="{tmp_path / "no-drafter"}"'], "drafter.path", "does not exist"),
+        ([f'drafter.path="{junk_file}"'], "drafter.path", "not a directory"),
+        ([f'drafter.path="{junk_config}"'], "drafter.path", "expected a drafter config as 'specroll init-drafter'"),
+        ([f'drafter.path="{junk_weights}"'], "drafter.path", "not a readable safetensors file"),
+        ([f'drafter.path="{foreign}"'], "drafter.path", "vocabulary 400"),
+        (["drafter.enabled=true", "drafter.draft_vocab_size=321"], "drafter.draft_vocab_size=321",
+         "(320 tokens)"),
+    ]
+    before = children_of(os.getpid())
+    for sets, key, words in cases:
+        code, out, err = finish(launch(tmp_path, config, *[x for s in sets for x in ("--set", s)]))
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert err.startswith(f"specroll launch: error: {key}") and words in err, err
+        assert "Traceback" not in err and not (tmp_path / "run").exists()
+    assert children_of(os.getpid()) <= before
+    # what fits passes: a drafter made for this model, a draft vocabulary as large as the model's
+    assert preflight(load_config(config, [f'drafter.path="{good}"'])) is None
+    assert preflight(load_config(config, ["drafter.enabled=true", "drafter.draft_vocab_size=320"])) is None

@@ -1,0 +1,112 @@
+"""``specroll launch`` supervising its processes: a killed generator is restarted and the run ends
+with exactly the groups it should have trained; past ``launch.max_restarts`` the run fails naming
+the role; with ``max_restarts = 0`` any death ends the run. Real processes and sockets on a tiny
+random model (the trainer's and the drafter trainer's restarts: ``test_bench_chaos.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from chaos_checks import check_run
+from helpers.launch import (
+    assert_nothing_left,
+    children_of,
+    finish,
+    generators_connected,
+    launch,
+    started_pids,
+    wait_for,
+    write_config,
+)
+
+
+def supervised_config(tmp_path: Path, model: Path, steps: int, max_restarts: int) -> Path:
+    config = write_config(tmp_path, model, steps=steps, count=2)
+    config.write_text(config.read_text().replace("[trainer]\n", "[trainer]\ncheckpoint_every = 1\n")
+                      + f"\n[launch]\nmax_restarts = {max_restarts}\nrestart_backoff_s = 0.2\n")
+    return config
+
+
+def metrics(run_dir: Path) -> list[dict[str, object]]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def welcomed_again(run_dir: Path, role: str, offset: int) -> bool:
+    """The role's log shows a welcome after ``offset`` bytes (its restarted process joined)."""
+    log = run_dir / "logs" / f"{role}.log"
+    return log.exists() and "welcomed by" in log.read_bytes()[offset:].decode(errors="replace")
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_killed_generator_is_restarted_and_the_run_trains_every_group_once(tmp_path: Path, tiny_checkpoint) -> None:
+    config = supervised_config(tmp_path, tiny_checkpoint(), steps=12, max_restarts=3)
+    before = children_of(os.getpid())
+    proc = launch(tmp_path, config)
+    run_dir = tmp_path / "run"
+    wait_for(lambda: generators_connected(run_dir, 2) and len(metrics(run_dir)) >= 2, "two steps", proc)
+    victim = started_pids(run_dir)["generator-1"]
+    os.kill(victim, signal.SIGKILL)  # its groups resume on generator-0 (and on it, if it rejoins in time)
+    code, _, err = finish(proc, timeout=300)
+    assert code == 0, err
+    assert f"generator-1 (pid {victim}) was killed by SIGKILL; restart 1 of generator-1 in 0.2 s" in err, err
+    assert started_pids(run_dir)["generator-1"] != victim
+    last = metrics(run_dir)[-1]
+    assert (last["step"], last["restarts"], last["restarts_by_role"]) == (12, 1, {"generator-1": 1})
+    checks = check_run(run_dir)
+    assert checks.ok and not checks.lost and not checks.duplicated, checks
+    assert checks.groups_trained == 12 and checks.max_staleness <= 1
+    assert_nothing_left(run_dir, before)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_generator_dying_past_max_restarts_ends_the_run_naming_it(tmp_path: Path, tiny_checkpoint) -> None:
+    config = supervised_config(tmp_path, tiny_checkpoint(), steps=1_000_000, max_restarts=1)
+    before = children_of(os.getpid())
+    proc = launch(tmp_path, config)
+    run_dir = tmp_path / "run"
+    wait_for(lambda: generators_connected(run_dir, 2), "both generators to connect", proc)
+    first = started_pids(run_dir)["generator-0"]
+    offset = (run_dir / "logs" / "generator-0.log").stat().st_size
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: welcomed_again(run_dir, "generator-0", offset), "generator-0 to rejoin", proc)
+    second = started_pids(run_dir)["generator-0"]
+    os.kill(second, signal.SIGKILL)
+    code, _, err = finish(proc, timeout=120)
+    assert code == 1, err
+    assert "restart 1 of generator-0" in err, err
+    assert (f"generator-0 (pid {second}) was killed by SIGKILL (2 deaths within 600 s, more than "
+            "launch.max_restarts = 1); stopping the run" in err), err
+    assert "logs/generator-0.log" in err
+    assert_nothing_left(run_dir, before)
+
+
+def test_the_steps_a_restarted_trainer_runs_again_are_printed_again(tmp_path: Path) -> None:
+    """The restarted trainer rewrites metrics.jsonl back to its checkpoint (a new file) and appends the
+    re-run steps: the launcher prints those, and never a line it printed already."""
+    import io
+
+    from specroll.actors.config import RunConfig
+    from specroll.actors.launch.launch import Launcher
+    from specroll.actors.shared.files import write_text_atomic
+
+    def lines(*records: tuple[int, float]) -> str:
+        return "".join(json.dumps({"step": s, "loss": loss}) + "\n" for s, loss in records)
+
+    path = tmp_path / "metrics.jsonl"
+    out = io.StringIO()
+    launcher = Launcher(RunConfig(run_dir=str(tmp_path)), out=io.StringIO(), metrics_out=out)
+    path.write_text(lines((1, 0.5)))
+    launcher.metrics_tail.skip_existing()  # an earlier launch's line, as run() takes it
+    with path.open("a") as f:
+        f.write(lines((2, 0.4), (3, 0.3)))
+    launcher._print_metrics()
+    write_text_atomic(path, lines((1, 0.5), (2, 0.4)) + lines((3, 0.25), (4, 0.2)))  # resumed from step 2
+    launcher._print_metrics()
+    assert out.getvalue() == "step 2: loss=0.4\nstep 3: loss=0.3\nstep 3: loss=0.25\nstep 4: loss=0.2\n"

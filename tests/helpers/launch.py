@@ -1,0 +1,144 @@
+"""``specroll launch`` as the tests start it: a small run's config, the launcher as a child process,
+and the checks that no process it started outlives it (read from ``/proc``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+
+def write_config(tmp_path: Path, model: Path, steps: int = 3, count: int = 2, eval_every: int = 0) -> Path:
+    """A small run on ``model``: ``count`` generators, one group of 2 per step, 8 tokens per sample;
+    ``eval_every`` > 0: a held-out evaluation on 4 prompts before training, every so many steps and at the end."""
+    path = tmp_path / "run.toml"
+    path.write_text(f"""
+run_dir = "{tmp_path / 'run'}"
+steps = {steps}
+
+[model]
+name = "{model}"
+
+[trainer]
+batch_groups = 1
+group_size = 2
+max_groups_in_flight = 2
+train_threads = 1
+
+[generator]
+count = {count}
+heartbeat_s = 0.5
+
+[network]
+heartbeat_timeout_s = 60.0  # a hang guard: a starved generator is not declared dead
+
+[generator.engine]
+dtype = "float32"
+kv_cache_memory_gb = 0.02
+max_num_seqs = 8
+num_threads = 1
+
+[generator.sampling]
+max_tokens = 8
+
+[eval]
+every = {eval_every}
+count = 4
+""")
+    return path
+
+
+def children_of(pid: int) -> set[int]:
+    """Live (non-zombie) processes whose parent is ``pid``."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.add(int(stat.parent.name))
+    return found
+
+
+def members_of_groups(pgids: set[int]) -> set[int]:
+    """Live processes in any of the process groups ``pgids``."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[2]) in pgids and fields[0] != "Z":
+            found.add(int(stat.parent.name))
+    return found
+
+
+def started_pids(run_dir: Path) -> dict[str, int]:
+    """Role name → pid, as the launcher recorded them in RUN_DIR/pids.json."""
+    return json.loads((run_dir / "pids.json").read_text())["processes"]
+
+
+def live(pids: set[int]) -> set[int]:
+    """The processes among ``pids`` that exist and are not zombies."""
+    found = set()
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+                found.add(pid)
+        except OSError:
+            continue
+    return found
+
+
+def assert_nothing_left(run_dir: Path, children_before: set[int]) -> None:
+    """No process the launcher started, nor anything in their process groups, nor a new child of ours.
+
+    A SIGKILLed group member the launcher does not reap (a grandchild) leaves ``/proc`` only once it is
+    reaped, a moment later on a loaded machine: polled for, not slept for."""
+    pids = set(started_pids(run_dir).values())
+    deadline = time.monotonic() + 30  # a hang guard; normally the first look finds nothing
+    while (live(pids) or members_of_groups(pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not live(pids), f"started processes still alive: {live(pids)}"
+    assert not members_of_groups(pids), "processes left in the launched process groups"
+    assert children_of(os.getpid()) <= children_before, "a child of the test process remains"
+
+
+def launch(tmp_path: Path, config: Path, *extra: str) -> subprocess.Popen[str]:
+    """``specroll launch CONFIG`` as a child process."""
+    # a long grace: a process starved for a while is still stopped by SIGTERM (tests check it is)
+    cmd = [sys.executable, "-m", "specroll.actors.cli", "launch", str(config), "--grace-s", "60", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 180) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # the launcher's children get SIGKILL too (PR_SET_PDEATHSIG)
+        out, err = proc.communicate()
+        pytest.fail(f"launcher did not finish within {timeout} s; stderr:\n{err}")
+    return proc.returncode, out, err
+
+
+def wait_for(predicate: Callable[[], bool], what: str, proc: subprocess.Popen[str], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            pytest.fail(f"launcher exited ({proc.returncode}) while waiting for {what}: {proc.stderr.read()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def generators_connected(run_dir: Path, count: int) -> bool:
+    logs = [run_dir / "logs" / f"generator-{i}.log" for i in range(count)]
+    return all(log.exists() and "welcomed by" in log.read_text(errors="replace") for log in logs)
