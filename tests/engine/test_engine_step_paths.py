@@ -172,3 +172,16 @@ def test_every_sequence_aborted_between_steps_mid_prefill_and_mid_draft(tiny_che
     fresh = motif_prompt(40, seed=9)
     engine.add_request(fresh, GREEDY, "fresh")
     assert run_to_completion(engine)["fresh"].token_ids == plain(path, {"fresh": fresh})["fresh"]
+
+
+@pytest.mark.parametrize("speculation", ["repeat-chain", "eagle-adaptive"])
+def test_a_first_step_of_one_token_prompts_is_all_decode_sized(tiny_checkpoint, speculation):
+    """One-token prompts: the first step's prefill is one token a sequence, the shape of a decode,
+    chosen while nothing ran yet (the fixed k, not the adaptive bandit's pick), so it is not credited
+    to the bandit; the output is plain greedy's."""
+    path = tiny_checkpoint("llama")
+    prompts = {f"r{i}": [5 + i] for i in range(3)}
+    engine = speculating(path, speculation)
+    for rid, p in prompts.items():
+        engine.add_request(p, GREEDY, rid)
+    assert {rid: c.token_ids for rid, c in run_to_completion(engine).items()} == plain(path, prompts)

@@ -213,6 +213,7 @@ class SpeculationPolicy:
         self.bandit: DraftLengthBandit | None = None
         """The adaptive controller (``adaptive`` with a proposer); ``None`` otherwise."""
         self._fixed: Arm = 0
+        self._bandit_chose = False
         if proposer is None:
             return
         trees = tuple(tree_shapes) if drafts_trees(proposer) else ()
@@ -229,13 +230,17 @@ class SpeculationPolicy:
     def choose(self, num_running: int) -> Arm:
         """This step's speculation: the fixed k or tree, or the bandit's pick for ``num_running``
         live decoding sequences (the fixed k while none runs yet)."""
-        if self.bandit is None or not num_running:
+        self._bandit_chose = self.bandit is not None and num_running > 0
+        if not self._bandit_chose:
             return self._fixed
+        assert self.bandit is not None
         return self.bandit.choose(num_running)
 
     def record(self, arm: Arm, scheduled: Sequence[ScheduledSequence], num_emitted: int, seconds: float) -> None:
         """Credit the bandit with a step that ran ``arm`` over ``scheduled``: ``num_emitted`` tokens
         in ``seconds`` of wall time."""
-        # Only pure decode steps measure a speculation: a prefill chunk's cost says nothing about it.
-        if self.bandit is not None and all(s.num_new_tokens == 1 for s in scheduled):
+        # Only pure decode steps measure a speculation (a prefill chunk's cost says nothing about
+        # it), and only a step whose speculation the bandit chose (not the fixed k of a step chosen
+        # while nothing ran yet, e.g. a first step whose one-token prompts are all decode-sized).
+        if self.bandit is not None and self._bandit_chose and all(s.num_new_tokens == 1 for s in scheduled):
             self.bandit.record(arm, num_emitted, seconds)
