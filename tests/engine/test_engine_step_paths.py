@@ -185,3 +185,16 @@ def test_a_first_step_of_one_token_prompts_is_all_decode_sized(tiny_checkpoint, 
     for rid, p in prompts.items():
         engine.add_request(p, GREEDY, rid)
     assert {rid: c.token_ids for rid, c in run_to_completion(engine).items()} == plain(path, prompts)
+
+
+def test_a_prompt_many_budgets_long_is_warned_about_once(tiny_checkpoint, caplog):
+    engine = make_engine(tiny_checkpoint("llama", max_position_embeddings=512), max_model_len=512)
+    with caplog.at_level("WARNING", logger="specroll.engine"):
+        engine.add_request(motif_prompt(8 * BUDGET), GREEDY, "eight-steps")  # 8 steps: not warned
+        assert not caplog.records
+        engine.add_request(motif_prompt(9 * BUDGET), GREEDY, "nine-steps")
+        engine.add_request(motif_prompt(10 * BUDGET), GREEDY, "ten-steps")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"a prompt of {9 * BUDGET} tokens takes 9 steps to prefill under max_num_batched_tokens={BUDGET}; a larger "
+        "budget (--max-num-batched-tokens, generator.engine.max_num_batched_tokens) prefills it in fewer, faster "
+        "steps (warned once)"]

@@ -10,12 +10,19 @@ The policy follows vLLM v1's unified scheduler and nano-vllm's ``scheduler.py``.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
 from specroll.engine.block_manager import BlockManager
 from specroll.engine.sequence import Sequence, SequenceStatus
 from specroll.engine.spec.proposer import draft_cap
+
+log = logging.getLogger("specroll.engine")
+
+LONG_PREFILL_STEPS = 8
+"""A prompt that takes more steps than this to prefill under the token budget is worth a warning
+(once per scheduler): each chunk is a step of its own, beside the decodes."""
 
 
 @dataclass(frozen=True)
@@ -51,8 +58,15 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._warned_long_prefill = False
 
     def add(self, seq: Sequence) -> None:
+        steps = -(-seq.num_tokens // self.max_num_batched_tokens)
+        if steps > LONG_PREFILL_STEPS and not self._warned_long_prefill:
+            self._warned_long_prefill = True
+            log.warning("a prompt of %d tokens takes %d steps to prefill under max_num_batched_tokens=%d; a larger "
+                        "budget (--max-num-batched-tokens, generator.engine.max_num_batched_tokens) prefills it in "
+                        "fewer, faster steps (warned once)", seq.num_tokens, steps, self.max_num_batched_tokens)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
