@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -59,15 +60,40 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
     )
 
 
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile a checkpoint's chat template with transformers' sandbox and options."""
+def _environment() -> ImmutableSandboxedEnvironment:
+    """transformers' sandbox, options and helpers for chat templates."""
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a checkpoint's chat template with transformers' sandbox and options.
+
+    Raises:
+        CheckpointError: the template does not parse.
+    """
     try:
-        return env.from_string(source)
+        return _environment().from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise CheckpointError(f"chat template does not parse: {exc.message} (line {exc.lineno})") from exc
+
+
+def template_variables(source: str) -> frozenset[str]:
+    """Names a chat template reads from its context (``messages``, ``tools``, ``enable_thinking``, and
+    helpers such as ``raise_exception``): the undeclared variables of its parsed syntax tree
+    (``jinja2.meta.find_undeclared_variables``), found without rendering it.
+
+    Raises:
+        CheckpointError: the template does not parse.
+    """
+    env = _environment()
+    try:
+        tree = env.parse(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise CheckpointError(f"chat template does not parse: {exc.message} (line {exc.lineno})") from exc
+    return frozenset(jinja2.meta.find_undeclared_variables(tree))

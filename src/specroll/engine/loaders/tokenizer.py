@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import jinja2
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
@@ -45,6 +46,10 @@ _SPLIT_REGEXES = {
     **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx"), _LLAMA3_SPLIT),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
 }
+# Variables apply_chat_template sets itself; chat_template_kwargs may not override them.
+_RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "documents"}
+)
 
 
 
@@ -210,27 +215,75 @@ class Tokenizer:
         """Text of ``ids``; control tokens are dropped when ``skip_special_tokens``."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` (``{"role": ..., "content": ...}`` dicts) with the checkpoint's template.
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """Render ``messages`` with the checkpoint's template, as transformers' ``apply_chat_template``.
+
+        ``messages`` are OpenAI chat messages: ``{"role", "content"}``, where ``content`` may be
+        ``None`` and an assistant message may carry ``tool_calls`` and a tool message
+        ``tool_call_id``/``name``; the template decides what it renders of them. ``tools`` (OpenAI
+        ``{"type": "function", "function": {...}}`` dicts) reaches the template as ``tools``, and
+        ``chat_template_kwargs`` as extra template variables (e.g. ``enable_thinking``).
+
+        A template that never reads ``tools`` ignores them. SmolLM2-135M-Instruct's (the default
+        model) is one: it writes each message as ``<|im_start|>{role}\n{content}<|im_end|>\n`` (a
+        ``tool`` message too), adds its own system prompt when the first message is not a system one,
+        and reads nothing else, so ``tools``, ``tool_calls`` and ``tool_call_id`` leave its prompt
+        unchanged, and ``None`` content fails its string ``+`` (a ChatTemplateError). A server then
+        writes the tools into the messages itself (``specroll.actors.server.tool_calls``:
+        ``tools_system_prompt``, ``hermes_fallback_messages``).
 
         Raises:
-            ChatTemplateError: the checkpoint has no chat template, or the template called
-                ``raise_exception`` (e.g. roles that do not alternate).
+            ChatTemplateError: the checkpoint has no chat template; the template called
+                ``raise_exception`` (e.g. roles that do not alternate) or failed on the messages' values
+                (a ``TypeError`` or undefined attribute, e.g. ``None`` content it concatenates).
+            ValueError: a ``chat_template_kwargs`` key is one of the variables set here
+                (``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``, ``tools``,
+                ``documents``).
         """
         if self._template is None:
             raise ChatTemplateError("this checkpoint has no chat template; encode a plain prompt instead")
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self._bos_token or "",
-            eos_token=self._eos_token or "",
-            tools=None,
-            documents=None,
-        )
+        extra = dict(chat_template_kwargs or {})
+        if clash := sorted(extra.keys() & _RESERVED_TEMPLATE_VARIABLES):
+            raise ValueError(
+                f"chat_template_kwargs sets {', '.join(map(repr, clash))}, which the chat template gets from "
+                f"the request itself; reserved: {', '.join(sorted(_RESERVED_TEMPLATE_VARIABLES))}"
+            )
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._bos_token or "",
+                eos_token=self._eos_token or "",
+                tools=tools,
+                documents=None,
+                **extra,
+            )
+        except (TypeError, jinja2.UndefinedError) as exc:
+            raise ChatTemplateError(
+                f"chat template failed on these messages ({type(exc).__name__}: {exc}); a message's "
+                "content may be None or of a type the template does not expect"
+            ) from exc
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Render the chat template, then encode it without adding BOS (the template writes it)."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Render the chat template (as :meth:`apply_chat_template`, whose errors it raises), then
+        encode it without adding BOS (the template writes it)."""
+        text = self.apply_chat_template(
+            messages, add_generation_prompt, tools=tools, chat_template_kwargs=chat_template_kwargs
+        )
         return self.encode(text, add_special_tokens=False)
 
 
