@@ -224,6 +224,24 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trainer-module", default=None, help=argparse.SUPPRESS)
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible server (/v1/completions, /v1/chat/completions, ...) in front of "
+        "generator.count generators, watched",
+        description="Start the server process (the hub the generators connect to, and HTTP on "
+        "server.host:server.port; its URL in RUN_DIR/server.url) and generator.count generators, supervised "
+        "as 'specroll launch' does, until Ctrl-C. POST /update_weights publishes a folder of safetensors "
+        "under server.weights_dir (default RUN_DIR/weights) as the next policy version.",
+    )
+    p.add_argument("--config", default=None, metavar="FILE", help="run config TOML (default: the built-in defaults)")
+    _add_set(p)
+    p.add_argument("--startup-timeout-s", type=positive_float, default=300.0,
+                   help="seconds the server may take to bind and write RUN_DIR/trainer.endpoint (default: %(default)s)")
+    p.add_argument("--grace-s", type=positive_float, default=15.0,
+                   help="seconds processes get to exit after SIGTERM before SIGKILL (default: %(default)s)")
+
+
 def _add_trainer(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "trainer",
@@ -292,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_init_drafter(sub)
     _add_drafter(sub)
     _add_launch(sub)
+    _add_serve(sub)
     _add_trainer(sub)
     _add_generator(sub)
     _add_report(sub)
@@ -321,6 +340,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides = [*args.overrides, *([f"cluster.backend={args.cluster}"] if args.cluster else [])]
         return run_launch(args.config, overrides, trainer_module=args.trainer_module or TRAINER_MODULE,
                           startup_timeout_s=args.startup_timeout_s, grace_s=args.grace_s)
+    if args.command == "serve":
+        from specroll.actors.launch.entry import run_launch
+
+        return run_launch(args.config, args.overrides, trainer_module="specroll.actors.server",
+                          startup_timeout_s=args.startup_timeout_s, grace_s=args.grace_s, serving=True)
     if args.command == "keys":
         from specroll.actors.jobs.keys import run_keys_init
 

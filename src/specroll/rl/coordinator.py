@@ -26,11 +26,14 @@ from specroll.protocol.limits import MAX_ID_CHARS
 from specroll.protocol.messages import RolloutChunk, SampleResume, SubmitGroup
 from specroll.protocol.sampling import SamplingParams
 
-Lane = Literal["train", "eval"]
+Lane = Literal["train", "eval", "serve"]
 """What a group is for: ``train`` groups count against ``max_groups_in_flight`` and feed training;
 ``eval`` groups (held-out evaluation) are dispatched before any queued training group, do not count
-against that bound, and finish into a queue of their own, so training never sees them."""
-LANES: tuple[Lane, ...] = ("eval", "train")  # dispatch order
+against that bound, and finish into a queue of their own, so training never sees them; ``serve``
+groups (requests of the HTTP server, ``actors/server/``) likewise, dispatched after evaluation and
+before training, and never queued when finished: whoever submitted one holds it
+(:attr:`RolloutCoordinator.groups` while it is live) and is told by the hub's chunk callback."""
+LANES: tuple[Lane, ...] = ("eval", "serve", "train")  # dispatch order
 
 
 class ChunkError(ValueError):
@@ -81,6 +84,10 @@ class Group:
     """Actor id serving it now; None while queued."""
     dispatches: int = 0
     """Times it was sent to a generator (1 + resumes after deaths)."""
+    pin: str | None = None
+    """A generator it should run on while that one is connected (an HTTP session's: prefix-cache
+    reuse across turns); it waits in the queue while that generator is full, and goes anywhere once
+    it is gone. None: wherever there is most room."""
 
     @property
     def finished(self) -> bool:
@@ -142,8 +149,9 @@ class RolloutCoordinator:
     # ---- prompts and generators -----------------------------------------------------------
 
     def add_group(self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, payload: object = None,
-                  lane: Lane = "train") -> str:
-        """Queue a group of ``n`` samples of one prompt in ``lane`` (see :data:`Lane`); returns its id.
+                  lane: Lane = "train", pin: str | None = None) -> str:
+        """Queue a group of ``n`` samples of one prompt in ``lane`` (see :data:`Lane`), on generator
+        ``pin`` if it is connected when dispatched (:attr:`Group.pin`); returns its id.
 
         Raises:
             ValueError: empty prompt or ``n`` < 1.
@@ -157,7 +165,7 @@ class RolloutCoordinator:
         group_id = f"g{self._next_id}"
         self._next_id += 1
         self.groups[group_id] = Group(group_id, list(prompt_token_ids), [Sample() for _ in range(n)], sampling,
-                                      payload, lane)
+                                      payload, lane, pin=pin)
         self._queues[lane].append(group_id)
         return group_id
 
@@ -212,19 +220,30 @@ class RolloutCoordinator:
         return sum(1 for g in self.groups.values() if g.lane == lane)
 
     def dispatch(self) -> list[tuple[str, SubmitGroup]]:
-        """Assign queued groups to generators with room for them, most room first: evaluation groups
-        first, then training groups while fewer than ``max_groups_in_flight`` of them are in flight.
-        Returns (actor id, message) pairs to send."""
+        """Assign queued groups to generators with room for them, most room first (a pinned group to
+        its generator while that one is connected: it waits while that one is full, without holding
+        up the groups behind it): evaluation groups first, then served requests, then training groups
+        while fewer than ``max_groups_in_flight`` of them are in flight. Returns (actor id, message)
+        pairs to send."""
         out = []
         for lane in LANES:
             queue = self._queues[lane]
             budget = self.max_groups_in_flight - self.num_in_flight("train") if lane == "train" else len(queue)
+            waiting: list[str] = []  # pinned groups whose generator is full: they keep their place
             while queue and budget > 0:
                 group = self.groups[queue[0]]
                 size = sum(not s.finished for s in group.samples)
-                gen = max(self.generators.values(), key=lambda g: (self._room(g, size), -len(g.groups)), default=None)
-                if gen is None or self._room(gen, size) <= 0:
-                    break
+                pinned = self.generators.get(group.pin) if group.pin is not None else None
+                if pinned is not None:
+                    if self._room(pinned, size) <= 0:
+                        waiting.append(queue.popleft())
+                        continue
+                    gen = pinned
+                else:
+                    gen = max(self.generators.values(), key=lambda g: (self._room(g, size), -len(g.groups)),
+                              default=None)
+                    if gen is None or self._room(gen, size) <= 0:
+                        break
                 queue.popleft()
                 group.generator = gen.actor_id
                 group.dispatches += 1
@@ -234,6 +253,7 @@ class RolloutCoordinator:
                     gen.free_seqs -= size
                 budget -= 1
                 out.append((gen.actor_id, group.submit_message()))
+            queue.extendleft(reversed(waiting))
         return out
 
     @staticmethod
@@ -284,7 +304,8 @@ class RolloutCoordinator:
         if not group.finished:
             return None
         self._retire(group)
-        self._finished[group.lane].append(group)
+        if group.lane != "serve":  # a served request's submitter holds it
+            self._finished[group.lane].append(group)
         return group
 
     def _issued(self, group_id: str) -> bool:

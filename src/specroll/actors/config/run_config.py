@@ -6,7 +6,8 @@ run on a CPU: the default model, the built-in arithmetic task, one generator. It
 per section, each in a module of its own: ``[model]`` (``model_section.py``), ``[task]`` and ``[eval]``
 (``task_section.py``), ``[trainer]`` (``trainer_section.py``), ``[generator]``
 (``generator_section.py``), ``[drafter]`` (``drafter_section.py``), ``[network]``
-(``network_section.py``), ``[launch]`` (``launch_section.py``), ``[cluster]`` (``cluster_section.py``);
+(``network_section.py``), ``[launch]`` (``launch_section.py``), ``[cluster]`` (``cluster_section.py``),
+``[server]`` (``server_section.py``);
 this module holds the run's own keys and the checks that span sections.
 
 * :func:`~specroll.actors.config.load.load_config` reads a file (or nothing: the defaults), applies
@@ -43,6 +44,7 @@ from specroll.actors.config.model_section import ModelSection
 from specroll.actors.config.network_section import NetworkConfig
 from specroll.actors.config.section import Section as _Section
 from specroll.actors.config.section import require as _require
+from specroll.actors.config.server_section import ServerConfig
 from specroll.actors.config.task_section import EvalConfig, TaskConfig
 from specroll.actors.config.trainer_section import TrainerConfig
 from specroll.engine.loaders.registry import DEFAULT_MODEL
@@ -69,6 +71,8 @@ class RunConfig(_Section):
     """Supervision of the processes ``specroll launch`` starts (``[launch]``)."""
     cluster: ClusterConfig = ClusterConfig()
     """Where ``specroll launch`` places the roles: this host, or Ray actors on a cluster (``[cluster]``)."""
+    server: ServerConfig = ServerConfig()
+    """The OpenAI-compatible HTTP server (``[server]``)."""
 
     def __post_init__(self) -> None:
         _require(bool(self.run_dir), "run_dir", self.run_dir, "a directory path")
@@ -87,6 +91,14 @@ class RunConfig(_Section):
                  "'off', 'suffix' or 'auto' unless drafter.enabled = true or drafter.path is set")
         _require(self.network.heartbeat_timeout_s > self.generator.heartbeat_s, "network.heartbeat_timeout_s",
                  self.network.heartbeat_timeout_s, f"more than generator.heartbeat_s = {self.generator.heartbeat_s}")
+        server = self.server
+        _require(server.is_loopback() or bool(server.api_key) or self.network.allow_insecure, "server.host",
+                 server.host, "a loopback address (127.0.0.1, ::1, localhost) unless server.api_key is set (or "
+                 "network.allow_insecure = true: then anyone who reaches the port can generate, pause the "
+                 "generators and replace the policy's weights)")
+        _require(server.max_n <= self.generator.engine.max_num_seqs, "server.max_n", server.max_n,
+                 f"at most generator.engine.max_num_seqs = {self.generator.engine.max_num_seqs} (a request's n "
+                 "samples run on one generator)")
         k = engine.num_draft_tokens
         # The acceptance length (tokens per verify step) is at most k + 1: k drafts and a bonus token.
         _require(self.drafter.acceptance_floor <= k + 1, "drafter.acceptance_floor", self.drafter.acceptance_floor,
@@ -123,6 +135,10 @@ class RunConfig(_Section):
         insecure = self.network.insecure_warning()
         if insecure is not None:
             found.append(insecure)
+        if not self.server.is_loopback() and not self.server.api_key:
+            found.append(f"server.host = {self.server.host!r} without server.api_key (network.allow_insecure = true): "
+                         "anyone who reaches the server's port can generate, pause the generators and replace the "
+                         "policy's weights; set server.api_key")
         mode = self.generator.speculative
         if self.runs_drafter_trainer() and mode in ("off", "suffix"):
             found.append(f"drafter.enabled = true with generator.speculative = {mode!r}: the drafter trainer trains "

@@ -38,8 +38,9 @@ def prepare_keys(config: RunConfig) -> str | None:
 
 
 def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = TRAINER_MODULE,
-               startup_timeout_s: float = 300.0, grace_s: float = 15.0) -> int:
-    """``specroll launch``: validate the config (one error line and exit 2, nothing started), run."""
+               startup_timeout_s: float = 300.0, grace_s: float = 15.0, serving: bool = False) -> int:
+    """``specroll launch``: validate the config (one error line and exit 2, nothing started), run.
+    ``serving``: ``specroll serve`` (``trainer_module`` is the server's; nothing is trained)."""
 
     try:
         config = load_config(config_path, overrides)  # every role reads this same config: checked once here
@@ -58,7 +59,7 @@ def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = 
     if config.launch.fork_roles and fork_supported() and not on_ray:  # before the preflight touches a tensor
         forker = prepare([trainer_module, GENERATOR_MODULE, DRAFTER_MODULE])
     try:
-        done = preflight(config)
+        done = preflight(config, serving)
     except LaunchError as e:
         print(f"specroll launch: error: {e}", file=sys.stderr)
         return EXIT_REFUSED

@@ -30,13 +30,15 @@ LOCK_FILENAME = "launch.lock"
 """Holds the pid of the launcher running in a run directory; a second launch there is refused."""
 
 
-def preflight(config: RunConfig) -> str | None:
+def preflight(config: RunConfig, serving: bool = False) -> str | None:
     """Check what would otherwise fail only after every process started: the model and prompts are
     there, ``drafter.path`` is a drafter made for the model, a cold-started drafter's vocabulary fits
     the model's, the trainer's port is free. Returns a message when there is nothing to do (the run
     directory's checkpoint already reached ``steps``), else None; says so when a run resumes, and
     warns (stderr) when ``trainer.max_groups_in_flight`` is above what the staleness bound lets the
-    trainer use (``rl/admission.py``).
+    trainer use (``rl/admission.py``). The server's port is checked too when it serves
+    (``server.enabled``, or ``serving``: ``specroll serve``, which trains nothing, so the prompts and
+    the checkpoint are not looked at).
 
     Raises:
         LaunchError: naming the key, the value and what was expected.
@@ -49,20 +51,20 @@ def preflight(config: RunConfig) -> str | None:
     if config.cluster.backend == "local":  # under Ray the roles run on nodes this host knows nothing of
         _check_cuda(config)
     tc = config.trainer
-    if tc.mode == "async" and (warning := run_ahead_warning(tc.max_groups_in_flight, tc.batch_groups,
-                                                            tc.max_staleness)) is not None:
+    if not serving and tc.mode == "async" and (
+            warning := run_ahead_warning(tc.max_groups_in_flight, tc.batch_groups, tc.max_staleness)) is not None:
         print(f"specroll launch: warning: {warning}", file=sys.stderr)
     try:
-        load_task(config)
+        if not serving:
+            load_task(config)
     except (PromptFileError, ValueError) as e:
         raise LaunchError(f"{_task_key(config, e)}: {e}") from None
     if config.network.trainer_port:
-        with socket.socket(socket.AF_INET6 if ":" in config.network.host else socket.AF_INET) as probe:
-            try:
-                probe.bind((config.network.host.strip("[]"), config.network.trainer_port))
-            except OSError as e:
-                raise LaunchError(f"network.trainer_port={config.network.trainer_port} on {config.network.host}: "
-                                  f"{e.strerror}; expected a free port (0 picks one)") from None
+        _check_port(config.network.host, config.network.trainer_port, "network.trainer_port")
+    if (serving or config.server.enabled) and config.server.port:
+        _check_port(config.server.host, config.server.port, "server.port")
+    if serving:
+        return None
     checkpoint = find_checkpoint(config.run_dir)
     if checkpoint is not None:
         step = json.loads((checkpoint / STATE_FILE).read_text(encoding="utf-8")).get("step", 0)
@@ -174,3 +176,11 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _check_port(host: str, port: int, key: str) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError as e:
+            raise LaunchError(f"{key}={port} on {host}: {e.strerror}; expected a free port (0 picks one)") from None

@@ -44,7 +44,7 @@ from specroll.protocol.messages import Abort, RolloutChunk, WeightsTransport
 from specroll.protocol.sampling import SamplingParams
 from specroll.protocol.sockets import DEFAULT_HWM
 from specroll.protocol.weights_collective import endpoint_host
-from specroll.rl.coordinator import Group, Lane, RolloutCoordinator
+from specroll.rl.coordinator import LANES, Group, Lane, RolloutCoordinator
 
 __all__ = ["RolloutClient"]
 
@@ -209,19 +209,22 @@ class RolloutClient:
 
     async def submit(
         self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, payload: object = None,
-        lane: Lane = "train",
+        lane: Lane = "train", pin: str | None = None,
     ) -> str:
         """Queue a group of ``n`` samples of one prompt (token ids, chat template applied); it is
         dispatched when a generator has room. Returns the group id.
 
         ``lane="eval"`` (held-out evaluation): dispatched before queued training groups, not counted
         against ``max_groups_in_flight``, finished into its own queue (``pop_finished(lane="eval")``)
-        and never forwarded to drafter trainers.
+        and never forwarded to drafter trainers. ``lane="serve"`` (the HTTP server's requests): the
+        same, dispatched after evaluation groups, and not queued when finished — hold the group
+        (``coordinator.groups[group_id]``) and follow it through :attr:`on_chunk`. ``pin``: the
+        generator to run it on while that one is connected (:attr:`~specroll.rl.coordinator.Group.pin`).
 
         Raises:
             ValueError: empty prompt, ``n`` < 1 or an unknown lane.
         """
-        group_id = self.coordinator.add_group(prompt_token_ids, n, sampling, payload, lane)
+        group_id = self.coordinator.add_group(prompt_token_ids, n, sampling, payload, lane, pin)
         self._ticker.dispatch()
         return group_id
 
@@ -260,10 +263,10 @@ class RolloutClient:
         return self.coordinator.served_versions()
 
     def generators_idle(self) -> bool:
-        """No group (training or evaluation) is queued or generating: every generator's live batch is
+        """No group (training, evaluation or a served request) is queued or generating: every generator's live batch is
         empty, so its cores are free. Safe to call from a worker thread (a racy but harmless read)."""
         c = self.coordinator
-        return not any(c.num_queued(lane) or c.num_in_flight(lane) for lane in ("train", "eval"))
+        return not any(c.num_queued(lane) or c.num_in_flight(lane) for lane in LANES)
 
     @property
     def num_pending(self) -> int:

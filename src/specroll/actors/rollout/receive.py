@@ -244,7 +244,7 @@ class Receiver:
         if finished is not None:
             if self.timeline is not None:
                 self.timeline.record("group_finished", group_id=finished.group_id, lane=finished.lane)
-            if finished.lane == "train":  # evaluation rollouts are not the drafter's data
+            if finished.lane == "train":  # evaluation rollouts and served requests are not the drafter's data
                 self.drafters.on_group_finished(finished)
             self.events.finished.notify()
         if self.on_chunk is not None:

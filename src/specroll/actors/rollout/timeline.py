@@ -14,7 +14,7 @@ event                  fields
                        handing the weights over; ``eval_wait``: holding a publish for an evaluation;
                        ``checkpoint``: writing one),
                        ``start``, ``end`` (wall-clock s), ``step``
-``group_finished``     ``group_id``, ``lane`` (``train`` or ``eval``)
+``group_finished``     ``group_id``, ``lane`` (``train``, ``eval`` or ``serve``)
 ``step_groups``        ``step``, ``group_ids`` (the groups the step trained on, in batch order), ``prompt_ids``,
                        ``positions`` (each group's position in the prompt order), ``resumed`` (the ids of
                        groups that resumed after a generator died) and ``resumed_tokens`` (their samples'

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from specroll.actors.config import RunConfig, write_resolved
-from specroll.actors.rollout.client import RolloutClient
+from specroll.actors.rollout.from_config import client_from_config
 from specroll.actors.rollout.timeline import TIMELINE_FILENAME, Timeline
-from specroll.actors.rollout.weights_groups import BackendChoice
+from specroll.actors.server.process import serve_beside_trainer
 from specroll.actors.shared.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_REFUSED
 from specroll.actors.shared.files import write_text_atomic
 from specroll.actors.trainer.ranks.join import Ranks
@@ -28,13 +28,6 @@ log = logging.getLogger("specroll.trainer")
 
 ENDPOINT_FILENAME = "trainer.endpoint"
 """Once bound, the trainer writes its endpoint (``tcp://HOST:PORT``) to ``RUN_DIR/trainer.endpoint``."""
-
-
-def _bind_address(config: RunConfig) -> str:
-    host = config.network.host
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"  # an IPv6 literal
-    return f"tcp://{host}:{config.network.trainer_port}"
 
 
 async def run_trainer(config: RunConfig, ranks: Ranks | None = None, store: dist.Store | None = None) -> int:
@@ -71,21 +64,11 @@ async def _run(config: RunConfig, ranks: Ranks | None, store: dist.Store | None)
 
 
 async def _serve(config: RunConfig, timeline: Timeline, ranks: Ranks | None, store: dist.Store | None) -> int:
-    run_dir, net = Path(config.run_dir), config.network
+    run_dir = Path(config.run_dir)
     try:
-        keys = net.server_keys(config.run_dir)
+        client = client_from_config(config, timeline)
     except KeysError as e:
         raise TrainerError(str(e), EXIT_REFUSED) from None
-    if keys is not None:
-        log.info("CURVE security: admitting this run's generator and drafter keys from %s",
-                 net.keys_path(config.run_dir))
-    if net.insecure_warning() is not None:
-        log.warning("%s", net.insecure_warning())
-    client = RolloutClient(_bind_address(config), max_groups_in_flight=config.trainer.max_groups_in_flight,
-                           heartbeat_timeout_s=net.heartbeat_timeout_s, window=net.window, hwm=net.hwm,
-                           allow_public=net.public_bind_allowed(), curve=keys, timeline=timeline,
-                           weights_transport=net.weights_transport, weights_bucket_mb=net.weights_bucket_mb,
-                           weights_backend=_weights_backend(config))
     code = EXIT_OK
     async with client:  # closing it sends Dead to every connected generator
         write_text_atomic(run_dir / ENDPOINT_FILENAME, client.endpoint)
@@ -106,6 +89,8 @@ async def _serve(config: RunConfig, timeline: Timeline, ranks: Ranks | None, sto
             done = False
             try:
                 client.vocab_size = setup.policy.config.vocab_size  # before the Trainer submits its first group
+                if config.server.enabled:  # the HTTP server in front of the same generators
+                    tg.start_soon(serve_beside_trainer, config, client, setup.tokenizer, setup.policy.config)
                 trainer = Trainer(config, setup, client, timeline)
                 await trainer.run()
                 done = True
@@ -115,13 +100,6 @@ async def _serve(config: RunConfig, timeline: Timeline, ranks: Ranks | None, sto
                 with anyio.CancelScope(shield=True):  # also when cancelled: the other ranks must stop
                     await anyio.to_thread.run_sync(setup.policy.close, done)
     return code
-
-
-def _weights_backend(config: RunConfig) -> BackendChoice:
-    """``network.weights_backend``, with ``auto`` made gloo for a trainer on the CPU (NCCL would
-    need its rank 0 on a GPU, whatever devices the machine has)."""
-    backend = config.network.weights_backend
-    return "gloo" if backend == "auto" and config.trainer.device == "cpu" else backend
 
 
 def _leaf(e: BaseException) -> BaseException:

@@ -64,6 +64,22 @@ def load_checkpoint(model: str | Path, dtype: torch.dtype = torch.float32) -> Ch
     raise CheckpointError(f"{path}: expected a Hugging Face checkpoint directory or a .gguf file")
 
 
+def load_metadata(model: str | Path) -> tuple[ModelConfig, Tokenizer]:
+    """The :class:`ModelConfig` and tokenizer of ``model`` without its weights (a server in front of
+    generators needs no weights of its own).
+
+    Raises:
+        CheckpointError: as :func:`load_checkpoint`, for the path and the metadata.
+    """
+    path = resolve_model(str(model))
+    if path.is_file() and path.suffix == ".gguf":
+        _, config, tokenizer = read_gguf(path)
+        return config, tokenizer
+    if path.is_dir():
+        return _read_hf_config(path)
+    raise CheckpointError(f"{path}: expected a Hugging Face checkpoint directory or a .gguf file")
+
+
 def load_model_config(model: str | Path) -> ModelConfig:
     """The :class:`ModelConfig` of ``model`` (as :func:`load_checkpoint` takes it), read from its
     metadata without its weights: what a check before any process starts needs.

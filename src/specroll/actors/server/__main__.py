@@ -1,0 +1,5 @@
+import sys
+
+from specroll.actors.server.cli import main
+
+sys.exit(main())

@@ -1,0 +1,201 @@
+"""``POST /v1/chat/completions``: messages through the model's chat template, tools, tool calls
+parsed out of the reply, in OpenAI's and vLLM's shapes.
+
+``tools`` are validated (``tool_schema``); a template that renders them gets them, one that ignores
+them (SmolLM2's) gets the Hermes tools prompt written into the messages (``tool_prompt``). With
+``tool_choice`` ``auto`` (the default with tools) the reply's ``<tool_call>`` blocks become
+``message.tool_calls`` and the finish reason ``tool_calls``; ``none`` leaves the text as content.
+Sampling is never constrained: the trainer must see the distribution that was sampled. Every choice
+carries ``token_versions``; with ``return_token_ids`` also ``token_ids``, and the reply
+``prompt_token_ids``; with ``logprobs`` each token's logprob in ``logprobs.content``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from specroll.actors.server.choice_text import ChoiceText
+from specroll.actors.server.errors import bad_request
+from specroll.actors.server.replies import DONE, chat_logprobs, follow, new_id, now, sse, usage
+from specroll.actors.server.request_fields import Sampling, check_prompt, serve_request
+from specroll.actors.server.requests import Generation
+from specroll.actors.server.schemas import ChatCompletionRequest, Message
+from specroll.actors.server.state import ServerState
+from specroll.actors.server.tool_calls import ToolCallIds, ToolCallStream
+from specroll.actors.server.tool_prompt import hermes_fallback_messages
+from specroll.actors.server.tool_schema import ToolSchemaError, validate_tool_choice, validate_tools
+from specroll.engine.loaders.chat_template import ChatTemplateError
+
+
+def _message(message: Message, index: int) -> dict[str, Any]:
+    out: dict[str, Any] = msgspec.to_builtins(message)
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{index}].content[{j}] is a {part.get('type')!r} part; only text parts "
+                                  "are supported", param=f"messages[{index}].content")
+            texts.append(part["text"])
+        out["content"] = "".join(texts)
+    if message.role not in ("system", "user", "assistant", "tool", "developer"):
+        raise bad_request(f"messages[{index}].role = {message.role!r}; expected system, user, assistant, tool or "
+                          "developer", param=f"messages[{index}].role")
+    return out
+
+
+def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], list[str]]:
+    """The prompt's token ids and the names of the tools the reply may call.
+
+    Raises:
+        ApiError: 400 for no messages, a bad message, tools or tool_choice, a template that fails on
+            the messages, or tools with no parser for this model (``server.tool_parser``).
+    """
+    if not body.messages:
+        raise bad_request("messages is empty; expected at least one message", param="messages")
+    try:
+        tools = validate_tools(body.tools)
+        choice = validate_tool_choice(body.tool_choice, has_tools=bool(tools))
+    except ToolSchemaError as e:
+        raise bad_request(str(e), param=e.param) from None
+    if tools and state.tool_parser is None:
+        raise bad_request("this model's chat template writes tool calls in a format no tool parser here reads; set "
+                          "server.tool_parser = 'hermes' if the model answers in <tool_call> blocks", param="tools")
+    messages = [_message(m, i) for i, m in enumerate(body.messages)]
+    tool_dicts = [t.as_openai() for t in tools]
+    uses_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+    template_tools: list[dict[str, Any]] | None = tool_dicts or None
+    if not state.template_reads_tools and (tools or uses_tool_turns):
+        messages, template_tools = hermes_fallback_messages(messages, tool_dicts), None
+    try:
+        ids = state.tokenizer.encode_chat(messages, body.add_generation_prompt, tools=template_tools,
+                                          chat_template_kwargs=body.chat_template_kwargs)
+    except ChatTemplateError as e:
+        raise bad_request(str(e), param="messages") from None
+    except ValueError as e:
+        raise bad_request(str(e), param="chat_template_kwargs") from None
+    return check_prompt(ids, state.limits, "messages"), [t.name for t in tools] if choice == "auto" else []
+
+
+async def chat_completions(state: ServerState, body: ChatCompletionRequest,
+                           session_id: str | None) -> dict[str, Any] | AsyncIterator[bytes]:
+    """Run a chat request: the whole reply, or its server-sent events when ``stream``.
+
+    Raises:
+        ApiError: 400/404 for bad input (:func:`chat_prompt`, ``request_fields``), 429/503/504 (``Router``).
+    """
+    state.check_model(body.model)
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+        raise bad_request(f"top_logprobs = {body.top_logprobs}; expected an integer in [0, 20]", param="top_logprobs")
+    prompt, tool_names = chat_prompt(state, body)
+    limits = [v for v in (body.max_tokens, body.max_completion_tokens) if v is not None]
+    fields = Sampling(min(limits) if limits else None, body.temperature, body.top_p, body.top_k, body.n, body.seed,
+                      body.stop, body.stop_token_ids, body.ignore_eos, body.skip_special_tokens,
+                      body.include_stop_str_in_output)
+    request = serve_request(prompt, fields, state.limits, session_id)
+    reply = _ChatReply(state, body, prompt, tool_names)
+    if body.stream:
+        return _chat_events(reply, follow(state.router, [request]))
+    async for generations in follow(state.router, [request]):
+        last = generations[0]
+    return reply.whole(last)
+
+
+class _ChatReply:
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, prompt: list[int],
+                 tool_names: list[str]) -> None:
+        self.state, self.body, self.prompt, self.tool_names = state, body, prompt, tool_names
+        self.id, self.created = new_id("chatcmpl"), now()
+        self.new_call_id = ToolCallIds()
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.state.model_name}
+
+    def _logprobs(self, ids: list[int], logprobs: list[float]) -> dict[str, Any] | None:
+        if not self.body.logprobs:
+            return None
+        return {"content": chat_logprobs(self.state.tokenizer, ids, logprobs, False, True)}
+
+    def _finish(self, choice: ChoiceText, called: bool) -> str | None:
+        if not choice.finished:
+            return None
+        return "tool_calls" if called and choice.finish_reason == "stop" else choice.finish_reason
+
+    def whole(self, generation: Generation) -> dict[str, Any]:
+        parser = self.state.tool_parser
+        choices = []
+        for j, c in enumerate(generation.choices):
+            message: dict[str, Any] = {"role": "assistant", "content": c.text, "tool_calls": [],
+                                       "reasoning_content": None}
+            if self.tool_names and parser is not None:
+                parsed = parser.parse(c.text, self.tool_names, self.new_call_id)
+                message["content"] = parsed.content
+                message["tool_calls"] = [call.as_openai() for call in parsed.tool_calls]
+            out: dict[str, Any] = {"index": j, "message": message, "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                                   "finish_reason": self._finish(c, bool(message["tool_calls"])),
+                                   "stop_reason": c.stop_reason, "token_versions": c.versions}
+            if self.body.return_token_ids:
+                out["token_ids"] = c.token_ids
+            choices.append(out)
+        reply = {**self._head("chat.completion"), "choices": choices,
+                 "usage": usage(len(self.prompt), generation.choices)}
+        if self.body.return_token_ids:
+            reply["prompt_token_ids"] = self.prompt
+        return reply
+
+
+async def _chat_events(reply: _ChatReply, updates: AsyncIterator[list[Generation]]) -> AsyncIterator[bytes]:
+    """The reply's server-sent events: a first chunk with the role, then content, tool-call and
+    token deltas per choice, its finish reason, ``usage`` when asked, ``[DONE]``."""
+    parser = reply.state.tool_parser
+    streams: list[ToolCallStream | None] = []
+    calls: list[int] = []
+    head = reply._head("chat.completion.chunk")
+    generation: Generation | None = None
+    async for generations in updates:
+        generation = generations[0]
+        if not streams:
+            streams = [parser.stream(reply.tool_names, reply.new_call_id) if reply.tool_names and parser else None
+                       for _ in generation.choices]
+            calls = [0] * len(generation.choices)
+            first: dict[str, Any] = {**head, "choices": [
+                {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for j in range(len(generation.choices))]}
+            if reply.body.return_token_ids:
+                first["prompt_token_ids"] = reply.prompt
+            yield sse(first)
+        for j, c in enumerate(generation.choices):
+            if not c.has_news():
+                continue
+            text = c.sendable_text()
+            ids, logprobs, versions = c.sendable_tokens()
+            stream = streams[j]
+            delta: dict[str, Any] = {}
+            if stream is None:
+                if text:
+                    delta["content"] = text
+            else:
+                released = [stream.feed(text)] if text else []
+                if c.finished:
+                    released.append(stream.finish())
+                content = "".join(r.content for r in released)
+                tool_calls = [d.as_openai() for r in released for d in r.tool_calls]
+                calls[j] += len(tool_calls)
+                if content:
+                    delta["content"] = content
+                if tool_calls:
+                    delta["tool_calls"] = tool_calls
+            c.final_sent = c.finished
+            event: dict[str, Any] = {"index": j, "delta": delta, "logprobs": reply._logprobs(ids, logprobs),
+                                     "finish_reason": reply._finish(c, calls[j] > 0),
+                                     "stop_reason": c.stop_reason if c.finished else None, "token_versions": versions}
+            if reply.body.return_token_ids:
+                event["token_ids"] = ids
+            yield sse({**head, "choices": [event]})
+    options = reply.body.stream_options
+    if options is not None and options.include_usage and generation is not None:
+        yield sse({**head, "choices": [], "usage": usage(len(reply.prompt), generation.choices)})
+    yield DONE

@@ -1,0 +1,107 @@
+"""Serving the app: its state built from a run's config and hub, the listening socket (bound here, so
+a taken port fails before anything starts and port 0 is known at once), and uvicorn run inside the
+caller's event loop without touching its signal handlers."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import uvicorn
+
+from specroll.actors.config import RunConfig
+from specroll.actors.config.server_section import ServerConfig
+from specroll.actors.rollout.client import RolloutClient
+from specroll.actors.server.app import build_app
+from specroll.actors.server.request_fields import Limits
+from specroll.actors.server.requests import Router
+from specroll.actors.server.state import ServerState, UpdateWeights
+from specroll.actors.server.tool_calls import choose_tool_parser
+from specroll.actors.server.tool_prompt import template_uses_tools
+from specroll.engine.loaders.tokenizer import Tokenizer
+from specroll.engine.model_config import ModelConfig
+
+log = logging.getLogger("specroll.server")
+
+URL_FILENAME = "server.url"
+"""Once listening, the server writes its base URL (``http://HOST:PORT/v1``) to ``RUN_DIR/server.url``."""
+
+
+def make_state(config: RunConfig, client: RolloutClient, tokenizer: Tokenizer, model: ModelConfig,
+               update_weights: UpdateWeights | None) -> ServerState:
+    """The server's state for a run: limits from the model and the engine, the tool parser for the
+    model's chat template, and the hub's vocabulary check set.
+
+    Raises:
+        ValueError: ``server.tool_parser`` names no parser.
+    """
+    server = config.server
+    engine_len = config.generator.engine.max_model_len
+    max_model_len = min(model.max_position_embeddings, engine_len or model.max_position_embeddings)
+    limits = Limits(max_model_len, model.vocab_size, server.max_n, server.max_stop)
+    template = tokenizer.chat_template
+    client.vocab_size = model.vocab_size
+    return ServerState(server, Router(client, tokenizer, server), tokenizer, limits,
+                       server.model_name or config.model.name, choose_tool_parser(server.tool_parser, template),
+                       template is not None and template_uses_tools(template), update_weights)
+
+
+def bind(config: ServerConfig) -> socket.socket:
+    """A listening TCP socket on ``server.host:server.port``.
+
+    Raises:
+        OSError: the address cannot be bound (taken, or not this host's).
+    """
+    host = config.host.removeprefix("[").removesuffix("]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, config.port))
+        sock.listen(1024)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    """``http://HOST:PORT/v1`` of a bound socket."""
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # the process's own handlers stay: the actor decides how it stops
+
+
+async def serve_http(state: ServerState, sock: socket.socket, url_file: Path | None = None) -> None:
+    """Serve ``state`` on ``sock`` until cancelled (then open connections get a short grace).
+
+    ``url_file``: written with :func:`url_of` once listening.
+    """
+    server = state.config
+    uv = uvicorn.Config(build_app(state), log_level="warning", access_log=False, lifespan="off",
+                        limit_concurrency=server.max_requests_in_flight + 64, timeout_keep_alive=30,
+                        timeout_graceful_shutdown=2, h11_max_incomplete_event_size=64 * 1024)
+    instance = _Server(uv)
+    if url_file is not None:
+        from specroll.actors.shared.files import write_text_atomic
+
+        write_text_atomic(url_file, url_of(sock))
+    log.info("OpenAI-compatible server on %s (model %r)", url_of(sock), state.model_name)
+    try:
+        await instance.serve(sockets=[sock])
+    finally:
+        instance.should_exit = True
+        with anyio.CancelScope(shield=True), anyio.move_on_after(3):
+            if instance.started:
+                await instance.shutdown(sockets=[sock])
+        sock.close()
