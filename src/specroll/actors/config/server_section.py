@@ -32,8 +32,9 @@ class ServerConfig(_Section):
     """The model id clients name in ``model`` (and ``GET /v1/models`` lists); empty (default): ``model.name``."""
     max_requests_in_flight: int = 256
     """Requests accepted and unfinished at once; one more is answered 429 with ``Retry-After``. Default 256."""
-    max_n: int = 64
-    """Most choices per request (``n``); at most ``generator.engine.max_num_seqs``. Default 64."""
+    max_n: int = 0
+    """Most choices per request (``n``); at most ``generator.engine.max_num_seqs`` (a request's choices
+    run on one generator); 0 (default): ``generator.engine.max_num_seqs``."""
     max_body_bytes: int = 4 << 20
     """Largest request body in bytes (413 beyond). Default 4 MiB."""
     body_timeout_s: float = 30.0
@@ -67,7 +68,7 @@ class ServerConfig(_Section):
         _require(0 <= self.port <= 65535, "port", self.port, "a port in [0, 65535]")
         _require(self.max_requests_in_flight >= 1, "max_requests_in_flight", self.max_requests_in_flight,
                  "a positive integer")
-        _require(self.max_n >= 1, "max_n", self.max_n, "a positive integer")
+        _require(self.max_n >= 0, "max_n", self.max_n, "a positive integer, or 0 for generator.engine.max_num_seqs")
         _require(1024 <= self.max_body_bytes <= MAX_BODY_BYTES_CAP, "max_body_bytes", self.max_body_bytes,
                  f"an integer in [1024, {MAX_BODY_BYTES_CAP}]")
         _require(self.body_timeout_s > 0, "body_timeout_s", self.body_timeout_s, "a positive number of seconds")

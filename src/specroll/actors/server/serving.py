@@ -42,7 +42,8 @@ def make_state(config: RunConfig, client: RolloutClient, tokenizer: Tokenizer, m
     server = config.server
     engine_len = config.generator.engine.max_model_len
     max_model_len = min(model.max_position_embeddings, engine_len or model.max_position_embeddings)
-    limits = Limits(max_model_len, model.vocab_size, server.max_n, server.max_stop)
+    max_n = server.max_n or config.generator.engine.max_num_seqs
+    limits = Limits(max_model_len, model.vocab_size, max_n, server.max_stop)
     template = tokenizer.chat_template
     client.vocab_size = model.vocab_size
     return ServerState(server, Router(client, tokenizer, server), tokenizer, limits,
