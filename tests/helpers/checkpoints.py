@@ -5,10 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from tiny_model import CHAT_TEMPLATE, TINY_VOCAB, write_tiny_tokenizer
 
-__all__ = ["CHAT_TEMPLATE", "TINY_VOCAB", "hf_tiny_config", "teacher_forced_logits", "write_tiny_checkpoint",
-           "write_tiny_tokenizer"]
+__all__ = ["CHAT_TEMPLATE", "TINY_VOCAB", "TOKEN_A", "TOKEN_B", "hf_tiny_config", "reveal_weights",
+           "teacher_forced_logits", "write_tiny_checkpoint", "write_tiny_tokenizer"]
+
+TOKEN_A, TOKEN_B = 100, 200
+"""Under :func:`reveal_weights`' weights A greedy decoding emits only TOKEN_A; under weights B only TOKEN_B."""
 
 
 def hf_tiny_config(arch: str, **overrides: object):
@@ -54,3 +58,28 @@ def teacher_forced_logits(engine, prompt: list[int], response: list[int]) -> tor
     engine.backend.plan(meta)
     hidden, _ = engine.model(ids, meta.positions(), engine.kv_caches, engine.backend)
     return engine.model.compute_logits(hidden)[len(prompt) - 1 : -1]
+
+
+def reveal_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Make the checkpoint at ``path`` emit only TOKEN_A whatever the context (weights A) and
+    return the LM head of weights B (only TOKEN_B).
+
+    Attention and MLP outputs are zeroed and every token embeds to the same vector v, so the final
+    hidden state is norm(v) at every position; an LM head with one row ∝ v then makes that row's
+    token the argmax. So the token a step emits names the weights its forward pass used.
+    """
+    weights = load_file(path / "model.safetensors")
+    for name, t in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            t.zero_()
+    v = torch.randn(weights["model.embed_tokens.weight"].shape[1], generator=torch.Generator().manual_seed(0))
+    weights["model.embed_tokens.weight"][:] = v
+
+    def head(token: int) -> torch.Tensor:
+        h = torch.zeros_like(weights["lm_head.weight"])  # [V, hidden]
+        h[token] = 10 * v / v.norm()
+        return h
+
+    weights["lm_head.weight"] = head(TOKEN_A)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return {"lm_head.weight": head(TOKEN_B)}

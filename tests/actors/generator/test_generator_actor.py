@@ -13,10 +13,9 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.checkpoints import write_tiny_checkpoint
+from helpers.checkpoints import TOKEN_A, TOKEN_B, reveal_weights, write_tiny_checkpoint
 from helpers.fake_peers import LONG_CONTEXT, PEER, collect, fake_trainer, joined
 from helpers.processes import generator_process
-from safetensors.torch import load_file, save_file
 
 from specroll.engine.config import EngineConfig
 from specroll.engine.driver import run_to_completion
@@ -41,8 +40,6 @@ from specroll.protocol.sampling import SamplingParams
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 
 KV_GB = 0.02
-TOKEN_A, TOKEN_B = 100, 200
-"""Under weights A greedy decoding emits only TOKEN_A; under weights B only TOKEN_B."""
 
 
 @pytest.fixture
@@ -105,31 +102,6 @@ async def test_handshake_greedy_group_and_resume(tiny_checkpoint, tmp_path: Path
             beat = await trainer.next_heartbeat()
             assert (beat.policy_version, beat.batch_size, beat.free_seqs, beat.free_groups) == (0, 0, 8, 4)
             assert proc.poll() is None
-
-
-def reveal_weights(path: Path) -> dict[str, torch.Tensor]:
-    """Make the checkpoint at ``path`` emit only TOKEN_A whatever the context (weights A) and
-    return the LM head of weights B (only TOKEN_B).
-
-    Attention and MLP outputs are zeroed and every token embeds to the same vector v, so the final
-    hidden state is norm(v) at every position; an LM head with one row ∝ v then makes that row's
-    token the argmax. So the token a step emits names the weights its forward pass used.
-    """
-    weights = load_file(path / "model.safetensors")
-    for name, t in weights.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            t.zero_()
-    v = torch.randn(weights["model.embed_tokens.weight"].shape[1], generator=torch.Generator().manual_seed(0))
-    weights["model.embed_tokens.weight"][:] = v
-
-    def head(token: int) -> torch.Tensor:
-        h = torch.zeros_like(weights["lm_head.weight"])  # [V, hidden]
-        h[token] = 10 * v / v.norm()
-        return h
-
-    weights["lm_head.weight"] = head(TOKEN_A)
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    return {"lm_head.weight": head(TOKEN_B)}
 
 
 @pytest.mark.parametrize("kv_policy", ["keep", "recompute"])

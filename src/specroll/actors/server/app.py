@@ -22,7 +22,6 @@ from specroll.actors.server.completions import completions, generate
 from specroll.actors.server.errors import ApiError, bad_request
 from specroll.actors.server.http import decode, guarded, read_body, reply, session_id
 from specroll.actors.server.replies import now
-from specroll.actors.server.request_fields import check_prompt
 from specroll.actors.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -87,8 +86,12 @@ def build_app(state: ServerState) -> Starlette:
     async def post_detokenize(request: Request) -> Response:
         body = decode(await read_body(request, config), DetokenizeRequest)
         state.check_model(body.model)
-        ids = check_prompt(body.tokens, state.limits, "tokens") if body.tokens else []
-        return JSONResponse({"prompt": state.tokenizer.decode(ids, skip_special_tokens=False)})
+        ids = body.tokens
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < state.limits.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"tokens[{bad}] = {ids[bad]} is not a token id; expected one in "
+                              f"[0, {state.limits.vocab_size})", param="tokens")
+        return JSONResponse({"prompt": state.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens)})
 
     async def post_pause(request: Request) -> Response:
         mode = request.query_params.get("mode", "keep")

@@ -166,6 +166,8 @@ class DetokenizeRequest(_Body, kw_only=True):
 
     tokens: list[int]
     model: str | None = None
+    skip_special_tokens: bool = False
+    """Drop control tokens from the text (an extension; vLLM's keeps them)."""
 
 
 class UpdateWeightsRequest(_Body, kw_only=True):
