@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import threading
 from pathlib import Path
 
 import anyio
@@ -25,6 +24,7 @@ from specroll.actors.server.serving import URL_FILENAME, bind, make_state, serve
 from specroll.actors.server.weights_update import FolderWeights
 from specroll.actors.shared.exit_codes import EXIT_FAILED, EXIT_REFUSED
 from specroll.actors.shared.files import write_text_atomic
+from specroll.actors.shared.signals import cancel_on_stop_signal
 from specroll.engine.loaders.checkpoint import CheckpointError, load_metadata
 from specroll.engine.loaders.tokenizer import Tokenizer
 from specroll.engine.model_config import ModelConfig
@@ -76,16 +76,12 @@ async def run_server(config: RunConfig) -> int:
             update = FolderWeights(client, model, weights_dir, config.server.weights_timeout_s)
             state = make_state(config, client, tokenizer, model, update)
 
-            async def watch_signals() -> None:
+            def stopped(sig: signal.Signals) -> None:
                 nonlocal code
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    async for signum in signals:
-                        log.info("server stopped by %s", signal.Signals(signum).name)
-                        code = 128 + signum
-                        tg.cancel_scope.cancel()
+                log.info("server stopped by %s", sig.name)
+                code = 128 + sig
 
-            if threading.current_thread() is threading.main_thread():
-                tg.start_soon(watch_signals)
+            cancel_on_stop_signal(tg, stopped)
             log.info("hub listening on %s for generators", client.endpoint)
             await serve_http(state, sock, run_dir / URL_FILENAME)
     except Exception as e:

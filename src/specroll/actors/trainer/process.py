@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import threading
 from pathlib import Path
 
 import anyio
@@ -19,6 +18,7 @@ from specroll.actors.rollout.timeline import TIMELINE_FILENAME, Timeline
 from specroll.actors.server.process import serve_beside_trainer
 from specroll.actors.shared.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_REFUSED
 from specroll.actors.shared.files import write_text_atomic
+from specroll.actors.shared.signals import cancel_on_stop_signal
 from specroll.actors.trainer.ranks.join import Ranks
 from specroll.actors.trainer.setup import TrainerError, load_setup
 from specroll.actors.trainer.trainer import Trainer
@@ -75,16 +75,12 @@ async def _serve(config: RunConfig, timeline: Timeline, ranks: Ranks | None, sto
         log.info("trainer listening on %s; loading %s", client.endpoint, config.model.name)
         async with anyio.create_task_group() as tg:
 
-            async def watch_signals() -> None:
+            def stopped(sig: signal.Signals) -> None:
                 nonlocal code
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    async for signum in signals:
-                        log.error("trainer stopped by %s", signal.Signals(signum).name)
-                        code = 128 + signum
-                        tg.cancel_scope.cancel()
+                log.error("trainer stopped by %s", sig.name)
+                code = 128 + sig
 
-            if threading.current_thread() is threading.main_thread():
-                tg.start_soon(watch_signals)
+            cancel_on_stop_signal(tg, stopped)
             setup = await anyio.to_thread.run_sync(load_setup, config, ranks, store)  # generators connect meanwhile
             done = False
             try:
