@@ -60,7 +60,9 @@ def test_a_killed_generator_is_restarted_and_the_run_trains_every_group_once(tmp
     assert (last["step"], last["restarts"], last["restarts_by_role"]) == (12, 1, {"generator-1": 1})
     checks = check_run(run_dir)
     assert checks.ok and not checks.lost and not checks.duplicated, checks
-    assert checks.groups_trained == 12 and checks.max_staleness <= 1
+    # One group a batch; a skipped batch (its data too stale, on a loaded machine) is drawn again for its step.
+    skipped = sum(1 for m in metrics(run_dir) if m.get("skipped"))
+    assert checks.groups_trained == 12 + skipped and checks.max_staleness <= 1
     assert_nothing_left(run_dir, before)
 
 
