@@ -32,6 +32,7 @@ from specroll.actors.rollout.hub_socket import HubSocket
 from specroll.actors.rollout.liveness import PeerLiveness
 from specroll.actors.rollout.outboxes import Mail
 from specroll.actors.rollout.peers import HubEvents, Peers
+from specroll.actors.rollout.prefix_cache import RESET_TIMEOUT_S, PrefixCacheStats
 from specroll.actors.rollout.receive import Receiver
 from specroll.actors.rollout.ticker import Ticker
 from specroll.actors.rollout.timeline import Timeline
@@ -344,6 +345,14 @@ class RolloutClient:
                 if sum(served.get(a, -1) >= version for a in live) >= (len(live) if count is None else count):
                     return
                 await self._events.version.wait()  # an acknowledgement, a heartbeat or a generator gone
+
+    def prefix_cache_stats(self) -> dict[str, PrefixCacheStats]:
+        """Each connected generator's :class:`PrefixCacheStats` (tokens, ``hit_rate``) as of its last ``Stats``."""
+        return self.peers.prefix_caches.stats()
+
+    async def reset_prefix_cache(self, timeout: float = RESET_TIMEOUT_S) -> int:
+        """Make every connected generator forget its prefix cache: how many did in ``timeout`` s (``PrefixCaches``)."""
+        return await self.peers.prefix_caches.reset(timeout)
 
     @property
     def endpoint(self) -> str:

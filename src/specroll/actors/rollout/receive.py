@@ -29,6 +29,7 @@ from specroll.protocol.limits import MAX_SEQS, LimitExceeded, check_at_most, che
 from specroll.protocol.messages import (
     Abort,
     AckDrafter,
+    AckResetPrefixCache,
     AckWeights,
     Dead,
     Error,
@@ -197,6 +198,8 @@ class Receiver:
                 self.events.version.notify()
             case Stats():
                 self.peers.generator_stats[actor] = msg
+            case AckResetPrefixCache():
+                self.peers.prefix_caches.on_ack(actor, msg)
             case Error():
                 log.warning("generator %s reports %s: %s", actor, msg.code, msg.message[:500])
             case Dead():
