@@ -67,8 +67,8 @@ def test_no_hits_with_prefix_caching_off(tiny_checkpoint):
 
 
 def test_a_preempted_request_is_counted_once(tiny_checkpoint):
-    # 40 pages of 8 tokens for 8 sequences of up to 57 tokens: some are preempted and re-admitted, and
-    # a re-admission finds its own freed prompt pages still keyed; neither counts again.
+    # 40 pages of 8 tokens for 8 sequences of up to 57 tokens: some are preempted and re-admitted, and a
+    # re-admission does not count the request's prompt again.
     engine = make_engine(tiny_checkpoint("llama"), kv_cache_memory_gb=40 * 4096 / 2**30, max_model_len=128)
     assert engine.block_manager.num_pages == 40
     prompts = [random_prompt(n, seed=10 + i) for i, n in enumerate([30, 25, 31, 20, 28, 33, 26, 22])]
