@@ -15,6 +15,7 @@ from specroll.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
     AckDrafter,
+    AckResetPrefixCache,
     AckWeights,
     Capacity,
     Credit,
@@ -30,6 +31,7 @@ from specroll.protocol.messages import (
     JoinWeightsGroup,
     PublishDrafter,
     Refuse,
+    ResetPrefixCache,
     RolloutChunk,
     RolloutTokens,
     SampleResume,
@@ -62,6 +64,9 @@ TO_TRAINER = [
     AckWeights(version=4),
     Heartbeat(policy_version=4, batch_size=12, free_groups=2, free_seqs=16),
     Stats(policy_version=4, num_steps=10, num_tokens=300, busy_s=1.5, idle_s=0.25, spec=SpecStats(num_drafted=1)),
+    Stats(policy_version=4, num_steps=10, num_tokens=300, busy_s=1.5, idle_s=0.25, prompt_tokens=90,
+          cached_prompt_tokens=64),
+    AckResetPrefixCache(request_id=3),
     Credit(limit=128),
     Error(code="malformed", message="bad header", seq=7),
     Dead(actor_id="gen-0", reason="SIGTERM"),
@@ -78,6 +83,7 @@ TO_GENERATOR = [
     SubmitGroup(group_id="g", prompt_token_ids=[1, 2, 3], n=4, sampling=SamplingParams(temperature=0.7, seed=3)),
     SubmitGroup(group_id="g", prompt_token_ids=[1], n=2, sampling=SamplingParams(), resume=(_resume,)),
     Abort(group_id="g"),
+    ResetPrefixCache(request_id=3),
     WeightsAvailable(version=4, dtype="bfloat16", params=[TensorSpec(name="w", shape=(2, 3))], num_chunks=1),
     WeightsAvailable(version=5, dtype="float32", params=[TensorSpec(name="w", shape=(2, 3))], num_chunks=1,
                      transport="collective", bucket_bytes=16, bucket_checksums=(1, 2**32 - 1)),
@@ -132,6 +138,15 @@ def test_hello_of_a_newer_version_still_decodes():
     """A peer of another version must get a clear Refuse, so Hello tolerates fields it does not know."""
     raw = {"type": "hello", "protocol_version": 99, "role": "critic", "actor_id": "x", "new_field": [1]}
     assert decode([_header(raw)], ToTrainer).msg == Hello(protocol_version=99, role="critic", actor_id="x")
+
+
+def test_stats_without_the_prefix_cache_counters_decodes_with_zeros():
+    """The counters were added at the end with defaults: a Stats that lacks them still decodes."""
+    raw = {"type": "stats", "policy_version": 1, "num_steps": 2, "num_tokens": 3, "busy_s": 0.5, "idle_s": 0.0}
+    msg = decode([_header(raw)], ToTrainer).msg
+    assert isinstance(msg, Stats) and (msg.prompt_tokens, msg.cached_prompt_tokens) == (0, 0)
+    with pytest.raises(ProtocolError, match="prompt_tokens"):
+        decode([_header({**raw, "prompt_tokens": -1})], ToTrainer)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

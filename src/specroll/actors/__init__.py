@@ -18,12 +18,14 @@ from specroll.lazy import lazy_exports
 if TYPE_CHECKING:
     from specroll.actors.config import ConfigError, RunConfig, load_config
     from specroll.actors.rollout.client import RolloutClient
+    from specroll.actors.rollout.prefix_cache import PrefixCacheStats
     from specroll.actors.rollout.sync_client import SyncRolloutClient
     from specroll.rl.coordinator import Group, Sample
     from specroll.rl.tasks import Prompt, builtin_prompts, format_question, gsm8k_reward, load_prompts
 
 _EXPORTS = {
     "RolloutClient": "specroll.actors.rollout.client",
+    "PrefixCacheStats": "specroll.actors.rollout.prefix_cache",
     "SyncRolloutClient": "specroll.actors.rollout.sync_client",
     "RunConfig": "specroll.actors.config",
     "ConfigError": "specroll.actors.config",
@@ -39,6 +41,7 @@ _EXPORTS = {
 __all__ = [
     "ConfigError",
     "Group",
+    "PrefixCacheStats",
     "Prompt",
     "RolloutClient",
     "RunConfig",

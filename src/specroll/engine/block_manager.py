@@ -5,13 +5,15 @@ keyed by ``(weight version, key of the previous page, the page's tokens)``, so t
 the same prompt (the n samples of a GRPO group, or the same prompt in a later RL step under the
 same weights) share them, and K/V computed under older weights is never reused. Pages whose
 reference count falls to zero stay keyed and are reused on a hit until they are evicted, oldest
-first, to make room (the scheme of vLLM's prefix caching and nano-vllm's block manager).
+first, to make room (the scheme of vLLM's prefix caching and nano-vllm's block manager). How
+often a prompt's K/V comes from the cache is counted in :class:`PrefixCacheCounters`.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
 
 from specroll.engine.sequence import Sequence
 
@@ -28,6 +30,32 @@ def page_keys(token_ids: SequenceOf[int], num_pages: int, page_size: int, versio
         keys.append(key)
         parent = hash(key)
     return keys
+
+
+@dataclass
+class PrefixCacheCounters:
+    """One engine's prefix-cache counters, in tokens, cumulative since the engine was built.
+
+    Each engine request is counted once, when :meth:`BlockManager.allocate` first gives it pages
+    (it joins the batch):
+
+    * ``prompt_tokens`` grows by its prompt length as the engine sees it. A sample resumed from
+      tokens streamed elsewhere, or re-added after a weight update with ``kv_policy="recompute"``,
+      is a new engine request whose prompt holds those response tokens, and counts them as prompt.
+    * ``cached_prompt_tokens`` grows by how many of those tokens had their K/V taken from the prefix
+      cache instead of computed: whole cached pages, never the prompt's last token (always computed).
+      A sibling of a group that takes the pages a member computed a step earlier is a hit.
+
+    Not counted: a request re-admitted after a preemption (it recomputes what it had, the preemption's
+    cost, counted by ``Scheduler.num_preemptions``; its prompt was counted at its first admission),
+    an admission refused for want of pages, a request aborted before it was admitted. With prefix
+    caching off, or a request whose prompt is never shared, every prompt token counts as computed.
+    """
+
+    prompt_tokens: int = 0
+    """Prompt tokens admitted."""
+    cached_prompt_tokens: int = 0
+    """Of those, tokens whose K/V came from the prefix cache."""
 
 
 class BlockManager:
@@ -48,6 +76,8 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))
         self._key_of_page: dict[int, PageKey] = {}
         self._page_of_key: dict[PageKey, int] = {}
+        self.prefix_counters = PrefixCacheCounters()
+        """Prompt tokens admitted, and those whose K/V came from the cache (counted in :meth:`allocate`)."""
 
     @property
     def num_free_pages(self) -> int:
@@ -75,7 +105,8 @@ class BlockManager:
 
         At least the last token is always left to compute, so the step that admits ``seq``
         produces its next-token logits. Sets ``block_table`` and ``num_computed_tokens``
-        (the tokens whose K/V came from the cache). Returns False, changing nothing, when pages are short.
+        (the tokens whose K/V came from the cache), and on a first admission counts the prompt in
+        :attr:`prefix_counters`. Returns False, changing nothing, when pages are short.
         """
         assert not seq.block_table, f"request {seq.request_id} already holds pages"
         num_pages = self.pages_needed(seq.num_tokens)
@@ -101,6 +132,10 @@ class BlockManager:
         seq.num_computed_tokens = len(cached) * self.page_size
         seq.num_keyed_pages = len(cached)
         seq.last_page_hash = hash(keys[len(cached) - 1]) if cached else 0
+        if not seq.admitted:  # a re-admission after a preemption is not a new prompt
+            seq.admitted = True
+            self.prefix_counters.prompt_tokens += seq.prompt_len
+            self.prefix_counters.cached_prompt_tokens += min(seq.num_computed_tokens, seq.prompt_len)
         return True
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
@@ -127,11 +162,14 @@ class BlockManager:
         seq.last_page_hash = 0
         seq.prefix_cacheable = True  # whatever it recomputes uses one weight version
 
-    def forget_cached(self) -> None:
-        """Drop every prefix-cache key: pages in use stay with their sequences, free pages become
-        plain free pages, and nothing is shared until pages are keyed again."""
+    def forget_cached(self) -> int:
+        """Drop every prefix-cache key: pages in use stay with their sequences (their K/V intact, but
+        no longer shared with a later request), free pages become plain free pages, and nothing is
+        shared until pages are keyed again. Returns how many pages were keyed."""
+        forgotten = len(self._key_of_page)
         self._key_of_page.clear()
         self._page_of_key.clear()
+        return forgotten
 
     def cache_full_pages(self, seq: Sequence, version: int) -> None:
         """Key ``seq``'s newly full pages whose K/V is computed, so later requests share them.

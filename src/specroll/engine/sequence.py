@@ -43,6 +43,9 @@ class Sequence:
     """False once the sequence's K/V mixes weight versions: its pages are never shared."""
     num_keyed_pages: int = 0
     last_page_hash: int = 0
+    admitted: bool = False
+    """Set when the block manager first gives it pages; its prompt is counted then, once
+    (:class:`~specroll.engine.block_manager.PrefixCacheCounters`)."""
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
 

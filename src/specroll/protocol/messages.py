@@ -29,6 +29,8 @@ message                       direction            purpose
 :class:`WeightsBroadcast`     trainer → generator  the version's buckets are broadcast now
 :class:`Heartbeat`            generator → trainer  liveness, live batch size, free capacity
 :class:`Stats`                generator → trainer  counters for the progress display and metrics
+:class:`ResetPrefixCache`     trainer → generator  forget the prefix cache between two steps
+:class:`AckResetPrefixCache`  generator → trainer  the prefix cache is forgotten
 :class:`Credit`               both                 flow control (see ``protocol/channel.py``)
 :class:`Error`                both                 a message was refused, and why
 :class:`Dead`                 both                 the sender is exiting (sent with a short linger)
@@ -96,7 +98,7 @@ from specroll.protocol.wire import (
     WireStruct,
 )
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped on every change to a message; peers of different versions refuse each other."""
 
 # ---- handshake --------------------------------------------------------------------------------
@@ -271,6 +273,25 @@ class Stats(WireMessage, tag="stats"):
     spec: SpecStats | None = None
     drafter_version: NonNegative = 0
     """Drafter version served now (0: none received)."""
+    prompt_tokens: NonNegative = 0
+    """Prompt tokens the engine admitted, each request once (the engine's ``PrefixCacheCounters``)."""
+    cached_prompt_tokens: NonNegative = 0
+    """Of those, tokens whose K/V came from the prefix cache instead of being computed."""
+
+
+class ResetPrefixCache(WireMessage, tag="reset_prefix_cache"):
+    """Forget every prefix-cache entry between two engine steps (``BlockManager.forget_cached``):
+    live requests keep their K/V, later ones share nothing cached before. Answered with
+    :class:`AckResetPrefixCache` carrying the same ``request_id``."""
+
+    request_id: NonNegative
+    """Chosen by the trainer; echoed in the acknowledgement."""
+
+
+class AckResetPrefixCache(WireMessage, tag="ack_reset_prefix_cache"):
+    """The generator forgot its prefix cache as :class:`ResetPrefixCache` ``request_id`` asked."""
+
+    request_id: NonNegative
 
 
 class Credit(WireMessage, tag="credit"):
@@ -299,10 +320,10 @@ class Dead(WireMessage, tag="dead"):
 
 
 ToTrainer = (Hello | RolloutChunk | FetchWeights | AckWeights | Heartbeat | Stats | Credit | Error | Dead
-             | FetchDrafter | AckDrafter | PublishDrafter | JoinWeightsGroup)
+             | FetchDrafter | AckDrafter | PublishDrafter | JoinWeightsGroup | AckResetPrefixCache)
 """What a trainer (coordinator) receives from a generator or the drafter trainer."""
 ToGenerator = (Welcome | Refuse | SubmitGroup | Abort | WeightsAvailable | WeightsChunk | Credit | Error | Dead
-               | DrafterAvailable | DrafterWeights | WeightsGroup | WeightsBroadcast)
+               | DrafterAvailable | DrafterWeights | WeightsGroup | WeightsBroadcast | ResetPrefixCache)
 """What a generator receives from the trainer."""
 ToDrafter = (Welcome | Refuse | WeightsAvailable | WeightsChunk | FinishedRollouts | Capacity | Credit | Error
              | Dead | DrafterAvailable)
@@ -317,6 +338,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Abort",
     "AckDrafter",
+    "AckResetPrefixCache",
     "AckWeights",
     "Capacity",
     "CollectiveBackend",
@@ -336,6 +358,7 @@ __all__ = [
     "NonNegative",
     "PublishDrafter",
     "Refuse",
+    "ResetPrefixCache",
     "RolloutChunk",
     "RolloutTokens",
     "SampleResume",

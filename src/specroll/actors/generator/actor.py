@@ -4,8 +4,8 @@ The connection to the trainer — handshake, send and receive tasks, heartbeats,
 liveness, signals, the exit report — is the shared peer lifecycle
 (:class:`~specroll.actors.peer.lifecycle.PeerConnection`); this module is the generator's role in it:
 
-* **receive** (:meth:`GeneratorActor.on_message`) — queues engine work (``SubmitGroup``, ``Abort``, a
-  complete weight version, a checked drafter) for the step loop, assembles ``WeightsChunk``s;
+* **receive** (:meth:`GeneratorActor.on_message`) — queues engine work (``SubmitGroup``, ``Abort``,
+  ``ResetPrefixCache``, a complete weight version, a checked drafter) for the step loop, assembles ``WeightsChunk``s;
 * **step loop** (:meth:`GeneratorActor.serve`) — the only code that touches the engine: applies
   queued work between steps, runs ``Engine.step`` in a worker thread, turns its deltas into
   ``RolloutChunk``s; it waits once the outbox holds ``max_outbox`` messages, so a slow trainer
@@ -15,7 +15,8 @@ liveness, signals, the exit report — is the shared peer lifecycle
   and exits 0; a second stops at once.
 
 Message flow with the trainer: ``Hello`` → ``Welcome`` | ``Refuse``; ``SubmitGroup`` → chunks of
-each sample (the last ``finished``); ``Abort`` → final chunks with ``"abort"``;
+each sample (the last ``finished``); ``Abort`` → final chunks with ``"abort"``; ``ResetPrefixCache`` →
+the prefix cache forgotten between two steps → ``AckResetPrefixCache``;
 ``WeightsAvailable`` → ``FetchWeights`` → ``WeightsChunk``s → applied between steps → ``AckWeights``;
 with ``network.weights_transport = "collective"`` the tensors come over the generator's own
 torch.distributed group instead, once it has joined one (``JoinWeightsGroup`` → ``WeightsGroup``;
@@ -61,6 +62,7 @@ from specroll.protocol.channel import Channel, Received
 from specroll.protocol.limits import LimitExceeded
 from specroll.protocol.messages import (
     Abort,
+    AckResetPrefixCache,
     AckWeights,
     Credit,
     Dead,
@@ -69,6 +71,7 @@ from specroll.protocol.messages import (
     Error,
     Heartbeat,
     Refuse,
+    ResetPrefixCache,
     SpecStats,
     Stats,
     SubmitGroup,
@@ -122,7 +125,7 @@ class GeneratorActor:
         """The drafter versions announced, fetched and checked."""
         self.samples = LiveSamples(engine, self.drafter, self.peer.put, self.gen.stream_every_steps,
                                    self.speculative != "off")
-        self._inbox: deque[SubmitGroup | Abort | ReadyWeights | ReadyDrafter] = deque()
+        self._inbox: deque[SubmitGroup | Abort | ResetPrefixCache | ReadyWeights | ReadyDrafter] = deque()
         """Engine work for the step loop, in arrival order."""
         self.limits = SubmitLimits.of(engine, self.gen.engine.max_num_seqs)
         """What a ``SubmitGroup`` may ask of this engine (checked before it is queued)."""
@@ -181,9 +184,11 @@ class GeneratorActor:
             s = self.engine.spec_stats
             spec = SpecStats(num_drafted=s.num_drafted, num_accepted=s.num_accepted, num_draft_steps=s.num_draft_steps,
                              drafter_version=self.drafter.version)
+        prefix = self.engine.block_manager.prefix_counters
         return Stats(policy_version=self.engine.weight_version, num_steps=self._num_steps,
                      num_tokens=self.samples.num_tokens, busy_s=self._busy_s, idle_s=self._idle_s, spec=spec,
-                     drafter_version=self.drafter.version)
+                     drafter_version=self.drafter.version, prompt_tokens=prefix.prompt_tokens,
+                     cached_prompt_tokens=prefix.cached_prompt_tokens)
 
     # ---- receiving --------------------------------------------------------------------------
 
@@ -198,7 +203,7 @@ class GeneratorActor:
             await self.peer.refuse("bad_request", str(e), r.seq)
             return
         match msg:
-            case SubmitGroup() | Abort():
+            case SubmitGroup() | Abort() | ResetPrefixCache():
                 if not self.peer.welcomed:
                     await self.peer.refuse("unknown_peer", f"{type(msg).__name__} before Welcome", r.seq)
                     return
@@ -242,7 +247,7 @@ class GeneratorActor:
             case _:
                 pass  # a drafter version is bounded where it is fetched; nothing else asks for work by a number
 
-    def _queue(self, op: SubmitGroup | Abort | ReadyWeights | ReadyDrafter) -> None:
+    def _queue(self, op: SubmitGroup | Abort | ResetPrefixCache | ReadyWeights | ReadyDrafter) -> None:
         """Queue engine work for the step loop and wake it."""
         self._inbox.append(op)
         self.peer.wake.notify()
@@ -285,6 +290,8 @@ class GeneratorActor:
                     await self._submit(op)
                 case Abort():
                     await self._abort(op)
+                case ResetPrefixCache():
+                    self._reset_prefix_cache(op)
                 case ReadyWeights():
                     await self._apply_weights(op)
                 case ReadyDrafter():
@@ -305,6 +312,12 @@ class GeneratorActor:
             self.samples.abort(msg.group_id)
         except SampleRefused as e:
             await self.peer.refuse(e.code, str(e))
+
+    def _reset_prefix_cache(self, msg: ResetPrefixCache) -> None:
+        """Forget the prefix cache (between steps: no step is keying pages now) and acknowledge."""
+        forgotten = self.engine.block_manager.forget_cached()
+        log.info("prefix cache reset: %d cached pages forgotten (request %d)", forgotten, msg.request_id)
+        self.peer.put(AckResetPrefixCache(request_id=msg.request_id))
 
     def _apply_drafter(self, ready: ReadyDrafter) -> None:
         self.samples.flush()

@@ -32,12 +32,13 @@ from specroll.actors.rollout.hub_socket import HubSocket
 from specroll.actors.rollout.liveness import PeerLiveness
 from specroll.actors.rollout.outboxes import Mail
 from specroll.actors.rollout.peers import HubEvents, Peers
+from specroll.actors.rollout.prefix_cache import RESET_TIMEOUT_S, PrefixCacheStats
 from specroll.actors.rollout.receive import Receiver
 from specroll.actors.rollout.ticker import Ticker
 from specroll.actors.rollout.timeline import Timeline
 from specroll.actors.rollout.weights_groups import BackendChoice, WeightsGroups
 from specroll.actors.rollout.weights_publish import PublishedWeights
-from specroll.protocol.channel import DEFAULT_WINDOW, Channel
+from specroll.protocol.channel import DEFAULT_WINDOW
 from specroll.protocol.curve import RefusalLog, ServerKeys
 from specroll.protocol.limits import DEFAULT_MAX_FRAME_BYTES
 from specroll.protocol.messages import Abort, RolloutChunk, WeightsTransport
@@ -145,12 +146,9 @@ class RolloutClient:
         """Policy version each drafter trainer acknowledged holding."""
         self._receiver = Receiver(self.coordinator, self.peers, self.drafters, self._weights, self.weights_groups,
                                   ForeignGroups(self.coordinator), self._events, self._mail.send, self._send_chunks,
-                                  self._ticker.dispatch, curve, self.refusals, timeline)
-        self.on_chunk = on_chunk
-        self.vocab_size = vocab_size
+                                  self._ticker.dispatch, curve, self.refusals, timeline, on_chunk, vocab_size)
         self._socket = HubSocket(bind, window=window, hwm=hwm, allow_public=allow_public, curve=curve,
                                  refusals=self.refusals, max_frame_bytes=max_frame_bytes)
-        self._channel: Channel[Any] | None = None
         self._tg: TaskGroup | None = None
         self._closing = False
 
@@ -170,23 +168,21 @@ class RolloutClient:
             ValueError: a public bind without ``allow_public``, or a malformed endpoint.
             zmq.ZMQError: the bind failed (e.g. the port is taken).
         """
-        self._channel = self._socket.open()
+        channel = self._socket.open()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
-        self._mail.open(self._channel, self._tg)
-        self._tg.start_soon(self._receiver.run, self._channel)
+        self._mail.open(channel, self._tg)
+        self._tg.start_soon(self._receiver.run, channel)
         self._tg.start_soon(self._ticker.run, self.peers)
         self._tg.start_soon(self._socket.watch, self.peers.liveness.disconnected)
 
     async def aclose(self) -> None:
-        """Stop dispatching, send what is queued (for at most ``_FLUSH_S``), stop the tasks, tell every
-        connected generator and drafter trainer that the coordinator is gone
-        (:meth:`HubSocket.say_dead <specroll.actors.rollout.hub_socket.HubSocket.say_dead>`) and close
-        the socket.
+        """Stop dispatching, send what is queued (for at most ``_FLUSH_S``), stop the tasks, tell every connected
+        generator and drafter trainer that the coordinator is gone
+        (:meth:`HubSocket.say_dead <specroll.actors.rollout.hub_socket.HubSocket.say_dead>`) and close the socket.
 
-        Shielded from the caller's cancellation (its work is bounded: ``_FLUSH_S`` and
-        ``DEAD_READ_S``), so a client cancelled from outside still exits its task group and closes
-        its sockets; the cancellation then goes on."""
+        Shielded from the caller's cancellation (its work is bounded: ``_FLUSH_S`` and ``DEAD_READ_S``), so a client
+        cancelled from outside still exits its task group and closes its sockets; the cancellation then goes on."""
         if self._tg is None:
             return
         self._closing = True
@@ -194,9 +190,7 @@ class RolloutClient:
             # Each shielded scope nests inside the task group's (entered in start) or follows it:
             # the group's own scope must be the innermost when it exits.
             with anyio.CancelScope(shield=True):
-                if self._mail.outboxes is not None:
-                    with anyio.move_on_after(_FLUSH_S):
-                        await self._mail.outboxes.flushed()
+                await self._mail.flush(_FLUSH_S)
             self._tg.cancel_scope.cancel()
             await self._tg.__aexit__(None, None, None)
         finally:
@@ -347,12 +341,18 @@ class RolloutClient:
         """
         with anyio.fail_after(timeout):
             while True:
-                live = [a for a in self.coordinator.generators]
-                need = len(live) if count is None else count
-                served = self.generator_versions
-                if sum(served.get(a, -1) >= version for a in live) >= need:
+                served, live = self.generator_versions, list(self.coordinator.generators)
+                if sum(served.get(a, -1) >= version for a in live) >= (len(live) if count is None else count):
                     return
                 await self._events.version.wait()  # an acknowledgement, a heartbeat or a generator gone
+
+    def prefix_cache_stats(self) -> dict[str, PrefixCacheStats]:
+        """Each connected generator's :class:`PrefixCacheStats` (tokens, ``hit_rate``) as of its last ``Stats``."""
+        return self.peers.prefix_caches.stats()
+
+    async def reset_prefix_cache(self, timeout: float = RESET_TIMEOUT_S) -> int:
+        """Make every connected generator forget its prefix cache: how many did in ``timeout`` s (``PrefixCaches``)."""
+        return await self.peers.prefix_caches.reset(timeout)
 
     @property
     def endpoint(self) -> str:

@@ -146,6 +146,13 @@ class Mail:
             return
         self.outboxes.put(actor, msg, tensors)
 
+    async def flush(self, timeout_s: float) -> None:
+        """Wait until what is queued is sent (:meth:`Outboxes.flushed`), ``timeout_s`` at most; nothing
+        to wait for before :meth:`open`."""
+        if self.outboxes is not None:
+            with anyio.move_on_after(timeout_s):
+                await self.outboxes.flushed()
+
     def forget(self, actor: str) -> None:
         """Drop the outbox and the channel state of a peer that is gone."""
         if self.outboxes is not None:

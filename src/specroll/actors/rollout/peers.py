@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from specroll.actors.rollout.drafter_relay import DrafterRelay
 from specroll.actors.rollout.liveness import PeerLiveness
 from specroll.actors.rollout.outboxes import Send
+from specroll.actors.rollout.prefix_cache import PrefixCaches
 from specroll.actors.rollout.weights_groups import WeightsGroups
 from specroll.actors.rollout.weights_publish import PublishedWeights
 from specroll.actors.shared.wakeup import Wakeup
@@ -62,6 +63,8 @@ class Peers:
         self._forget_transport = forget_transport
         self.generator_stats: dict[str, Stats] = {}
         """Each generator's last :class:`Stats`."""
+        self.prefix_caches = PrefixCaches(self.generator_stats, lambda: self.coordinator.generators, send)
+        """The generators' prefix-cache counters and resets."""
         self.dead_generators: list[str] = []
         """Generators declared dead (by ``Dead``, a closed connection or silence), one entry per death
         in order: a history, not the dead set (one that comes back registers again and may appear
@@ -125,6 +128,7 @@ class Peers:
         self.capacity_known.discard(actor)
         self.dead_generators.append(actor)
         self.weights_groups.forget(actor)
+        self.prefix_caches.gone(actor)
         self._forget(actor)
         self.events.version.notify()  # one fewer generator to wait for
         log.warning("generator %s is gone (%s); %d groups resume elsewhere", actor, why, len(orphans))

@@ -29,6 +29,7 @@ from specroll.protocol.limits import MAX_SEQS, LimitExceeded, check_at_most, che
 from specroll.protocol.messages import (
     Abort,
     AckDrafter,
+    AckResetPrefixCache,
     AckWeights,
     Dead,
     Error,
@@ -66,19 +67,22 @@ class Receiver:
         curve: with CURVE, the run's keys (a key speaks only as its role); None: no security.
         refusals: where refusals by the security layer are logged once each.
         timeline: where finished groups are recorded (None: nowhere).
+        on_chunk: called with ``(actor_id, chunk)`` for every merged chunk (None: nothing is called).
+        vocab_size: token ids a chunk may carry are in ``[0, vocab_size)`` (None: not checked).
     """
 
     def __init__(self, coordinator: RolloutCoordinator, peers: Peers, drafters: DrafterRelay,
                  weights: PublishedWeights, weights_groups: WeightsGroups, foreign: ForeignGroups,
                  events: HubEvents, send: Send, send_chunks: Callable[[str, int], None], dispatch: Callable[[], None],
-                 curve: ServerKeys | None, refusals: RefusalLog, timeline: Timeline | None) -> None:
+                 curve: ServerKeys | None, refusals: RefusalLog, timeline: Timeline | None,
+                 on_chunk: Callable[[str, RolloutChunk], None] | None = None, vocab_size: int | None = None) -> None:
         self.coordinator, self.peers, self.drafters = coordinator, peers, drafters
         self.weights, self.weights_groups, self.foreign = weights, weights_groups, foreign
         self.events, self._send, self._send_chunks, self._dispatch = events, send, send_chunks, dispatch
         self.curve, self.refusals, self.timeline = curve, refusals, timeline
-        self.on_chunk: Callable[[str, RolloutChunk], None] | None = None
+        self.on_chunk = on_chunk
         """Called with ``(actor_id, chunk)`` for every merged chunk."""
-        self.vocab_size: int | None = None
+        self.vocab_size = vocab_size
         """Token ids a chunk may carry are in ``[0, vocab_size)``; None: not checked."""
         self.protocol_errors = 0
         """Messages refused: malformed, out of sequence, from a peer without a handshake, or chunks
@@ -194,6 +198,8 @@ class Receiver:
                 self.events.version.notify()
             case Stats():
                 self.peers.generator_stats[actor] = msg
+            case AckResetPrefixCache():
+                self.peers.prefix_caches.on_ack(actor, msg)
             case Error():
                 log.warning("generator %s reports %s: %s", actor, msg.code, msg.message[:500])
             case Dead():

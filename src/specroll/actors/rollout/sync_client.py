@@ -11,6 +11,7 @@ import torch
 from anyio.from_thread import start_blocking_portal
 
 from specroll.actors.rollout.client import RolloutClient
+from specroll.actors.rollout.prefix_cache import RESET_TIMEOUT_S, PrefixCacheStats
 from specroll.protocol.sampling import SamplingParams
 from specroll.rl.coordinator import Group
 
@@ -77,3 +78,11 @@ class SyncRolloutClient:
     def wait_for_version(self, version: int, count: int | None = None, timeout: float | None = None) -> None:
         """See :meth:`RolloutClient.wait_for_version`."""
         self._portal.call(self.client.wait_for_version, version, count, timeout)
+
+    def prefix_cache_stats(self) -> dict[str, PrefixCacheStats]:
+        """See :meth:`RolloutClient.prefix_cache_stats`."""
+        return self._portal.call(self.client.prefix_cache_stats)
+
+    def reset_prefix_cache(self, timeout: float = RESET_TIMEOUT_S) -> int:
+        """See :meth:`RolloutClient.reset_prefix_cache`."""
+        return self._portal.call(self.client.reset_prefix_cache, timeout)

@@ -112,8 +112,9 @@ def build_app(state: ServerState) -> Starlette:
         return JSONResponse({"is_paused": state.router.paused})
 
     async def post_reset_prefix_cache(request: Request) -> Response:
-        await state.router.client.reset_prefix_cache()
-        return JSONResponse({"reset": sorted(state.router.client.coordinator.generators)})
+        generators = len(state.router.client.coordinator.generators)
+        reset = await state.router.client.reset_prefix_cache()
+        return JSONResponse({"generators_reset": reset, "generators": generators})
 
     async def post_update_weights(request: Request) -> Response:
         body = decode(await read_body(request, config), UpdateWeightsRequest)
