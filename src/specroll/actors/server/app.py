@@ -134,7 +134,7 @@ def build_app(state: ServerState) -> Starlette:
         status = getattr(exc, "status_code", 404)
         e = ApiError(status, f"{request.method} {request.url.path[:200]} is not a route of this server"
                      if status == 404 else f"{request.method} is not allowed on {request.url.path[:200]}")
-        return JSONResponse(e.body(), status_code=status)
+        return JSONResponse(e.body(), status_code=status, headers=getattr(exc, "headers", None))  # 405: Allow
 
     app.add_exception_handler(404, not_found)
     app.add_exception_handler(405, not_found)
