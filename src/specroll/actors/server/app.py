@@ -75,9 +75,9 @@ def build_app(state: ServerState) -> Starlette:
             chat = ChatCompletionRequest(messages=body.messages, tools=body.tools,
                                          add_generation_prompt=body.add_generation_prompt,
                                          chat_template_kwargs=body.chat_template_kwargs)
-            ids, _ = chat_prompt(state, chat)
+            ids, _ = await anyio.to_thread.run_sync(chat_prompt, state, chat)  # off the loop, as completions
         else:
-            ids = state.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+            ids = await anyio.to_thread.run_sync(state.tokenizer.encode, body.prompt or "", body.add_special_tokens)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": state.limits.max_model_len, "tokens": ids}
         if body.return_token_strs:
             out["token_strs"] = [state.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
@@ -138,7 +138,7 @@ def build_app(state: ServerState) -> Starlette:
         status = getattr(exc, "status_code", 404)
         e = ApiError(status, f"{request.method} {request.url.path[:200]} is not a route of this server"
                      if status == 404 else f"{request.method} is not allowed on {request.url.path[:200]}")
-        return JSONResponse(e.body(), status_code=status)
+        return JSONResponse(e.body(), status_code=status, headers=getattr(exc, "headers", None))  # 405: Allow
 
     app.add_exception_handler(404, not_found)
     app.add_exception_handler(405, not_found)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import msgspec
 
 from specroll.actors.server.choice_text import ChoiceText
@@ -90,7 +91,7 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest,
     state.check_model(body.model)
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
         raise bad_request(f"top_logprobs = {body.top_logprobs}; expected an integer in [0, 20]", param="top_logprobs")
-    prompt, tool_names = chat_prompt(state, body)
+    prompt, tool_names = await anyio.to_thread.run_sync(chat_prompt, state, body)  # off the loop, as completions
     limits = [v for v in (body.max_tokens, body.max_completion_tokens) if v is not None]
     fields = Sampling(min(limits) if limits else None, body.temperature, body.top_p, body.top_k, body.n, body.seed,
                       body.stop, body.stop_token_ids, body.ignore_eos, body.skip_special_tokens,

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
+
 from specroll.actors.server.choice_text import ChoiceText
 from specroll.actors.server.errors import bad_request
 from specroll.actors.server.replies import DONE, chat_logprobs, finite, follow, new_id, now, sse, token_text, usage
@@ -65,7 +67,9 @@ async def completions(state: ServerState, body: CompletionRequest,
     state.check_model(body.model)
     if body.logprobs is not None and not 0 <= body.logprobs <= 20:
         raise bad_request(f"logprobs = {body.logprobs}; expected an integer in [0, 20]", param="logprobs")
-    prompts = _prompts(state, body.prompt)
+    # In a worker thread: tokenizing megabytes of text takes seconds, which would hold up every other
+    # request and the hub.
+    prompts = await anyio.to_thread.run_sync(_prompts, state, body.prompt)
     fields = _sampling(body)
     requests = [serve_request(ids, fields, state.limits, session_id) for ids in prompts]
     reply = _Reply(state, body, prompts)

@@ -37,8 +37,12 @@ class ApiError(Exception):
                           "code": self.code if self.code is not None else self.status}}
 
     def headers(self) -> dict[str, str]:
-        """Response headers: ``Retry-After`` when set."""
-        return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
+        """Response headers: ``Retry-After`` when set; ``Connection: close`` when the body was not read to
+        its end (408, 413), so the connection is dropped (kept alive, a slow client could hold it on)."""
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
+        if self.status in (408, 413):
+            headers["Connection"] = "close"
+        return headers
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:

@@ -55,13 +55,13 @@ def check_prompt(ids: list[int], limits: Limits, param: str = "prompt") -> list[
     """
     if not ids:
         raise bad_request(f"{param} is empty; expected at least one token", param=param)
+    if len(ids) >= limits.max_model_len:  # first: a million ids are refused without walking them
+        raise bad_request(f"the prompt is {len(ids)} tokens; this model's context is {limits.max_model_len} tokens "
+                          f"(max_model_len), so at most {limits.max_model_len - 1} leave room for a response",
+                          param=param)
     bad = next((i for i, t in enumerate(ids) if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
         raise bad_request(f"{param}[{bad}] = {ids[bad]} is not a token id; expected one in [0, {limits.vocab_size})",
-                          param=param)
-    if len(ids) >= limits.max_model_len:
-        raise bad_request(f"the prompt is {len(ids)} tokens; this model's context is {limits.max_model_len} tokens "
-                          f"(max_model_len), so at most {limits.max_model_len - 1} leave room for a response",
                           param=param)
     return ids
 

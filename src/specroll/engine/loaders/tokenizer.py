@@ -204,9 +204,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special-token strings in it (``<|im_start|>``) map to their ids.
 
-        With ``add_special_tokens`` a BOS id is prepended when the checkpoint asks for one.
+        With ``add_special_tokens`` a BOS id is prepended when the checkpoint asks for one. The GIL is
+        released while encoding (the backend's ``encode`` holds it: seconds for megabytes of text), so
+        a worker thread may encode while the event loop runs.
         """
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self._add_bos:
             ids.insert(0, self._bos_token_id)
         return ids
