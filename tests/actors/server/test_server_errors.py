@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -245,6 +246,22 @@ async def test_a_body_sent_too_slowly_is_answered_408_while_others_are_served(mo
         assert s.state.router.requests_total == 1
 
 
+async def test_clients_that_send_their_headers_too_slowly_are_dropped_and_free_the_server(model, tmp_path):
+    # uvicorn answers 503 beyond server.max_requests_in_flight + 64 connections: 65 clients that never
+    # finish their headers would hold every slot, but each is dropped after server.body_timeout_s.
+    overrides = ("server.body_timeout_s=1", "server.max_requests_in_flight=1")
+    async with served(model, tmp_path, overrides=overrides) as s, _http(s) as http:
+        slow = [await _raw(s) for _ in range(65)]
+        for stream in slow:
+            await stream.send(b"POST /v1/completions HTTP/1.1\r\nHost: te")  # then nothing
+        for stream in slow:
+            with anyio.fail_after(HANG_S), pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError)):
+                await stream.receive()  # closed, with nothing to answer
+            await stream.aclose()
+        assert (await http.post("/v1/completions", json=SHORT)).status_code == 200
+        assert s.state.router.requests_total == 1
+
+
 async def test_a_huge_body_does_not_hold_up_other_requests(model, tmp_path):
     async with served(model, tmp_path) as s, _http(s) as http:
         # A large body but its last byte: the server waits for it, serving others meanwhile.
@@ -252,20 +269,27 @@ async def test_a_huge_body_does_not_hold_up_other_requests(model, tmp_path):
         huge = await _raw(s)
         await huge.send(_head("/v1/completions", len(big)) + big[:-1])
         assert (await http.post("/v1/completions", json=SHORT)).status_code == 200
+        # The text is tokenized off the event loop: held inside the tokenizer until a request sent after it
+        # has been answered, which needs the loop (and the hub) free meanwhile.
+        answered = threading.Event()
+        encode = s.state.tokenizer.encode
+
+        def gated_encode(text: str, *args, **kwargs) -> list[int]:
+            if len(text) > 1_000_000:
+                answered.wait(60)  # a hang guard: the order below is what is checked
+            return encode(text, *args, **kwargs)
+
+        s.state.tokenizer.encode = gated_encode
         await huge.send(big[-1:])
-        # Tokenizing 3 MB of text (then refused: too long for the context) takes seconds, off the event loop
-        # and without the GIL: a request sent just after it is answered first.
         order = []
 
         async def huge_reply() -> None:
             order.append(await _read_reply(huge))
 
-        async def short_reply() -> None:
-            order.append(await http.post("/v1/completions", json=SHORT))
-
         async with anyio.create_task_group() as tg:
             tg.start_soon(huge_reply)
-            tg.start_soon(short_reply)
+            order.append(await http.post("/v1/completions", json=SHORT))
+            answered.set()
         assert isinstance(order[0], httpx.Response) and order[0].status_code == 200
         status, _, reply = order[1]
         assert status == 400

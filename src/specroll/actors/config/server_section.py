@@ -38,8 +38,9 @@ class ServerConfig(_Section):
     max_body_bytes: int = 4 << 20
     """Largest request body in bytes (413 beyond). Default 4 MiB."""
     body_timeout_s: float = 30.0
-    """Seconds a client may take to send its request body (a slow client is answered 408 and dropped,
-    without holding up anyone else). Default 30."""
+    """Seconds a client may take to send a request's headers (from its connection, or its previous
+    reply; then it is dropped), and again its body (then answered 408 and dropped), without holding
+    up anyone else. Default 30."""
     request_timeout_s: float = 600.0
     """Seconds a request may wait for its generation (no generator, or all of them full); then it is
     aborted and answered 504. Default 600."""

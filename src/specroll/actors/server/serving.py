@@ -4,6 +4,7 @@ caller's event loop without touching its signal handlers."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import socket
@@ -11,7 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from specroll.actors.config import RunConfig
 from specroll.actors.config.server_section import ServerConfig
@@ -77,6 +80,40 @@ def url_of(sock: socket.socket) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
 
 
+class _HeadersDeadline(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline on request headers: a connection whose next
+    request's headers are not complete ``headers_timeout_s`` seconds after it opened (or after its
+    last response) is closed. uvicorn has no such timeout, so clients that send headers a byte at a
+    time would hold its connection slots (``limit_concurrency``) for as long as they like; the body
+    has its own deadline in :func:`~specroll.actors.server.http.read_body`."""
+
+    headers_timeout_s = 30.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_headers_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_headers_deadline()
+
+    def _arm_headers_deadline(self) -> None:
+        deadline = getattr(self, "_headers_deadline", None)
+        if deadline is not None:
+            deadline.cancel()
+        self._headers_deadline = self.loop.call_later(self.headers_timeout_s, self._headers_late)
+
+    def _headers_late(self) -> None:
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()  # no reply: nothing of a request has been read that could be answered
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        deadline = getattr(self, "_headers_deadline", None)
+        if deadline is not None:
+            deadline.cancel()
+        super().connection_lost(exc)
+
+
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -89,7 +126,9 @@ async def serve_http(state: ServerState, sock: socket.socket, url_file: Path | N
     ``url_file``: written with :func:`url_of` once listening.
     """
     server = state.config
-    uv = uvicorn.Config(build_app(state), log_level="warning", access_log=False, lifespan="off",
+    # server.body_timeout_s bounds the headers too (then the body, in read_body).
+    protocol = type("HeadersDeadline", (_HeadersDeadline,), {"headers_timeout_s": server.body_timeout_s})
+    uv = uvicorn.Config(build_app(state), http=protocol, log_level="warning", access_log=False, lifespan="off",
                         limit_concurrency=server.max_requests_in_flight + 64, timeout_keep_alive=30,
                         timeout_graceful_shutdown=2, h11_max_incomplete_event_size=64 * 1024)
     instance = _Server(uv)
