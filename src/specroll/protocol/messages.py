@@ -310,6 +310,9 @@ class Error(WireMessage, tag="error"):
     message: str
     """Names the bad value and what was expected."""
     seq: int | None = None
+    group_id: str | None = None
+    """The group of a refused ``SubmitGroup`` (None for other messages): the hub ends a served
+    request's group at once rather than wait for it."""
 
 
 class Dead(WireMessage, tag="dead"):

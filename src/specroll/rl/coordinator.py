@@ -88,6 +88,8 @@ class Group:
     """A generator it should run on while that one is connected (an HTTP session's: prefix-cache
     reuse across turns); it waits in the queue while that generator is full, and goes anywhere once
     it is gone. None: wherever there is most room."""
+    refused: str | None = None
+    """Why its generator refused it (a served request's group; its samples then end as aborted)."""
 
     @property
     def finished(self) -> bool:

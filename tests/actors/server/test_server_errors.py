@@ -295,3 +295,16 @@ async def test_a_huge_body_does_not_hold_up_other_requests(model, tmp_path):
         assert status == 400
         _check_body(json.loads(reply), 400, "prompt", f"this model's context is {CONTEXT} tokens")
         await huge.aclose()
+
+
+async def test_a_request_its_generator_refuses_is_answered_400_at_once(model, tmp_path):
+    # The generator runs with a shorter context than the server knows of (started by hand with other
+    # flags): it refuses the group, and the request ends now instead of at server.request_timeout_s.
+    async with served(model, tmp_path, generator_args=("--max-model-len", "64")) as s, _http(s) as http:
+        for stream in (False, True):
+            with anyio.fail_after(HANG_S):
+                r = await http.post("/v1/completions", json={**SHORT, "prompt": [5] * 100, "stream": stream})
+            error = _check(r, 400, None, "the generator refused this request", "64")
+            assert error["code"] == "refused_by_generator"
+        assert not s.state.router.live and not s.client.coordinator.groups
+        assert (await http.post("/v1/completions", json=SHORT)).status_code == 200

@@ -200,7 +200,7 @@ class GeneratorActor:
         try:
             self._check_limits(msg)
         except LimitExceeded as e:
-            await self.peer.refuse("bad_request", str(e), r.seq)
+            await self.peer.refuse("bad_request", str(e), r.seq, msg.group_id if isinstance(msg, SubmitGroup) else None)
             return
         match msg:
             case SubmitGroup() | Abort() | ResetPrefixCache():
@@ -303,7 +303,7 @@ class GeneratorActor:
         try:
             self.samples.submit(msg)
         except SampleRefused as e:
-            await self.peer.refuse(e.code, str(e))
+            await self.peer.refuse(e.code, str(e), group_id=msg.group_id)
         else:
             log.debug("group %s: %d samples queued", msg.group_id, len(self.samples.groups.get(msg.group_id, ())))
 

@@ -289,12 +289,12 @@ class PeerConnection(Generic[M]):
                 self._outbox.popleft()
             self.outbox_changed.notify()
 
-    async def refuse(self, code: ErrorCode, message: str, seq: int | None = None) -> None:
+    async def refuse(self, code: ErrorCode, message: str, seq: int | None = None, group_id: str | None = None) -> None:
         """Log a refused inbound message and answer it with ``Error`` when that would not wait for
         credit (the receive task must never block, or credit would never arrive)."""
         self.log.warning("refused (%s): %s", code, message)
         if self.channel.can_send():
-            await self.channel.send(Error(code=code, message=message[:_MAX_ERROR_TEXT], seq=seq))
+            await self.channel.send(Error(code=code, message=message[:_MAX_ERROR_TEXT], seq=seq, group_id=group_id))
 
     async def _tick(self, role: PeerRole[M]) -> None:
         while True:

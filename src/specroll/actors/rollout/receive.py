@@ -202,6 +202,8 @@ class Receiver:
                 self.peers.prefix_caches.on_ack(actor, msg)
             case Error():
                 log.warning("generator %s reports %s: %s", actor, msg.code, msg.message[:500])
+                if msg.group_id is not None:
+                    self._refused(actor, msg.group_id, msg.message)
             case Dead():
                 self.peers.gone(actor, f"it exited ({msg.reason or 'no reason given'})")
             case FetchDrafter():
@@ -232,6 +234,20 @@ class Receiver:
                 self.protocol_errors += 1
                 self._send(actor, Error(code="bad_request", message=f"{type(msg).__name__} is not for a drafter "
                                                                     "trainer to send"), None)
+
+    def _refused(self, actor: str, group_id: str, why: str) -> None:
+        """A generator refused a served request's group: its samples end now as aborted (as if the
+        generator had aborted it), with the reason on the group. Other lanes' groups stay as they
+        are: the built-in trainer submits only what every generator takes."""
+        group = self.coordinator.groups.get(group_id)
+        if group is None or group.generator != actor or group.lane != "serve":
+            return
+        group.refused = why[:500]
+        for i, sample in enumerate(group.samples):
+            if not sample.finished:
+                self._on_chunk(actor, RolloutChunk(group_id=group_id, sample_index=i, offset=len(sample.token_ids),
+                                                   token_ids=[], logprobs=[], versions=[], finished=True,
+                                                   finish_reason="abort"))
 
     def _on_chunk(self, actor: str, chunk: RolloutChunk) -> None:
         check_chunk_group_id(chunk)  # before the id is parsed or echoed in an Abort

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from specroll.actors.server.choice_text import ChoiceText
+from specroll.actors.server.errors import ApiError
 from specroll.actors.server.requests import Generation, Router, ServeRequest, Wake
 from specroll.engine.loaders.tokenizer import Tokenizer
 
@@ -76,7 +77,8 @@ async def follow(router: Router, requests: Sequence[ServeRequest]) -> AsyncItera
     generator). Closing the iterator early (the client went away) aborts the unfinished ones.
 
     Raises:
-        ApiError: from :meth:`Router.run` (429, 503) for any of them, or 504 past the deadline.
+        ApiError: from :meth:`Router.run` (429, 503) for any of them, 400 when a generator refused
+            one (a limit of its own, e.g. a shorter ``--max-model-len``), or 504 past the deadline.
     """
     async with contextlib.AsyncExitStack() as stack:
         generations = [await stack.enter_async_context(router.run(r)) for r in requests]
@@ -87,6 +89,9 @@ async def follow(router: Router, requests: Sequence[ServeRequest]) -> AsyncItera
         while True:
             for generation in generations:
                 generation.sync()
+                if generation.group.refused is not None:  # past a limit of the generator's the server did not know
+                    raise ApiError(400, f"the generator refused this request: {generation.group.refused}",
+                                   code="refused_by_generator")
                 if generation.finished:
                     await router.end_early(generation)
             yield generations
