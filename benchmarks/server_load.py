@@ -51,8 +51,9 @@ class Sample:
     """HTTP arms: seconds from the call to the request going on the wire (the client's own request
     building: ``openai``'s validation and ``httpx``'s request, before the server sees a byte)."""
     reply_s: float | None = None
-    """HTTP arms: seconds from the call to the reply's last token reaching the client: a whole reply's
-    headers (its body follows in the same burst), a stream's event with the finish reason."""
+    """HTTP arms: seconds from the call to the reply's last token reaching the client: the whole body of
+    a whole reply (read in httpx's response hook, before ``openai`` parses it), a stream's event with
+    the finish reason."""
     server_s: float | None = None
     """Where ``hub_s`` is known: the server's share of the time outside the hub — from the request going
     on the wire to its ``submit``, and from its last chunk to the reply's last token at the client (each
@@ -145,7 +146,7 @@ async def openai_request(client: Any, job: Job, i: int, max_tokens: int | None =
     if stream:
         common |= {"stream": True, "stream_options": {"include_usage": True}}
     k = i % len(job.prompts)
-    wire: list[float] = []  # [on the wire, response headers in]
+    wire: list[float] = []  # [on the wire, a whole reply's body in]
     _ON_WIRE.set(wire)
     start = time.perf_counter()
     if chat:
@@ -173,12 +174,19 @@ async def openai_request(client: Any, job: Job, i: int, max_tokens: int | None =
 
 
 _ON_WIRE: contextvars.ContextVar[list[float]] = contextvars.ContextVar("on_wire")
-"""The running request's times on the wire: sent, response headers in (httpx's hooks run in its task)."""
+"""The running request's times on the wire: sent, a whole reply's body in (httpx's hooks run in its task)."""
 
 
-async def _on_wire(_: object) -> None:
+async def _on_request(_: object) -> None:
     if (times := _ON_WIRE.get(None)) is not None:
         times.append(time.perf_counter())
+
+
+async def _on_response(response: Any) -> None:
+    if response.headers.get("content-type", "").startswith("text/event-stream"):
+        return  # a stream's end is its last event (openai_request)
+    await response.aread()  # the body, as openai would read it next; then only parsing is left
+    await _on_request(response)
 
 
 def cpu_s() -> float:
@@ -195,7 +203,7 @@ async def run_job(job: Job) -> Cell:
     """Warm a client up (one short request per connection it will open), then time ``job``."""
     import openai
 
-    http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [_on_wire], "response": [_on_wire]})
+    http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [_on_request], "response": [_on_response]})
     client = openai.AsyncOpenAI(base_url=job.url, api_key="bench", max_retries=0, http_client=http)
     async with client:
         await drive(job.concurrency, job.concurrency, lambda i: openai_request(client, job, i, max_tokens=1))
