@@ -100,7 +100,7 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest,
     reply = _ChatReply(state, body, prompt, tool_names)
     if body.stream:
         return _chat_events(reply, follow(state.router, [request]))
-    async for generations in follow(state.router, [request]):
+    async for generations in follow(state.router, [request], every_change=False):
         last = generations[0]
     return reply.whole(last)
 

@@ -75,7 +75,7 @@ async def completions(state: ServerState, body: CompletionRequest,
     reply = _Reply(state, body, prompts)
     if body.stream:
         return reply.stream(follow(state.router, requests))
-    async for generations in follow(state.router, requests):
+    async for generations in follow(state.router, requests, every_change=False):
         last = generations
     return reply.whole(last)
 
@@ -168,7 +168,7 @@ async def generate(state: ServerState, body: GenerateRequest,
                 "finish_reason": c.finish_reason if c.finished else None}
 
     if not body.stream:
-        async for generations in follow(state.router, [request]):
+        async for generations in follow(state.router, [request], every_change=False):
             last = generations[0]
         return {"request_id": request_id, "prompt_token_ids": prompt,
                 "choices": [choice(j, c, c.token_ids, c.logprobs, c.versions) for j, c in enumerate(last.choices)]}

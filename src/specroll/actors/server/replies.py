@@ -7,7 +7,7 @@ import contextlib
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -71,10 +71,15 @@ def chat_logprobs(tokenizer: Tokenizer, ids: Sequence[int], logprobs: Sequence[f
     return out
 
 
-async def follow(router: Router, requests: Sequence[ServeRequest]) -> AsyncIterator[list[Generation]]:
+async def follow(router: Router, requests: Sequence[ServeRequest],
+                 every_change: bool = True) -> AsyncIterator[list[Generation]]:
     """Run ``requests`` on the hub at once; yield all their generations now and after every change,
     until each finished (a group whose choices all met a stop string is ended early on its
     generator). Closing the iterator early (the client went away) aborts the unfinished ones.
+
+    ``every_change=False`` (a whole reply, which reads only the last yield): the choices are fed in
+    the hub's chunk callback, chunk by chunk as before (so the text is built exactly as when
+    streamed), and the follower wakes only when a generation finished — not once per chunk.
 
     Raises:
         ApiError: from :meth:`Router.run` (429, 503) for any of them, 400 when a generator refused
@@ -85,7 +90,7 @@ async def follow(router: Router, requests: Sequence[ServeRequest]) -> AsyncItera
         deadline = router.deadline()
         wake = Wake()
         for generation in generations:
-            generation.on_change = wake.set
+            generation.on_change = wake.set if every_change else _wake_when_finished(generation, wake)
         while True:
             for generation in generations:
                 generation.sync()
@@ -98,3 +103,16 @@ async def follow(router: Router, requests: Sequence[ServeRequest]) -> AsyncItera
             if all(g.finished for g in generations):
                 return
             await wake.wait(deadline)
+
+
+def _wake_when_finished(generation: Generation, wake: Wake) -> Callable[[], None]:
+    def on_change() -> None:
+        try:
+            generation.sync()
+        except Exception:  # not in the hub's callback: the follower syncs again and meets it itself
+            wake.set()
+            return
+        if generation.finished:
+            wake.set()
+
+    return on_change

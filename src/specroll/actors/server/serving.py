@@ -62,7 +62,10 @@ def bind(config: ServerConfig) -> socket.socket:
     """
     host = config.host.removeprefix("[").removesuffix("]")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: accepted connections inherit it, and asyncio sets TCP_NODELAY only on
+    # sockets whose proto says TCP; without it Nagle holds a reply's body behind its headers until the
+    # client's delayed ACK (~40 ms a non-streamed reply, bench_server.py).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, config.port))
