@@ -33,7 +33,7 @@ building the request before a byte is sent), its requests/s over direct's at the
 >= 0.9) — and specroll/vLLM ratios.
 
     python benchmarks/bench_server.py --json bench_server.json
-    python benchmarks/bench_server.py --vllm-python /work/vllm-env/bin/python --json bench_server.json
+    python benchmarks/bench_server.py --vllm-python ../vllm-env/bin/python --json bench_server.json
     python benchmarks/bench_server.py --quick --model TINY_CHECKPOINT_DIR --json out.json    # CI smoke run
 
 ``--profile DIR`` records this process (the server and the hub) with cProfile over every specroll cell's

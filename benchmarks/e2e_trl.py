@@ -103,8 +103,9 @@ def _read_result(r: dict[str, Any], seed: int, start: float) -> ArmResult:
 # ---- the child process --------------------------------------------------------------------------------
 
 
-def _policy(name: str) -> tuple[Any, Any, Any]:
-    """(float32 transformers model, transformers tokenizer, specroll checkpoint) of ``name``."""
+def hf_policy(name: str) -> tuple[Any, Any, Any]:
+    """(float32 transformers model, transformers tokenizer, specroll checkpoint) of ``name``; also what
+    ``vllm_serve_arm.py`` saves for ``vllm serve``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -253,7 +254,7 @@ def main(argv: list[str]) -> int:
     split = builtin_task(job["builtin_count"], job["seed"], digits=job["digits"], operators=job["operators"],
                          eval_count=job["eval_count"])
     sampling = msgspec.convert(job["sampling"], SamplingParams)
-    model, tokenizer, ckpt = _policy(job["model"])
+    model, tokenizer, ckpt = hf_policy(job["model"])
     evaluate = _Evaluator(job, split, sampling, tokenizer, ckpt)
     del ckpt
     rows = [{"prompt": [{"role": "user", "content": format_question(p.question, split.instruction)[0]["content"]}],

