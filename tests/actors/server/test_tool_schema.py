@@ -124,3 +124,4 @@ def test_tool_choice_is_auto_or_none() -> None:
         )) as caught:
             validate_tool_choice(choice, has_tools=True)
         assert caught.value.param == "tool_choice"
+

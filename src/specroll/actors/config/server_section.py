@@ -42,8 +42,8 @@ class ServerConfig(_Section):
     reply; then it is dropped), and again its body (then answered 408 and dropped), without holding
     up anyone else. Default 30."""
     request_timeout_s: float = 600.0
-    """Seconds a request may wait for its generation (no generator, or all of them full); then it is
-    aborted and answered 504. Default 600."""
+    """Seconds a request may take from its arrival to its last token, waiting (paused, no room on a
+    generator) and generating together; then it is aborted and answered 504. Default 600."""
     max_stop: int = 16
     """Most ``stop`` strings per request (each at most 256 characters). Default 16."""
     tool_parser: Literal["auto", "hermes", "none"] = "auto"

@@ -182,7 +182,7 @@ _DEFAULTS: dict[str, object] = {"frequency_penalty": 0.0, "presence_penalty": 0.
                                 "min_tokens": 0, "min_p": 0.0, "logit_bias": None, "use_beam_search": False,
                                 "guided_json": None, "guided_regex": None, "guided_choice": None,
                                 "guided_grammar": None, "response_format": None, "structured_outputs": None,
-                                "echo": False, "suffix": None}
+                                "echo": False, "suffix": None, "continue_final_message": False}
 _WHY = {"guided_json": "no grammar-constrained sampling: the trainer must see the distribution that was sampled",
         "response_format": "no grammar-constrained sampling: the trainer must see the distribution that was sampled"}
 
