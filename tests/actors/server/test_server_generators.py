@@ -88,7 +88,11 @@ async def test_a_session_stays_on_one_generator_and_moves_when_it_dies(tmp_path)
             assert await turns(session, 3, messages) == {homes[session]}, f"session {session} changed generator"
         await holder.close()
         # Each later turn's prompt starts with the earlier turns: its home generator's prefix cache has it.
-        await wait_until(lambda: s.client.prefix_cache_stats()[home].cached_prompt_tokens > 0, HANG_S,
+        def hits() -> int:  # a generator is listed once its first Stats arrived
+            stats = s.client.prefix_cache_stats().get(home)
+            return 0 if stats is None else stats.cached_prompt_tokens
+
+        await wait_until(lambda: hits() > 0, HANG_S,
                          "prefix-cache hits on the session's generator")
 
         survivor = ({"gen-0", "gen-1"} - {home}).pop()
