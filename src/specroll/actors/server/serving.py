@@ -94,6 +94,7 @@ class _HeadersDeadline(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._headers_deadline: asyncio.TimerHandle | None = None
         self._arm_headers_deadline()
 
     def on_response_complete(self) -> None:
@@ -101,9 +102,8 @@ class _HeadersDeadline(H11Protocol):
         self._arm_headers_deadline()
 
     def _arm_headers_deadline(self) -> None:
-        deadline = getattr(self, "_headers_deadline", None)
-        if deadline is not None:
-            deadline.cancel()
+        if self._headers_deadline is not None:
+            self._headers_deadline.cancel()
         self._headers_deadline = self.loop.call_later(self.headers_timeout_s, self._headers_late)
 
     def _headers_late(self) -> None:
@@ -111,9 +111,8 @@ class _HeadersDeadline(H11Protocol):
             self.transport.close()  # no reply: nothing of a request has been read that could be answered
 
     def connection_lost(self, exc: Exception | None) -> None:
-        deadline = getattr(self, "_headers_deadline", None)
-        if deadline is not None:
-            deadline.cancel()
+        if self._headers_deadline is not None:
+            self._headers_deadline.cancel()
         super().connection_lost(exc)
 
 
