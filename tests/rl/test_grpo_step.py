@@ -15,6 +15,7 @@ from specroll.protocol.sampling import SamplingParams
 from specroll.rl.coordinator import Group, Sample
 from specroll.rl.grpo import LossKind, StalenessPolicy, token_logprobs
 from specroll.rl.grpo_step import build_batch, response_logprobs, train_step
+from specroll.rl.step_result import Precision
 
 
 def test_packed_layout_by_hand() -> None:
@@ -98,6 +99,8 @@ class Settings:
     clip_eps: float = 0.2
     max_grad_norm: float = 1.0
     grad_accum_steps: int = 2
+    precision: Precision = "fp32"
+    head_chunk: int = 0
 
 
 def test_the_thread_budget_hook_runs_before_each_micro_batch(tiny_checkpoint) -> None:

@@ -22,7 +22,7 @@ from specroll.rl.coordinator import Group, Sample
 from specroll.rl.grpo_step import build_batch, train_step
 
 SETTINGS = dict(max_staleness=1, staleness_policy="mask", grad_accum_steps=2, loss="tis", tis_cap=2.0, clip_eps=0.2,
-                max_grad_norm=1.0)
+                max_grad_norm=1.0, precision="fp32", head_chunk=0)
 
 
 class _Settings:

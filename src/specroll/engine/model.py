@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specroll.engine.attention import AttentionBackend
+from specroll.engine.head_logprobs import head_logprobs
 from specroll.engine.model_config import ModelConfig, expected_weight_shapes
 from specroll.engine.paged_forward import LayerWeights, paged_layer
 from specroll.engine.rope import RotaryEmbedding, apply_rope
@@ -356,19 +357,23 @@ class CausalLM(nn.Module):
         hidden = self.hidden_dense(input_ids, positions, causal & attention_mask[:, None, :])
         return F.linear(hidden, self.lm_head_weight).float()
 
-    def logits_at(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_mask: torch.Tensor,
-                  rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-        """:meth:`hidden_dense`, then the LM head only at positions ``(rows[i], columns[i])``:
-        logits ``[N, vocab_size]`` in the model's dtype, differentiable (the GRPO step's forward,
-        ``rl/grpo_step.response_logprobs``). One method, so a sharded model (FSDP2's
-        ``register_fsdp_forward_method``) has the LM head's weight gathered for the whole call.
+    def logprobs_at(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_mask: torch.Tensor,
+                    rows: torch.Tensor, columns: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+        """:meth:`hidden_dense`, then the logprob of ``targets[i]`` predicted at position
+        ``(rows[i], columns[i])``: float32 ``[N]``, differentiable (the GRPO step's forward,
+        ``rl/grpo_step.response_logprobs``). The LM head runs only at those positions, ``chunk``
+        tokens at a time (``head_logprobs.head_logprobs``; 0: all at once). One method, so a sharded
+        model (FSDP2's ``register_fsdp_forward_method``) has the LM head's weight gathered for the
+        whole call, its backward included.
 
         Args:
             input_ids, positions, attn_mask: as :meth:`hidden_dense` (``[B, T]``, ``[B, T]``, ``[B, T, T]``).
             rows, columns: int64 ``[N]``: the batch row and position of each wanted prediction.
+            targets: int64 ``[N]``: the token whose logprob is wanted at each.
+            chunk: tokens of the LM head at a time (0: the whole ``[N, vocab_size]`` at once).
         """
         hidden = self.hidden_dense(input_ids, positions, attn_mask)  # [B, T, hidden]
-        return F.linear(hidden[rows, columns], self.lm_head_weight)  # [N, vocab]
+        return head_logprobs(hidden[rows, columns], self.lm_head_weight, targets, chunk)  # [N]
 
     def hidden_dense(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
         """Differentiable dense forward for training with an explicit attention pattern: the final

@@ -5,11 +5,13 @@ and what it reads of the trainer's settings (:class:`StepSettings`); the step it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
 from specroll.rl.grpo import LossKind, StalenessPolicy
+
+Precision = Literal["fp32", "bf16"]
 
 
 @dataclass
@@ -110,3 +112,7 @@ class StepSettings(Protocol):
     def clip_eps(self) -> float: ...
     @property
     def max_grad_norm(self) -> float: ...
+    @property
+    def precision(self) -> Precision: ...
+    @property
+    def head_chunk(self) -> int: ...

@@ -80,6 +80,17 @@ class TrainerConfig(_Section):
     device: Literal["cpu", "cuda"] = "cpu"
     """Where the trainer trains: ``cpu`` (default; gloo between ranks) or ``cuda`` (rank r on
     ``cuda:LOCAL_RANK``, NCCL between ranks)."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Arithmetic of the training step's forward and backward: ``fp32`` (default) runs them in the
+    parameters' dtype (``model.dtype``); ``bf16`` is mixed precision — matmuls and attention in
+    bfloat16 under autocast, the float32 parameters and AdamW state as master weights, the LM head's
+    log-softmax in float32 — on the CPU (fast where it has AVX512-BF16 or AMX) and on CUDA. Its cost
+    shows in the ``logprob_diff_mean`` / ``logprob_kl_k3`` metrics (the trainer's logprobs against
+    the generators'); docs/running-rl.md, "Training precision"."""
+    head_chunk: int = 256
+    """Response tokens whose LM-head logits exist at once in the training step, forward and
+    backward (``engine/head_logprobs.py``): the ``[tokens, vocab]`` logits are never held whole.
+    0 computes the whole head at once (more memory, no recomputation). Default 256."""
 
     def __post_init__(self) -> None:
         _check_literals(self)
@@ -106,5 +117,7 @@ class TrainerConfig(_Section):
                  "an integer >= 0 (0 never checkpoints)")
         _require(self.max_groups_in_flight >= self.batch_groups, "max_groups_in_flight", self.max_groups_in_flight,
                  f"an integer >= batch_groups ({self.batch_groups}), or a step could never fill")
+        _require(0 <= self.head_chunk <= 1 << 20, "head_chunk", self.head_chunk,
+                 "an integer in [0, 1048576] (0: the whole head at once)")
         _require(self.train_threads is None or self.train_threads >= 1, "train_threads", self.train_threads,
                  "a positive integer or unset")

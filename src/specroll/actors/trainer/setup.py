@@ -22,6 +22,7 @@ from specroll.actors.trainer.task_load import load_task
 from specroll.engine.loaders.checkpoint import load_checkpoint
 from specroll.engine.loaders.tokenizer import Tokenizer
 from specroll.engine.model import CausalLM
+from specroll.rl.grpo_step import policy_optimizer
 from specroll.rl.tasks import Prompt, format_question
 
 
@@ -81,7 +82,7 @@ def load_setup(config: RunConfig, ranks: Ranks | None = None, store: dist.Store 
     policy: Policy
     if ranks is None:
         model.to(device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=tc.learning_rate, weight_decay=tc.weight_decay)
+        optimizer = policy_optimizer(model.parameters(), tc.learning_rate, tc.weight_decay)
         policy = LocalPolicy(model, optimizer, tc, device)
         if path is not None:
             state = _check_seed(load_trainer_checkpoint(path, model, optimizer), path, config.seed)

@@ -4,10 +4,10 @@ as every rank holds it — rank 0 drives it (``policy.py``), the others follow (
 FSDP2 on both devices: NCCL on CUDA, and gloo on the CPU, which torch 2.13 supports for FSDP2's
 all-gather and reduce-scatter (so there is no DDP fallback). Each decoder layer is one FSDP unit
 and the root (embedding, final norm, LM head) another. The GRPO step's forward is not ``forward``
-(the paged inference path) but ``CausalLM.logits_at`` on the root and ``DecoderLayer.forward_dense``
+(the paged inference path) but ``CausalLM.logprobs_at`` on the root and ``DecoderLayer.forward_dense``
 on the layers, registered with ``register_fsdp_forward_method`` so FSDP's hooks gather each unit's
 parameters around them — the LM head's weight (the embedding, when tied) is used inside
-``logits_at``, so it is gathered there.
+``logprobs_at``, so it is gathered there.
 
 Gradients are summed over ranks, not averaged: every rank's loss already divides by the whole
 step's token count (``grpo_step.train_step``), so the sum is the one-rank gradient
@@ -40,7 +40,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forwar
 from specroll.actors.trainer.checkpoint import SavedCheckpoint
 from specroll.actors.trainer.ranks.join import Ranks
 from specroll.engine.model import CausalLM, fuse_weights, unfuse_weights
-from specroll.rl.grpo_step import RolloutBatch, StepResult, StepSettings, train_step
+from specroll.rl.grpo_step import RolloutBatch, StepResult, StepSettings, policy_optimizer, train_step
 
 GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 """Full tensors on rank 0's CPU, nothing on the other ranks."""
@@ -58,7 +58,7 @@ def shard_model(model: CausalLM, ranks: Ranks, device: torch.device) -> None:
         register_fsdp_forward_method(layer, "forward_dense")
         units.append(layer)  # type: ignore[arg-type]
     fully_shard(model, mesh=mesh)
-    register_fsdp_forward_method(model, "logits_at")
+    register_fsdp_forward_method(model, "logprobs_at")
     units.append(model)  # type: ignore[arg-type]
     for unit in units:
         unit.set_gradient_divide_factor(1.0)
@@ -84,7 +84,7 @@ class ShardedModel:
         model.to(device)
         shard_model(model, ranks, device)
         self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=weight_decay)
+        self.optimizer = policy_optimizer(model.parameters(), learning_rate, weight_decay)
 
     def train(self, batch: RolloutBatch, version: int, settings: StepSettings, threads: int,
               before_micro_batch: Callable[[], None] | None = None) -> StepResult:
