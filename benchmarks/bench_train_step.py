@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     del ckpt
     fused = policy_optimizer(model.parameters(), tc.learning_rate, tc.weight_decay)
     loop = torch.optim.AdamW(model.parameters(), lr=tc.learning_rate, weight_decay=tc.weight_decay)
-    loop.load_state_dict(fused.state_dict())
-    optimizers = {"fused": fused, "loop": loop}  # one AdamW state each; both start from the same weights
+    assert not loop.defaults["fused"] and not loop.defaults["foreach"]
+    optimizers = {"fused": fused, "loop": loop}  # one AdamW state each (made by the warm-up steps)
     device = torch.device("cpu")
 
     def settings(arm: Arm):  # what train_step reads: the config's trainer with this arm's settings

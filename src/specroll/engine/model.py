@@ -359,17 +359,15 @@ class CausalLM(nn.Module):
 
     def logprobs_at(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_mask: torch.Tensor,
                     rows: torch.Tensor, columns: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
-        """:meth:`hidden_dense`, then the logprob of ``targets[i]`` predicted at position
-        ``(rows[i], columns[i])``: float32 ``[N]``, differentiable (the GRPO step's forward,
-        ``rl/grpo_step.response_logprobs``). The LM head runs only at those positions, ``chunk``
-        tokens at a time (``head_logprobs.head_logprobs``; 0: all at once). One method, so a sharded
-        model (FSDP2's ``register_fsdp_forward_method``) has the LM head's weight gathered for the
-        whole call, its backward included.
+        """:meth:`hidden_dense`, then the logprob of ``targets[i]`` predicted at ``(rows[i], columns[i])``:
+        float32 ``[N]``, differentiable (the GRPO step's forward, ``rl/grpo_step.response_logprobs``).
+        The LM head runs only there, ``chunk`` tokens at a time (``head_logprobs.py``; 0: all at once).
+        One method, so a sharded model (FSDP2's ``register_fsdp_forward_method``) has the LM head's
+        weight gathered for the whole call.
 
         Args:
             input_ids, positions, attn_mask: as :meth:`hidden_dense` (``[B, T]``, ``[B, T]``, ``[B, T, T]``).
-            rows, columns: int64 ``[N]``: the batch row and position of each wanted prediction.
-            targets: int64 ``[N]``: the token whose logprob is wanted at each.
+            rows, columns, targets: int64 ``[N]``: the row and position of each prediction, and its token.
             chunk: tokens of the LM head at a time (0: the whole ``[N, vocab_size]`` at once).
         """
         hidden = self.hidden_dense(input_ids, positions, attn_mask)  # [B, T, hidden]

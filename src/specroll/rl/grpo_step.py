@@ -197,7 +197,7 @@ def policy_optimizer(params: Iterable[torch.nn.Parameter], learning_rate: float,
 
 def train_step(
     model: CausalLM, optimizer: torch.optim.Optimizer, batch: RolloutBatch, current_version: int,
-    config: StepSettings, before_micro_batch: Callable[[], None] | None = None, *, rank: int = 0,
+    config: StepSettings, before_phase: Callable[[], None] | None = None, *, rank: int = 0,
     world_size: int = 1,
 ) -> StepResult:
     """One optimizer step of GRPO on ``batch``, trained as policy version ``current_version``.
@@ -210,7 +210,10 @@ def train_step(
     optimizer step, no mismatch measured — an AdamW step on zero gradients would still move the
     weights (decoupled weight decay, and the momentum of earlier steps) without training on anything.
     A batch whose tokens all have zero advantage does step: that is GRPO's update for it.
-    ``before_micro_batch`` is called before each micro-batch (the trainer sets its thread budget there).
+    ``before_phase`` is called before each phase — each micro-batch's forward and its backward, and
+    the optimizer step — where the trainer sets its thread budget (``actors/trainer/thread_budget.py``).
+    The forward runs under ``config.precision`` (:func:`precision_context`), the LM head
+    ``config.head_chunk`` tokens at a time.
 
     Sharded (``world_size`` > 1, inside a ``torch.distributed`` process group whose every rank calls
     this with the same ``batch``; the model sharded with FSDP2 summing, not averaging, gradients:
@@ -248,8 +251,7 @@ def train_step(
     share = torch.arange(num_groups, device=device).tensor_split(world_size)[rank]  # this rank's rows
     passes = min(config.grad_accum_steps, -(-num_groups // world_size))
     for rows in share.tensor_split(passes):
-        if before_micro_batch is not None:
-            before_micro_batch()
+        _call(before_phase)
         idle = len(rows) == 0  # a sharded rank out of rows: the same passes as the others, nothing trained
         rows = torch.zeros(1, dtype=torch.int64, device=device) if idle else rows  # [g]
         samples = (rows[:, None] * n + torch.arange(n, device=device)).flatten()  # [s]
@@ -262,12 +264,14 @@ def train_step(
         loss, m = policy_loss(logprobs, batch.behavior_logprobs[samples], batch.advantages[samples], trained,
                               kind=config.loss, tis_cap=config.tis_cap, clip_eps=config.clip_eps,
                               num_tokens=total)
+        _call(before_phase)
         loss.backward()
         loss_sum += float(loss.detach())
         for key in sums:  # token-weighted, so the step's figure is the mean over all its tokens
             sums[key] += m[key] * m["tokens"]  # type: ignore[literal-required]
     if world_size > 1:
         loss_sum, sums, mismatch = _sum_over_ranks(loss_sum, sums, mismatch, device)
+    _call(before_phase)
     norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm or math.inf)
     grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # sharded: a replicated DTensor
     if not math.isfinite(grad_norm):
@@ -279,6 +283,11 @@ def train_step(
     return StepResult(loss=loss_sum, grad_norm=grad_norm, trained_tokens=total, tokens_masked_stale=masked,
                       samples_dropped_stale=dropped, staleness=dict(sorted(lags.items())), mismatch=mismatch,
                       **{key: value / total for key, value in sums.items()})
+
+
+def _call(hook: Callable[[], None] | None) -> None:
+    if hook is not None:
+        hook()
 
 
 def _sum_over_ranks(loss_sum: float, sums: dict[str, float], mismatch: Mismatch,

@@ -66,7 +66,8 @@ class StepMetrics:
         return 1 + sum(s.num_accepted for s in specs) / steps if steps else None
 
     def record(self, step: int, version: int, groups: list[Group], rewards: torch.Tensor, r: StepResult,
-               trained_version: int, step_s: float, wait_s: float) -> dict[str, object]:
+               trained_version: int, step_s: float, wait_s: float, train_s: float | None = None,
+               threads_borrowed: float | None = None) -> dict[str, object]:
         """The record of step ``step``, after which the policy is at ``version``. A skipped batch
         (``r.skipped``: no token in the loss, no optimizer step) has a record of its own with
         ``"skipped": true``, ``trained_tokens`` 0 and ``step`` the step it was drawn for; the next
@@ -76,7 +77,10 @@ class StepMetrics:
             groups: the groups trained on; ``rewards`` their rewards ``[G, n]``.
             r: the optimizer step's result.
             trained_version: the policy version the step trained.
-            step_s: seconds the step took; ``wait_s`` seconds it waited for its groups.
+            step_s: seconds the step took; ``wait_s`` seconds it waited for its groups; ``train_s``
+                seconds of them its optimizer step took (rewards, packing, forward, backward, AdamW).
+            threads_borrowed: the share of the step's phases that ran with the generators' idle
+                threads (``thread_budget.ThreadBudget``); None when it never borrows.
         """
         lengths = [len(s.token_ids) for g in groups for s in g.samples]
         m = r.mismatch
@@ -114,6 +118,8 @@ class StepMetrics:
             "groups_resumed": self.client.coordinator.resumed_groups,
             "step_s": step_s,
             "wait_s": wait_s,
+            "train_s": train_s,
+            "threads_borrowed": threads_borrowed,
         }
 
 

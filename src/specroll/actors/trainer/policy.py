@@ -44,9 +44,9 @@ class Policy(Protocol):
     @property
     def world_size(self) -> int: ...
 
-    def train(self, batch: RolloutBatch, version: int, before_micro_batch: Callable[[], None] | None) -> StepResult:
+    def train(self, batch: RolloutBatch, version: int, before_phase: Callable[[], None] | None) -> StepResult:
         """One GRPO step on ``batch`` (``grpo_step.train_step``) trained as policy ``version``;
-        ``before_micro_batch`` sets the thread budget."""
+        ``before_phase`` sets the thread budget before each phase of the step."""
         ...
 
     def full_weights(self) -> dict[str, torch.Tensor]:
@@ -83,9 +83,9 @@ class LocalPolicy:
     def config(self) -> ModelConfig:
         return self.model.config
 
-    def train(self, batch: RolloutBatch, version: int, before_micro_batch: Callable[[], None] | None) -> StepResult:
+    def train(self, batch: RolloutBatch, version: int, before_phase: Callable[[], None] | None) -> StepResult:
         return train_step(self.model, self.optimizer, batch.to(self.device), version, self.settings,
-                          before_micro_batch)
+                          before_phase)
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Views of the parameters (they change with the next step; the client snapshots them)."""
@@ -129,11 +129,11 @@ class RankZeroPolicy:
             self.sharded.restore(saved, with_optimizer)
             self.channel.finished()
 
-    def train(self, batch: RolloutBatch, version: int, before_micro_batch: Callable[[], None] | None) -> StepResult:
+    def train(self, batch: RolloutBatch, version: int, before_phase: Callable[[], None] | None) -> StepResult:
         """The step on every rank. The thread budget is decided once, for the whole step (the other
-        ranks cannot see the generators), by one call of ``before_micro_batch``."""
-        if before_micro_batch is not None:
-            before_micro_batch()
+        ranks cannot see the generators), by one call of ``before_phase``."""
+        if before_phase is not None:
+            before_phase()
         threads, shape = torch.get_num_threads(), batch_shape(batch)
         with self._lock:
             self.channel.send(TrainStep(version=version, shape=shape, threads=threads))

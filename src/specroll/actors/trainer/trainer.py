@@ -127,6 +127,10 @@ class Trainer:
         """Submits the training groups and takes finished batches."""
         self._skipped_in_row = 0
         """Batches in a row with no token to train (``_skip``)."""
+        self._train_s: float | None = None
+        """The last optimizer step's seconds (``_train``), for its metrics."""
+        self._threads_borrowed: float | None = None
+        """The share of the last step's phases that borrowed the generators' threads."""
         self.step_metrics = StepMetrics(client, config.drafter.acceptance_floor)
         self._last_checkpoint = self.step
         self.evaluator = Evaluator(client, setup.eval_prompts, config.generator.sampling, config.eval.greedy,
@@ -292,7 +296,9 @@ class Trainer:
             self.client.pause_drafter(True)
         try:
             with self._phase("train"):
+                train_start = time.monotonic()
                 rewards, result = await anyio.to_thread.run_sync(self._train, groups, trained_version)
+                self._train_s = time.monotonic() - train_start
         finally:
             if pause:
                 self.client.pause_drafter(False)
@@ -309,7 +315,8 @@ class Trainer:
             with self._phase("publish"):
                 await self._wait_acks()
         metrics = self.step_metrics.record(self.step, self.version, groups, rewards, result, trained_version,
-                                           time.monotonic() - start, start - wait_start)
+                                           time.monotonic() - start, start - wait_start, self._train_s,
+                                           self._threads_borrowed)
         if self._maybe_evaluate():
             self._held = metrics
         else:
@@ -361,7 +368,9 @@ class Trainer:
         batch = build_batch(groups, rewards, normalize_std=self.config.trainer.normalize_std, fill_version=version)
         tc = self.config.trainer
         with thread_budget(tc.train_threads, tc.borrow_threads, self.client.generators_idle) as budget:
-            return rewards, self.policy.train(batch, version, budget)
+            result = self.policy.train(batch, version, budget)
+        self._threads_borrowed = budget.borrowed_fraction
+        return rewards, result
 
     async def _checkpoint(self) -> None:
         state = TrainerState(step=self.step, policy_version=self.version, prompt_cursor=self.prompts.cursor,

@@ -87,13 +87,13 @@ class ShardedModel:
         self.optimizer = policy_optimizer(model.parameters(), learning_rate, weight_decay)
 
     def train(self, batch: RolloutBatch, version: int, settings: StepSettings, threads: int,
-              before_micro_batch: Callable[[], None] | None = None) -> StepResult:
+              before_phase: Callable[[], None] | None = None) -> StepResult:
         """One GRPO step on this rank's share of ``batch`` (every rank holds the whole batch), with
         ``threads`` torch threads; every rank returns the step's whole result."""
         torch.set_num_threads(threads)
         try:
             return train_step(self.model, self.optimizer, batch.to(self.device), version, settings,
-                              before_micro_batch, rank=self.ranks.rank, world_size=self.ranks.world_size)
+                              before_phase, rank=self.ranks.rank, world_size=self.ranks.world_size)
         finally:
             torch.set_num_threads(self.threads)
 
