@@ -4,11 +4,24 @@ synchronous mode and specroll's asynchronous pipeline — with trained samples/s
 Arms (run one after another, interleaved across seeds: for each seed, every arm):
 
 - ``trl``: ``trl.GRPOTrainer`` on the CPU (``--trl-threads`` torch threads) on the same dequantized
-  weights, prompts, reward and hyper-parameters (``e2e_trl.py``); skipped, with the reason, when
-  TRL is not installed (``pip install -e '.[bench]'``);
+  weights, prompts, reward and hyper-parameters (``e2e_trl.py``), generating with its training model
+  (``transformers`` ``generate``); skipped, with the reason, when TRL is not installed
+  (``pip install -e '.[bench]'``);
 - ``sync``: ``specroll launch examples/gsm8k_smollm2.toml`` with ``trainer.mode="sync"``;
 - ``specroll``: the same launch in the default asynchronous mode, with speculation and the online
   drafter as the example configures them (``e2e_specroll.py``).
+
+Precision (``--precision``, the same for every arm; float32 parameters and AdamW state throughout):
+
+- ``bf16`` (default): TRL ``GRPOConfig(bf16=True)`` — on the CPU accelerate wraps the model's forward in
+  ``torch.autocast("cpu", dtype=torch.bfloat16)``, so TRL trains *and* generates under bf16 autocast;
+  specroll ``trainer.precision="bf16"`` (autocast to bfloat16 in its training step) and
+  ``generator.engine.dtype="bfloat16"``;
+- ``fp32``: TRL ``bf16=False`` (trains and generates in float32); specroll ``trainer.precision="fp32"``
+  and ``generator.engine.dtype="float32"`` (``auto`` would be bfloat16 on a CPU with native bf16).
+
+Every arm's held-out evaluation runs on an engine of that dtype. Before ``--precision`` existed, TRL
+ran at ``fp32`` while the specroll generators served bfloat16 (``auto``) to an fp32 trainer.
 
 Common settings (``e2e_settings.py``): the model, the built-in arithmetic task, group size, prompts per
 step, learning rate, max new tokens, temperature 1, evaluation every ``--eval-every`` steps on
@@ -50,7 +63,16 @@ from pathlib import Path
 
 import msgspec
 from e2e_results import ArmResult, print_report, summarize
-from e2e_settings import ARMS, EXAMPLE, QUICK, Settings, check_comparable, example_defaults, resolved_config
+from e2e_settings import (
+    ARMS,
+    EXAMPLE,
+    PRECISIONS,
+    QUICK,
+    Settings,
+    check_comparable,
+    example_defaults,
+    resolved_config,
+)
 from e2e_specroll import run_specroll_arm
 from e2e_trl import run_trl_arm, trl_unavailable
 
@@ -77,11 +99,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--eval-count", type=int, default=None, help="held-out evaluation prompts (default: the example's)")
     p.add_argument("--target-accuracy", type=float, default=0.45, help="time the first evaluation at or above this")
     p.add_argument("--trl-threads", type=int, default=2, help="torch CPU threads of the TRL arm (default: 2)")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                   help="every arm's arithmetic (float32 parameters and AdamW state either way): bf16 (default) = "
+                   "TRL bf16=True (CPU autocast, training and generation), specroll trainer.precision=bf16 and "
+                   "bfloat16 generators; fp32 = all float32")
     p.add_argument("--arm-timeout-s", type=float, default=None,
                    help="longest one arm may run (default: 900 + 300 per step)")
     p.add_argument("--set", dest="extra_sets", action="append", default=[], metavar="KEY=VALUE",
                    help="another override of the specroll arms' config (repeatable), e.g. "
-                   "generator.engine.dtype=float32")
+                   "generator.engine.max_num_seqs=16 (not the precision's keys: use --precision)")
     p.add_argument("--workdir", type=Path, default=None, help="keep the run directories and logs here (default: a "
                    "temporary directory, removed at the end)")
     args = p.parse_args(argv)
@@ -102,7 +128,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     timeout = args.arm_timeout_s if args.arm_timeout_s is not None else 900.0 + 300.0 * steps
     return Settings(model=args.model or "smollm2-135m", arms=list(args.arms), target_accuracy=args.target_accuracy,
                     trl_threads=args.trl_threads, arm_timeout_s=timeout, quick=args.quick,
-                    extra_sets=list(args.extra_sets), **chosen)  # type: ignore[arg-type]
+                    precision=args.precision, extra_sets=list(args.extra_sets), **chosen)  # type: ignore[arg-type]
 
 
 def versions() -> dict[str, str | None]:
@@ -141,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         s = settings_from(args)
         for seed in s.seeds:
             for arm in ("sync", "specroll"):
-                check_comparable(resolved_config(s, seed, Path("RUN_DIR"), arm))
+                check_comparable(resolved_config(s, seed, Path("RUN_DIR"), arm), s.precision)
     except (ConfigError, ValueError) as exc:
         print(f"bench_e2e.py: {exc}", file=sys.stderr)
         return 2
@@ -166,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.workdir is None:
             print(f"run directories and logs kept in {workdir}")
     doc = document(s, results, started, True)
-    print_report(results, doc["summary"], s.target_accuracy)  # type: ignore[arg-type]
+    print_report(results, doc["summary"], s.target_accuracy, s.precision)  # type: ignore[arg-type]
     print(f"the whole benchmark took {doc['total_s']:.1f} s")
     if args.json:
         write_text_atomic(args.json, json.dumps(doc, indent=1) + "\n")

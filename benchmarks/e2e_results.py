@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from e2e_settings import Arm
+from e2e_settings import ENGINE_DTYPE, Arm, Precision
 
 Status = Literal["ok", "skipped", "failed"]
 
@@ -133,8 +133,11 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_report(results: Sequence[ArmResult], summary: dict[str, object], target: float) -> None:
-    """The per-run table, the per-arm means and the ratios."""
+def print_report(results: Sequence[ArmResult], summary: dict[str, object], target: float,
+                 precision: Precision) -> None:
+    """The precision every arm ran at, the per-run table, the per-arm means and the ratios."""
+    print(f"precision {precision}: TRL bf16={precision == 'bf16'}; specroll trainer.precision={precision}, "
+          f"generators {ENGINE_DTYPE[precision]}")
     print(f"{'arm':<9}{'seed':>5}{'wall s':>9}{'w/o eval':>9}{'samples/s*':>11}{'reward':>8}{'eval acc':>10}"
           f"{f't>={target:g} s':>11}")
     for r in results:

@@ -7,16 +7,25 @@ they start the launcher. The child (:func:`main`):
 
 1. builds the policy as a plain float32 transformers model: the architecture from the checkpoint's
    config (a GGUF's ``quantization_config`` dropped: the Trainer refuses quantized models) and
-   specroll's own dequantized weights (``load_checkpoint``), so every arm starts from the same tensors;
+   specroll's own dequantized weights (``load_checkpoint``), so every arm starts from the same tensors,
+   and checks it against specroll's model (same prompt ids, float32 logits within
+   :data:`LOGIT_TOLERANCE`) before the Trainer wraps its forward in autocast;
 2. trains with GRPOTrainer: ``beta=0``, one update per batch, ``loss_type="dapo"`` (TRL 1.16
    normalises the summed token losses by the active tokens of the whole generation batch, which
    with ``gradient_accumulation_steps=1`` is specroll's ``sum over tokens / trained tokens of the
    step``), group std-normalised advantages (``scale_rewards="group"``), AdamW at a constant LR, no
-   gradient checkpointing (TRL's default is on; specroll's trainer keeps its activations);
+   gradient checkpointing (TRL's default is on; specroll's trainer keeps its activations), at the
+   resolved ``trainer.precision``: ``fp32`` is ``bf16=False`` (train and generate in float32);
+   ``bf16`` is ``bf16=True``, which on the CPU is accelerate's ``Accelerator.prepare_model`` wrapping
+   the model's ``forward`` in ``torch.autocast("cpu", dtype=torch.bfloat16)`` over the float32
+   parameters and AdamW state — the training forward *and* TRL's ``model.generate`` (its unwrapped
+   model keeps the wrapped forward: ``unwrap_model(keep_fp32_wrapper=True)``), as specroll's ``bf16``
+   autocasts its trainer and the benchmark serves bfloat16 from its generators;
 3. evaluates before the first step, every ``eval.every`` steps and after the last by loading the
-   model's weights into a specroll :class:`Engine` configured as the specroll arms' generators and
-   calling :func:`~specroll.rl.evaluation.evaluate_engine` — the code the specroll trainer runs on its
-   generators, with the same per-prompt seeds — and times those evaluations separately.
+   model's weights into a specroll :class:`Engine` configured as the specroll arms' generators (their
+   dtype included) and calling :func:`~specroll.rl.evaluation.evaluate_engine` — the code the specroll
+   trainer runs on its generators, with the same per-prompt seeds — and times those evaluations (and
+   step 1's check) separately.
 """
 
 from __future__ import annotations
@@ -57,7 +66,7 @@ def trl_job(config: RunConfig, threads: int, output_dir: Path) -> dict[str, Any]
             "sampling": msgspec.to_builtins(s), "builtin_count": config.task.builtin_count,
             "digits": config.task.digits, "operators": config.task.operators, "eval_every": config.eval.every,
             "eval_count": config.eval.count, "engine": msgspec.to_builtins(engine), "threads": threads,
-            "output_dir": str(output_dir)}
+            "precision": t.precision, "output_dir": str(output_dir)}
 
 
 def run_trl_arm(s: Settings, seed: int, config: RunConfig, workdir: Path) -> ArmResult:
@@ -163,9 +172,20 @@ class _Evaluator:
         self.job, self.split, self.sampling, self.tokenizer, self._ckpt = job, split, sampling, tokenizer, ckpt
         self.engine: Any = None
         self.seconds = 0.0
-        """Evaluation seconds so far (the first includes building the engine and the parity check)."""
+        """Evaluation seconds so far (with the parity check's; the first includes building the engine)."""
         self.results: list[dict[str, float]] = []
         self.logit_max_diff: float | None = None
+
+    def check(self, policy: Any) -> None:
+        """:func:`_check_parity` of ``policy`` (timed as evaluation). Called before the Trainer prepares
+        the model: at ``bf16`` its forward is autocast from then on, and the check is of float32 logits."""
+        from specroll.rl.tasks import format_question
+
+        start = time.perf_counter()
+        question = format_question(self.split.eval[0].question, self.split.instruction)
+        self.logit_max_diff = _check_parity(policy, self.tokenizer, self._ckpt, question)
+        self._ckpt = None  # its weights are freed: the model holds its own copy
+        self.seconds += time.perf_counter() - start
 
     def __call__(self, policy: Any, step: int) -> None:
         import msgspec
@@ -177,9 +197,6 @@ class _Evaluator:
 
         start = time.perf_counter()
         if self.engine is None:
-            question = format_question(self.split.eval[0].question, self.split.instruction)
-            self.logit_max_diff = _check_parity(policy, self.tokenizer, self._ckpt, question)
-            self._ckpt = None  # its weights are freed: the model holds its own copy
             self.engine = Engine(msgspec.convert(self.job["engine"], EngineConfig))
         weights = policy.state_dict()  # HF names; a tied lm_head.weight is not among the engine's
         self.engine.update_weights({n: weights[n].detach() for n in self.engine.model.hf_weights()}, step + 1)
@@ -202,7 +219,8 @@ def _grpo_config(job: dict[str, Any], sampling: Any) -> Any:
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=job["weight_decay"],
         max_grad_norm=job["max_grad_norm"], optim="adamw_torch", beta=0.0, num_iterations=1, loss_type="dapo",
         scale_rewards="group" if job["normalize_std"] else "none", temperature=sampling.temperature,
-        top_p=sampling.top_p, top_k=sampling.top_k, max_completion_length=sampling.max_tokens, bf16=False,
+        top_p=sampling.top_p, top_k=sampling.top_k, max_completion_length=sampling.max_tokens,
+        bf16=job["precision"] == "bf16",  # the CPU's autocast to bfloat16 (module docstring, step 2)
         use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, seed=job["seed"], max_steps=job["steps"],
         shuffle_dataset=True, disable_tqdm=True, dataloader_num_workers=0,
         gradient_checkpointing=False)  # TRL's default recomputes activations; specroll's trainer never does
@@ -257,6 +275,7 @@ def main(argv: list[str]) -> int:
     model, tokenizer, ckpt = hf_policy(job["model"])
     evaluate = _Evaluator(job, split, sampling, tokenizer, ckpt)
     del ckpt
+    evaluate.check(model)
     rows = [{"prompt": [{"role": "user", "content": format_question(p.question, split.instruction)[0]["content"]}],
              "answer": p.answer} for p in split.train]
 

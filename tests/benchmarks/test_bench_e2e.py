@@ -1,6 +1,7 @@
 """``benchmarks/bench_e2e.py --quick``: the end-to-end benchmark's smoke run on a tiny random-weight
 checkpoint, as CI runs it — real launches of both specroll arms and, where TRL is installed, the TRL
-arm — checked on the JSON it writes and on the processes it leaves (none)."""
+arm — checked on the JSON it writes and on the processes it leaves (none); and ``--precision``: the
+overrides each precision gives the specroll arms and the TRL arm's job, and what it refuses."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+from bench_e2e import parse_args, settings_from
+from e2e_settings import check_comparable, resolved_config, run_sets
+from e2e_trl import trl_job
 from helpers.bench_runs import run_benchmark
 from helpers.launch import live, members_of_groups, started_pids
-
-pytestmark = pytest.mark.integration  # every test here starts a process
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_e2e.py"
 TIMEOUT_S = 900  # three arms of two steps on a loaded 2-core machine take about a minute
@@ -29,6 +31,35 @@ def check_arm(run: dict, steps: int) -> None:
     assert len(run["step_end_s"]) == steps and run["step_end_s"] == sorted(run["step_end_s"])
 
 
+@pytest.mark.parametrize(("precision", "dtype"), [("fp32", "float32"), ("bf16", "bfloat16")])
+def test_precision_sets_the_trainer_and_generators_of_every_arm(precision: str, dtype: str) -> None:
+    s = settings_from(parse_args(["--quick", "--model", "TINY", "--precision", precision]))
+    for arm in ("sync", "specroll"):
+        sets = run_sets(s, 0, Path("RUN"), arm)
+        assert f'trainer.precision="{precision}"' in sets and f'generator.engine.dtype="{dtype}"' in sets
+        c = resolved_config(s, 0, Path("RUN"), arm)  # the precision's dtype, not --quick's tiny-run sets'
+        assert (c.trainer.precision, c.generator.engine.dtype, c.model.dtype) == (precision, dtype, "float32")
+        check_comparable(c, s.precision)
+    job = trl_job(resolved_config(s, 0, Path("RUN"), "trl"), 2, Path("OUT"))  # TRL: bf16=(precision == "bf16")
+    assert job["precision"] == precision and job["engine"]["dtype"] == dtype  # its evaluation engine too
+
+
+def test_default_precision_is_bf16_and_others_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert settings_from(parse_args([])).precision == "bf16"
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--precision", "fp16"])
+    assert exc.value.code == 2 and "--precision: invalid choice: 'fp16'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override", ['generator.engine.dtype="float32"', 'trainer.precision="fp32"',
+                                      'model.dtype="bfloat16"'])
+def test_an_override_that_undoes_the_precision_is_refused(override: str) -> None:
+    s = settings_from(parse_args(["--precision", "bf16", "--set", override]))
+    with pytest.raises(ValueError, match=override.split("=")[0]):
+        check_comparable(resolved_config(s, 0, Path("RUN"), "specroll"), s.precision)
+
+
+@pytest.mark.integration  # starts the benchmark, which starts the arms' processes
 @pytest.mark.slow
 def test_quick_run_measures_every_arm_and_leaves_no_process(tmp_path: Path, tiny_checkpoint) -> None:
     out, work = tmp_path / "out.json", tmp_path / "work"
@@ -38,6 +69,7 @@ def test_quick_run_measures_every_arm_and_leaves_no_process(tmp_path: Path, tiny
 
     doc = json.loads(out.read_text())
     assert doc["complete"] and doc["settings"]["steps"] == 2 and doc["settings"]["seeds"] == [0]
+    assert doc["settings"]["precision"] == "bf16" and "precision bf16: TRL bf16=True" in log
     runs = {r["arm"]: r for r in doc["runs"]}
     assert set(runs) == {"trl", "sync", "specroll"}
     check_arm(runs["sync"], 2)
@@ -49,6 +81,7 @@ def test_quick_run_measures_every_arm_and_leaves_no_process(tmp_path: Path, tiny
         assert not any("trl" in name for name in ratios)
     else:
         check_arm(runs["trl"], 2)
+        assert runs["trl"]["extra"]["engine_dtype"] == "bfloat16"
         assert 0 < runs["trl"]["wall_s_without_eval"] < runs["trl"]["wall_s"]
         assert ratios["specroll/trl"] > 0 and ratios["sync/trl"] > 0
     assert "the whole benchmark took" in log
