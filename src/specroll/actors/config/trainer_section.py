@@ -87,10 +87,11 @@ class TrainerConfig(_Section):
     log-softmax in float32 — on the CPU (fast where it has AVX512-BF16 or AMX) and on CUDA. Its cost
     shows in the ``logprob_diff_mean`` / ``logprob_kl_k3`` metrics (the trainer's logprobs against
     the generators'); docs/running-rl.md, "Training precision"."""
-    head_chunk: int = 256
+    head_chunk: int = 512
     """Response tokens whose LM-head logits exist at once in the training step, forward and
-    backward (``engine/head_logprobs.py``): the ``[tokens, vocab]`` logits are never held whole.
-    0 computes the whole head at once (more memory, no recomputation). Default 256."""
+    backward (``engine/head_logprobs.py``): the ``[tokens, vocab]`` logits of a micro-batch are never
+    held whole (512 × SmolLM2's 49,152: 100 MB in float32). 0 computes the whole head at once with
+    plain autograd (its memory grows with the micro-batch's response tokens). Default 512."""
 
     def __post_init__(self) -> None:
         _check_literals(self)
