@@ -8,10 +8,11 @@ Synchronous torch code with no I/O, called by the trainer actor in a worker thre
   and, per sample, its response tokens with their loss mask, behavior logprob and policy version
   (``rl/grpo.py``'s layout: entry ``[b, j]`` describes response token ``j`` of sample ``b``);
 * :func:`train_step` enforces the staleness bound η per token, runs the differentiable forward
-  (``CausalLM.hidden_dense``) over micro-batches of whole groups, computes logits only where a
-  response token is predicted, accumulates the gradient of the off-policy-corrected token-level
-  loss (one token mean over the whole step), clips the global gradient norm and takes one AdamW
-  step (none when the bound left no token in the loss: the batch is skipped). On the way it
+  (``CausalLM.hidden_dense``, in bf16 under autocast with ``trainer.precision = "bf16"``) over
+  micro-batches of whole groups, runs the LM head only where a response token is predicted and a
+  chunk of tokens at a time (``engine/head_logprobs.py``), accumulates the gradient of the
+  off-policy-corrected token-level loss (one token mean over the whole step), clips the global
+  gradient norm and takes one fused AdamW step (:func:`policy_optimizer`) (none when the bound left no token in the loss: the batch is skipped). On the way it
   measures the training–inference mismatch (:class:`Mismatch`): the trainer's own logprob of every
   lag-0 token against the behavior logprob the generator recorded for it.
 

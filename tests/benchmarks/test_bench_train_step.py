@@ -1,0 +1,40 @@
+"""``benchmarks/bench_train_step.py --quick``: the training-step profile's smoke run on a tiny
+random-weight checkpoint — every arm timed by phase and as a whole, the phases adding up to about the
+step, and a bad arm refused before anything loads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers.bench_runs import run_benchmark
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_train_step.py"
+PHASES = ("pack", "forward", "head_forward", "head_backward", "backward", "optimizer")
+
+
+@pytest.mark.integration
+def test_quick_run_times_every_arm_by_phase(tmp_path: Path, tiny_checkpoint) -> None:
+    out = tmp_path / "step.json"
+    arms = ["fp32:0:1:loop", "bf16:8:1", "bf16:8:2"]
+    log, _ = run_benchmark([sys.executable, str(BENCH), "--quick", "--model", str(tiny_checkpoint()),
+                            "--arms", *arms, "--json", str(out)], timeout_s=600)
+    doc = json.loads(out.read_text())
+    assert [a["name"] for a in doc["arms"]] == ["fp32, whole head, 1t, loop", "bf16, chunk 8, 1t, fused",
+                                                "bf16, chunk 8, 2t, fused"]
+    assert doc["response_tokens"] > 8 and doc["grad_accum_steps"] == 2  # the example's [trainer]: chunks split
+    for name, m in doc["medians"].items():
+        assert m["step_s"] > 0 and all(m[p] >= 0 for p in PHASES), name
+        assert m["forward"] > 0 and m["backward"] > 0 and m["optimizer"] > 0, name
+        assert len(doc["records"][name]) == doc["rounds"] == 2
+    assert doc["medians"]["fp32, whole head, 1t, loop"]["speedup"] == 1.0
+    assert "at 2 thread(s)" not in log  # no 2-thread baseline given, so no equal-thread ratio at 2
+
+
+@pytest.mark.parametrize("arm", ["fp16:0:1", "bf16:-1:1", "bf16:8:0", "bf16:8:1:adam", "bf16:8"])
+def test_a_bad_arm_is_refused_before_anything_loads(arm: str) -> None:
+    proc = subprocess.run([sys.executable, str(BENCH), "--arms", arm], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and repr(arm) in proc.stderr, proc.stderr
