@@ -13,8 +13,9 @@ Synchronous torch code with no I/O, called by the trainer actor in a worker thre
   chunk of tokens at a time (``engine/head_logprobs.py``), accumulates the gradient of the
   off-policy-corrected token-level loss (one token mean over the whole step), clips the global
   gradient norm and takes one fused AdamW step (:func:`policy_optimizer`; none when the bound left
-  no token in the loss: the batch is skipped). On the way it measures the training–inference mismatch (:class:`Mismatch`): the trainer's own logprob of every
-  lag-0 token against the behavior logprob the generator recorded for it.
+  no token in the loss: the batch is skipped). On the way it measures the training–inference
+  mismatch (:class:`Mismatch`): the trainer's own logprob of every lag-0 token against the behavior
+  logprob the generator recorded for it.
 
 Packing the group is exact, not an approximation: a response token's logits depend only on the
 prompt and the response before it, as in ``prompt + response`` alone (checked against
