@@ -61,13 +61,18 @@ def parse_arm(text: str) -> Arm:
     except (ValueError, TypeError):
         raise argparse.ArgumentTypeError(f"{text!r}: expected PRECISION:CHUNK:THREADS[:ADAMW] such as bf16:512:2 "
                                          "or fp32:0:1:loop") from None
-    if arm.precision not in ("fp32", "bf16") or arm.head_chunk < 0 or arm.threads < 1 \
-            or arm.adamw not in ("fused", "loop"):
-        raise argparse.ArgumentTypeError(f"{text!r}: precision fp32 or bf16, chunk >= 0, threads >= 1, "
-                                         "AdamW fused or loop")
+    checks = [(arm.precision in ("fp32", "bf16"), f"precision {arm.precision!r} (expected fp32 or bf16)"),
+              (0 <= arm.head_chunk <= MAX_CHUNK, f"chunk {arm.head_chunk} (expected 0 to {MAX_CHUNK})"),
+              (1 <= arm.threads <= MAX_THREADS, f"threads {arm.threads} (expected 1 to {MAX_THREADS})"),
+              (arm.adamw in ("fused", "loop"), f"AdamW {arm.adamw!r} (expected fused or loop)")]
+    wrong = [message for ok, message in checks if not ok]
+    if wrong:
+        raise argparse.ArgumentTypeError(f"{text!r}: " + ", ".join(wrong))
     return arm
 
 
+MAX_CHUNK = 1 << 20  # trainer.head_chunk's bound
+MAX_THREADS = 1024  # engine/config.py's MAX_NUM_THREADS (this script imports no specroll before parsing)
 DEFAULT_ARMS = ["fp32:0:1:loop", "fp32:0:1", "fp32:512:1", "bf16:0:1", "bf16:512:1", "fp32:0:2:loop", "bf16:512:2"]
 
 
@@ -77,7 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", type=Path, default=EXAMPLE, help="run config whose [trainer] and sampling are used")
     p.add_argument("--model", help="model instead of the config's (a tiny checkpoint directory for --quick)")
     p.add_argument("--arms", type=parse_arm, nargs="+", default=[parse_arm(a) for a in DEFAULT_ARMS],
-                   help=f"PRECISION:CHUNK:THREADS each; the first is the baseline (default {' '.join(DEFAULT_ARMS)})")
+                   help="PRECISION:CHUNK:THREADS[:ADAMW] each (fp32|bf16, head chunk 0 = whole, threads, "
+                        "fused|loop AdamW, default fused); the first is the baseline "
+                        f"(default {' '.join(DEFAULT_ARMS)})")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds over every arm (default 5)")
     p.add_argument("--max-tokens", type=int, help="response tokens at most (default: the config's sampling)")
     p.add_argument("--seed", type=int, default=0)
@@ -86,6 +93,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: expected a positive integer")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        p.error(f"--max-tokens {args.max_tokens}: expected a positive integer")
+    if args.json is not None and not args.json.parent.is_dir():
+        p.error(f"--json {args.json}: its folder {args.json.parent} does not exist")
+    if not args.config.is_file():
+        p.error(f"--config {args.config}: no such file")
     if args.quick:
         args.rounds = min(args.rounds, 2)
     return args
@@ -132,13 +145,18 @@ def main(argv: list[str] | None = None) -> int:
     from specroll.rl.grpo_step import build_batch, policy_optimizer, precision_context, train_step
     from specroll.rl.tasks import format_question
 
-    config = load_config(args.config)
-    tc = config.trainer
-    model_name = args.model or config.model.name
-    max_tokens = args.max_tokens or (16 if args.quick else config.generator.sampling.max_tokens)
+    try:
+        config = load_config(args.config)
+        tc = config.trainer
+        model_name = args.model or config.model.name
+        ckpt = load_checkpoint(model_name, torch.float32)
+    except (ValueError, OSError) as e:  # ConfigError, CheckpointError: a bad --config or --model
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    max_tokens = args.max_tokens if args.max_tokens is not None else (
+        16 if args.quick else config.generator.sampling.max_tokens)
 
     # The step's rollouts: the real engine (bf16 where the generators run it) samples them at T = 1.
-    ckpt = load_checkpoint(model_name, torch.float32)
     split = load_task(config)
     prompts = [ckpt.tokenizer.encode_chat(format_question(p.question, split.instruction))
                for p in split.train[: tc.batch_groups]]

@@ -34,7 +34,13 @@ def test_quick_run_times_every_arm_by_phase(tmp_path: Path, tiny_checkpoint) -> 
     assert "at 2 thread(s)" not in log  # no 2-thread baseline given, so no equal-thread ratio at 2
 
 
-@pytest.mark.parametrize("arm", ["fp16:0:1", "bf16:-1:1", "bf16:8:0", "bf16:8:1:adam", "bf16:8"])
-def test_a_bad_arm_is_refused_before_anything_loads(arm: str) -> None:
-    proc = subprocess.run([sys.executable, str(BENCH), "--arms", arm], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and repr(arm) in proc.stderr, proc.stderr
+@pytest.mark.parametrize(("args", "message"), [
+    (["--arms", "fp16:0:1"], "precision 'fp16'"), (["--arms", "bf16:-1:1"], "chunk -1"),
+    (["--arms", "bf16:8:0"], "threads 0"), (["--arms", "bf16:8:100000"], "threads 100000 (expected 1 to 1024)"),
+    (["--arms", "bf16:8:1:adam"], "AdamW 'adam'"), (["--arms", "bf16:8"], "expected PRECISION:CHUNK:THREADS"),
+    (["--max-tokens", "0"], "--max-tokens 0"), (["--json", "/nonexistent/x.json"], "/nonexistent does not exist"),
+    (["--config", "/nonexistent.toml"], "no such file"), (["--model", "/nonexistent"], "'/nonexistent'"),
+])
+def test_bad_arguments_are_refused_before_anything_runs(args: list[str], message: str) -> None:
+    proc = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

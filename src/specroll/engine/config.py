@@ -18,6 +18,9 @@ CudaGraphs = Literal["off", "on", "emulate"]
 MAX_DRAFT_TOKENS = 32
 """Most draft tokens per sequence and step: each is a K/V slot, a target row and a head pass,
 and acceptance falls geometrically with depth (EAGLE and vLLM run 1–10)."""
+MAX_NUM_THREADS = 1024
+"""Most torch CPU threads a role may ask for: OpenMP cannot create ~100,000 (libgomp's thread creation
+fails and the process dies with SIGSEGV), and no machine this runs on has more than a few hundred cores."""
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -118,5 +121,5 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"cuda_graphs='on' needs device 'cuda' and the flashinfer backend; got device "
                              f"{self.device!r}, backend {self.backend!r} ('emulate' runs the graph path "
                              "eagerly on any device)")
-        if self.num_threads is not None and self.num_threads <= 0:
-            raise ValueError(f"num_threads={self.num_threads}, expected a positive integer or None")
+        if self.num_threads is not None and not 0 < self.num_threads <= MAX_NUM_THREADS:
+            raise ValueError(f"num_threads={self.num_threads}, expected an integer in [1, {MAX_NUM_THREADS}] or None")

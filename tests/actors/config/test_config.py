@@ -293,6 +293,13 @@ OVERRIDE_ERRORS = [
     (["trainer.lr=1e-5"], ["(from --set 'trainer.lr=1e-5')", "unknown key trainer.lr", "learning_rate"]),
     (["model.name=2024"], ["model.name: expected `str`, got `int`", "quote a string: --set 'model.name=\"2024\"'"]),
     (["generator.engine.model=other.gguf"], ["generator.engine.model='other.gguf', expected unset or equal"]),
+    # thread counts libgomp cannot create (100,000 killed the trainer with SIGSEGV at its first step)
+    (["trainer.train_threads=100000"], ["trainer.train_threads=100000, expected an integer in [1, 1024]"]),
+    (["trainer.borrow_threads=1025"], ["trainer.borrow_threads=1025, expected an integer in [0, 1024]"]),
+    (["generator.engine.num_threads=5000"], ["generator.engine.num_threads=5000, expected an integer in [1, 1024]"]),
+    (["drafter.num_threads=4096"], ["drafter.num_threads=4096, expected an integer in [1, 1024]"]),
+    (['trainer.precision="fp16"'], ["trainer.precision='fp16', expected one of 'bf16', 'fp32'"]),
+    (["trainer.head_chunk=-1"], ["trainer.head_chunk=-1, expected an integer in [0, 1048576]"]),
 ]
 
 

@@ -11,6 +11,7 @@ from specroll.actors.config.section import Section as _Section
 from specroll.actors.config.section import check_literals as _check_literals
 from specroll.actors.config.section import require as _require
 from specroll.drafter.learner_config import LearnerConfig
+from specroll.engine.config import MAX_NUM_THREADS
 
 
 class DrafterConfig(_Section):
@@ -86,6 +87,8 @@ class DrafterConfig(_Section):
         for name in ("window_rollouts", "publish_every_steps", "batch", "window_tokens", "ttt_steps", "min_rollouts",
                      "draft_vocab_size", "num_threads"):
             _require(getattr(self, name) >= 1, name, getattr(self, name), "a positive integer")
+        _require(self.num_threads <= MAX_NUM_THREADS, "num_threads", self.num_threads,
+                 f"an integer in [1, {MAX_NUM_THREADS}]")
         _require(self.window_tokens >= self.ttt_steps + 2, "window_tokens", self.window_tokens,
                  f"an integer >= ttt_steps + 2 = {self.ttt_steps + 2} (ttt_steps={self.ttt_steps}; the first draft "
                  f"predicts x_(t+2))")

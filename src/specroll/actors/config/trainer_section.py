@@ -9,6 +9,7 @@ from typing import Literal
 from specroll.actors.config.section import Section as _Section
 from specroll.actors.config.section import check_literals as _check_literals
 from specroll.actors.config.section import require as _require
+from specroll.engine.config import MAX_NUM_THREADS
 
 
 class TrainerConfig(_Section):
@@ -62,11 +63,12 @@ class TrainerConfig(_Section):
     train_threads: int | None = None
     """Torch intra-op CPU threads of the trainer (of each rank); ``None`` (default): under ``specroll
     launch`` on a CPU, half the cores divided among the ranks (the launcher's CPU budget,
-    ``actors/launch/cpu_budget.py``), else torch's default."""
+    ``actors/launch/cpu_budget.py``), else torch's default. At most 1024."""
 
     borrow_threads: int | None = None
-    """Torch threads the trainer adds for a micro-batch (``grad_accum_steps`` split a step) while no
-    rollout is queued or generating — the generators' cores are idle then; 0 never borrows. ``None``
+    """Torch threads the trainer adds for a phase of a step (each micro-batch's forward, its backward,
+    the AdamW step) while no rollout is queued or generating — the generators' cores are idle then;
+    0 never borrows. At most 1024 (as ``train_threads``). ``None``
     (default): under ``specroll launch`` on a CPU, the generators' share of the cores (the launcher's
     CPU budget), else 0. With several ranks: per rank, decided once per step by rank 0."""
     world_size: int = 1
@@ -91,15 +93,16 @@ class TrainerConfig(_Section):
     """Response tokens whose LM-head logits exist at once in the training step, forward and
     backward (``engine/head_logprobs.py``): the ``[tokens, vocab]`` logits of a micro-batch are never
     held whole (512 × SmolLM2's 49,152: 100 MB in float32). 0 computes the whole head at once with
-    plain autograd (its memory grows with the micro-batch's response tokens). Default 512."""
+    plain autograd (its memory grows with the micro-batch's response tokens). At most 1,048,576.
+    Default 512."""
 
     def __post_init__(self) -> None:
         _check_literals(self)
         _require(self.batch_groups >= 1, "batch_groups", self.batch_groups, "a positive integer")
         _require(1 <= self.world_size <= self.batch_groups, "world_size", self.world_size,
                  f"an integer in [1, batch_groups = {self.batch_groups}] (every rank trains at least one group)")
-        _require(self.borrow_threads is None or self.borrow_threads >= 0, "borrow_threads", self.borrow_threads,
-                 "an integer >= 0 or unset")
+        _require(self.borrow_threads is None or 0 <= self.borrow_threads <= MAX_NUM_THREADS, "borrow_threads",
+                 self.borrow_threads, f"an integer in [0, {MAX_NUM_THREADS}] or unset")
         _require(self.group_size >= 2, "group_size", self.group_size,
                  "an integer >= 2 (a group of one sample has zero advantage)")
         _require(self.learning_rate > 0 and math.isfinite(self.learning_rate), "learning_rate",
@@ -120,5 +123,5 @@ class TrainerConfig(_Section):
                  f"an integer >= batch_groups ({self.batch_groups}), or a step could never fill")
         _require(0 <= self.head_chunk <= 1 << 20, "head_chunk", self.head_chunk,
                  "an integer in [0, 1048576] (0: the whole head at once)")
-        _require(self.train_threads is None or self.train_threads >= 1, "train_threads", self.train_threads,
-                 "a positive integer or unset")
+        _require(self.train_threads is None or 1 <= self.train_threads <= MAX_NUM_THREADS, "train_threads",
+                 self.train_threads, f"an integer in [1, {MAX_NUM_THREADS}] or unset")
