@@ -75,6 +75,9 @@ async def test_held_out_evaluation_runs_on_generators_and_is_never_trained_on(ti
     # before training (a line of its own), after step 2 and after the last step, each in the line
     # of the step whose weights it measured
     assert [m["step"] for m in lines] == [0, 1, 2, 3, 4, 5]
+    for m in lines[1:]:  # the optimizer step is part of the step's time; borrowing is a share of its phases
+        assert 0 < m["train_s"] <= m["step_s"], m
+        assert m["threads_borrowed"] is None or 0 <= m["threads_borrowed"] <= 1, m
     evaluated = {m["step"]: m for m in lines if "eval_accuracy" in m}
     assert sorted(evaluated) == [0, 2, 4, 5]
     assert all(m["eval_step"] == step for step, m in evaluated.items())

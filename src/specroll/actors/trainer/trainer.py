@@ -127,10 +127,6 @@ class Trainer:
         """Submits the training groups and takes finished batches."""
         self._skipped_in_row = 0
         """Batches in a row with no token to train (``_skip``)."""
-        self._train_s: float | None = None
-        """The last optimizer step's seconds (``_train``), for its metrics."""
-        self._threads_borrowed: float | None = None
-        """The share of the last step's phases that borrowed the generators' threads."""
         self.step_metrics = StepMetrics(client, config.drafter.acceptance_floor)
         self._last_checkpoint = self.step
         self.evaluator = Evaluator(client, setup.eval_prompts, config.generator.sampling, config.eval.greedy,
@@ -297,8 +293,8 @@ class Trainer:
         try:
             with self._phase("train"):
                 train_start = time.monotonic()
-                rewards, result = await anyio.to_thread.run_sync(self._train, groups, trained_version)
-                self._train_s = time.monotonic() - train_start
+                rewards, result, borrowed = await anyio.to_thread.run_sync(self._train, groups, trained_version)
+                train_s = time.monotonic() - train_start
         finally:
             if pause:
                 self.client.pause_drafter(False)
@@ -315,8 +311,7 @@ class Trainer:
             with self._phase("publish"):
                 await self._wait_acks()
         metrics = self.step_metrics.record(self.step, self.version, groups, rewards, result, trained_version,
-                                           time.monotonic() - start, start - wait_start, self._train_s,
-                                           self._threads_borrowed)
+                                           time.monotonic() - start, start - wait_start, train_s, borrowed)
         if self._maybe_evaluate():
             self._held = metrics
         else:
@@ -360,8 +355,9 @@ class Trainer:
         await self._wait_acks()
         self.feeder.batch_done()
 
-    def _train(self, groups: list[Group], version: int) -> tuple[torch.Tensor, StepResult]:
-        """Rewards and one optimizer step (runs in a worker thread). Returns rewards ``[G, n]``."""
+    def _train(self, groups: list[Group], version: int) -> tuple[torch.Tensor, StepResult, float | None]:
+        """Rewards and one optimizer step (runs in a worker thread). Returns rewards ``[G, n]``, the
+        step's result and the share of its phases that borrowed the generators' threads."""
         answers = [g.payload.answer if isinstance(g.payload, Prompt) else None for g in groups]
         rewards = torch.tensor([[self.reward_fn(self.tokenizer.decode(s.token_ids), answer) for s in g.samples]
                                 for g, answer in zip(groups, answers, strict=True)], dtype=torch.float32)  # [G, n]
@@ -369,8 +365,7 @@ class Trainer:
         tc = self.config.trainer
         with thread_budget(tc.train_threads, tc.borrow_threads, self.client.generators_idle) as budget:
             result = self.policy.train(batch, version, budget)
-        self._threads_borrowed = budget.borrowed_fraction
-        return rewards, result
+        return rewards, result, budget.borrowed_fraction
 
     async def _checkpoint(self) -> None:
         state = TrainerState(step=self.step, policy_version=self.version, prompt_cursor=self.prompts.cursor,
