@@ -207,13 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         total = int(mask.sum())
         t["pack"] = time.perf_counter() - start
         optimizer.zero_grad(set_to_none=True)
-        n = b.group_size
         for rows in torch.arange(len(groups)).tensor_split(min(s.grad_accum_steps, len(groups))):
             start = time.perf_counter()
             tlen = int(b.row_lengths[rows].max())
-            samples = (rows[:, None] * n + torch.arange(n)).flatten()
+            samples, local = b.continuations_of(rows)
             real = b.loss_mask[samples]
-            local_row = torch.arange(len(rows)).repeat_interleave(n)[:, None].expand_as(real)
+            local_row = local[:, None].expand_as(real)
             with precision_context(s.precision, device):
                 hidden = model.hidden_dense(b.input_ids[rows, :tlen], b.positions[rows, :tlen],
                                             b.attention_mask(rows, tlen))

@@ -29,17 +29,17 @@ from specroll.protocol.wire import NonNegative, Positive, WireMessage, WireStruc
 
 
 class BatchShape(WireStruct):
-    """The sizes of a packed ``RolloutBatch`` (``rl/grpo_step.py``): G rows of T tokens, B = G·n
-    samples of at most L response tokens."""
+    """The sizes of a packed ``RolloutBatch`` (``rl/packing.py``): R rows of T tokens, S
+    continuations of at most L tokens."""
 
-    groups: Positive
-    """G."""
+    rows: Positive
+    """R."""
     tokens: Positive
     """T: the longest packed row."""
-    group_size: Positive
-    """n: samples per group."""
+    continuations: Positive
+    """S: continuations (responses, or episodes' sequences after their prompt) over all rows."""
     response_tokens: Positive
-    """L: the longest response (at least 1)."""
+    """L: the longest continuation (at least 1)."""
 
 
 class TrainStep(WireMessage, tag="train_step"):

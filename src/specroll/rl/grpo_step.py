@@ -1,15 +1,15 @@
-"""One GRPO training step on finished groups: the packed batch, the staleness bound and the update.
+"""One GRPO training step on a packed batch: the staleness bound and the update.
 
 Synchronous torch code with no I/O, called by the trainer actor in a worker thread:
 
-* :func:`build_batch` turns G finished groups (n samples each) and their rewards into one batch of
-  G packed rows — each row the group's prompt once, then its n responses, each response attending
-  to the prompt and to itself only (RoPE positions continue from the prompt in every response) —
-  and, per sample, its response tokens with their loss mask, behavior logprob and policy version
-  (``rl/grpo.py``'s layout: entry ``[b, j]`` describes response token ``j`` of sample ``b``);
+* the batch is packed by ``rl/packing.py`` (:func:`build_batch` for single-turn groups: each row a
+  group's prompt once, then its n responses, each attending to the prompt and to itself only) or
+  ``rl/episodes.py`` (multi-turn episodes: the environment's tokens in the rows, out of the loss);
+  per continuation, its tokens with their loss mask, behavior logprob and policy version
+  (``rl/grpo.py``'s layout: entry ``[s, j]`` describes token ``j`` of continuation ``s``);
 * :func:`train_step` enforces the staleness bound η per token, runs the differentiable forward
   (``CausalLM.hidden_dense``, in bf16 under autocast with ``trainer.precision = "bf16"``) over
-  micro-batches of whole groups, runs the LM head only where a response token is predicted and a
+  micro-batches of whole rows, runs the LM head only where a trained token is predicted and a
   chunk of tokens at a time (``engine/head_logprobs.py``), accumulates the gradient of the
   off-policy-corrected token-level loss (one token mean over the whole step), clips the global
   gradient norm and takes one fused AdamW step (:func:`policy_optimizer`; none when the bound left
@@ -17,11 +17,9 @@ Synchronous torch code with no I/O, called by the trainer actor in a worker thre
   mismatch (:class:`Mismatch`): the trainer's own logprob of every lag-0 token against the behavior
   logprob the generator recorded for it.
 
-Packing the group is exact, not an approximation: a response token's logits depend only on the
-prompt and the response before it, as in ``prompt + response`` alone (checked against
-``CausalLM.score`` in the tests), while the prompt is run once per group instead of n times and the
-LM head (a fifth of SmolLM2-135M's compute) only at response positions. For the default task (a
-~45-token prompt, 8 responses of ~30 tokens) that halves the tokens a step runs through the model.
+Running the prompt once per row instead of n times, and the LM head (a fifth of SmolLM2-135M's
+compute) only at trained positions: for the default task (a ~45-token prompt, 8 responses of ~30
+tokens) that halves the tokens a step runs through the model.
 """
 
 from __future__ import annotations
@@ -29,146 +27,32 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields, replace
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from specroll.engine.model import CausalLM
-from specroll.rl.coordinator import Group
-from specroll.rl.grpo import (
-    apply_staleness,
-    group_advantages,
-    policy_loss,
-)
+from specroll.rl.grpo import apply_staleness, policy_loss
+from specroll.rl.packing import RolloutBatch, build_batch
 from specroll.rl.step_result import Mismatch, Precision, StepResult, StepSettings
 
 __all__ = ["Mismatch", "RolloutBatch", "StepResult", "StepSettings", "build_batch", "policy_optimizer",
            "precision_context", "response_logprobs", "train_step"]
 
 
-@dataclass(frozen=True)
-class RolloutBatch:
-    """G groups of n samples (B = G·n) as G packed rows and per-sample response tensors (L = the
-    longest response). Sample ``b`` is sample ``b % n`` of group ``b // n``, packed in row ``b // n``."""
-
-    input_ids: torch.Tensor
-    """int64 ``[G, T]``: row g = group g's prompt, then its n responses in order, then ``pad_id``."""
-    positions: torch.Tensor
-    """int64 ``[G, T]``: RoPE positions: the prompt 0..P−1, every response again from P."""
-    segments: torch.Tensor
-    """int64 ``[G, T]``: 0 on the prompt, i + 1 on response i, −1 on padding."""
-    row_lengths: torch.Tensor
-    """int64 ``[G]``: real tokens of each row."""
-    predecessor: torch.Tensor
-    """int64 ``[B, L]``: the position in its row whose output predicts response token j (the last
-    prompt token for j = 0, else the response's token j − 1); 0 where there is no token."""
-    targets: torch.Tensor
-    """int64 ``[B, L]``: the response token ids (``pad_id`` past the end)."""
-    loss_mask: torch.Tensor
-    """bool ``[B, L]``: True at real response tokens."""
-    behavior_logprobs: torch.Tensor
-    """float32 ``[B, L]``: the generators' logprob of each response token (0 elsewhere)."""
-    versions: torch.Tensor
-    """int64 ``[B, L]``: the policy version that sampled each response token (``fill_version``
-    elsewhere; never read there)."""
-    advantages: torch.Tensor
-    """float32 ``[B]``: the GRPO advantage of each sample (shared by its tokens)."""
-    group_size: int
-
-    def to(self, device: torch.device | str) -> RolloutBatch:
-        """This batch with every tensor on ``device`` (the trainer's ``trainer.device``)."""
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
-                                if isinstance(getattr(self, f.name), torch.Tensor)})
-
-    def attention_mask(self, rows: torch.Tensor, t: int) -> torch.Tensor:
-        """bool ``[len(rows), t, t]``: query i attends key j when j ≤ i, j is real, and j is on the
-        prompt or on i's own response."""
-        seg = self.segments[rows, :t]  # [g, t]
-        idx = torch.arange(t, device=seg.device)
-        causal = idx[None, :] <= idx[:, None]  # [t, t]
-        key, query = seg[:, None, :], seg[:, :, None]  # [g, 1, t], [g, t, 1]
-        return causal & (key >= 0) & ((key == 0) | (key == query))
-
-
-def build_batch(
-    groups: Sequence[Group], rewards: torch.Tensor, *, normalize_std: bool, fill_version: int, pad_id: int = 0
-) -> RolloutBatch:
-    """Pack ``groups`` into one batch (see :class:`RolloutBatch`).
-
-    Args:
-        groups: G finished groups of n samples each (prompts non-empty).
-        rewards: float ``[G, n]``: the reward of every sample.
-        normalize_std: GRPO (divide by the group's std) or Dr. GRPO advantages.
-        fill_version: version written where there is no response token (outside the loss mask).
-        pad_id: token id at padding positions (masked everywhere; any valid id).
-
-    Raises:
-        ValueError: no groups, groups of unequal size, ``rewards`` not ``[G, n]``, an empty prompt,
-            or a sample whose token ids, logprobs and versions differ in length.
-    """
-    if not groups:
-        raise ValueError("build_batch needs at least one group")
-    n = len(groups[0].samples)
-    if any(len(g.samples) != n for g in groups) or tuple(rewards.shape) != (len(groups), n):
-        raise ValueError(f"expected {len(groups)} groups of {n} samples and rewards [G, n]; got group sizes "
-                         f"{[len(g.samples) for g in groups]} and rewards {tuple(rewards.shape)}")
-    for g in groups:
-        if not g.prompt_token_ids:
-            raise ValueError(f"group {g.group_id}: empty prompt")
-        for i, s in enumerate(g.samples):
-            if not len(s.token_ids) == len(s.logprobs) == len(s.versions):
-                raise ValueError(f"group {g.group_id} sample {i}: {len(s.token_ids)} tokens, {len(s.logprobs)} "
-                                 f"logprobs and {len(s.versions)} versions")
-    advantages = group_advantages(rewards, normalize_std).flatten()  # [B]
-    lengths = [len(g.prompt_token_ids) + sum(len(s.token_ids) for s in g.samples) for g in groups]
-    G, T, B = len(groups), max(lengths), len(groups) * n
-    L = max(max((len(s.token_ids) for g in groups for s in g.samples), default=0), 1)
-    input_ids = torch.full((G, T), pad_id, dtype=torch.int64)  # [G, T]
-    positions = torch.zeros(G, T, dtype=torch.int64)  # [G, T]
-    segments = torch.full((G, T), -1, dtype=torch.int64)  # [G, T]
-    predecessor = torch.zeros(B, L, dtype=torch.int64)  # [B, L]
-    targets = torch.full((B, L), pad_id, dtype=torch.int64)  # [B, L]
-    loss_mask = torch.zeros(B, L, dtype=torch.bool)  # [B, L]
-    behavior = torch.zeros(B, L, dtype=torch.float32)  # [B, L]
-    versions = torch.full((B, L), fill_version, dtype=torch.int64)  # [B, L]
-    for row, g in enumerate(groups):
-        p = len(g.prompt_token_ids)
-        input_ids[row, :p] = torch.tensor(g.prompt_token_ids, dtype=torch.int64)
-        positions[row, :p] = torch.arange(p)
-        segments[row, :p] = 0
-        start = p  # where the next response begins in the row
-        for i, s in enumerate(g.samples):
-            b, r = row * n + i, len(s.token_ids)
-            if not r:
-                continue
-            input_ids[row, start : start + r] = torch.tensor(s.token_ids, dtype=torch.int64)
-            positions[row, start : start + r] = torch.arange(p, p + r)
-            segments[row, start : start + r] = i + 1
-            predecessor[b, 0] = p - 1
-            predecessor[b, 1:r] = torch.arange(start, start + r - 1)
-            targets[b, :r] = torch.tensor(s.token_ids, dtype=torch.int64)
-            loss_mask[b, :r] = True
-            behavior[b, :r] = torch.tensor(s.logprobs, dtype=torch.float32)
-            versions[b, :r] = torch.tensor(s.versions, dtype=torch.int64)
-            start += r
-    return RolloutBatch(input_ids, positions, segments, torch.tensor(lengths), predecessor, targets, loss_mask,
-                        behavior, versions, advantages, n)
-
-
 def response_logprobs(model: CausalLM, batch: RolloutBatch, rows: torch.Tensor, head_chunk: int = 0) -> torch.Tensor:
-    """The policy's logprob of every response token of the groups in ``rows``: float32 ``[len(rows)·n, L]``
-    (0 where ``loss_mask`` is False), differentiable in the model's parameters. The LM head runs at
-    response positions only, ``head_chunk`` tokens at a time (``CausalLM.logprobs_at``; 0: all at
-    once); under autocast (``trainer.precision = "bf16"``) its matmuls and the decoder's run in bf16."""
+    """The policy's logprob of every trained token of the continuations of ``rows``: float32 ``[s, L]``
+    over ``batch.continuations_of(rows)`` (0 where ``loss_mask`` is False), differentiable in the
+    model's parameters. The LM head runs at trained positions only, ``head_chunk`` tokens at a time
+    (``CausalLM.logprobs_at``; 0: all at once); under autocast (``trainer.precision = "bf16"``) its
+    matmuls and the decoder's run in bf16."""
     device = batch.input_ids.device
     t = int(batch.row_lengths[rows].max())  # trim the micro-batch to its own longest row
-    n = batch.group_size
-    samples = (rows[:, None] * n + torch.arange(n, device=device)).flatten()  # [s]
+    samples, local = batch.continuations_of(rows)  # [s] each
     real = batch.loss_mask[samples]  # [s, L]
-    local_row = torch.arange(len(rows), device=device).repeat_interleave(n)[:, None].expand_as(real)  # [s, L]
+    local_row = local[:, None].expand_as(real)  # [s, L]
     lp = model.logprobs_at(batch.input_ids[rows, :t], batch.positions[rows, :t], batch.attention_mask(rows, t),
                            local_row[real], batch.predecessor[samples][real], batch.targets[samples][real],
                            head_chunk)  # [N]
@@ -207,7 +91,7 @@ def train_step(
     Tokens lagging more than η = ``config.max_staleness`` versions leave the loss (``mask``) or take
     their sample with them (``drop``) — ``grpo.apply_staleness``. The token-level mean spans the
     whole step (N = trained tokens of all micro-batches), so accumulating over ``grad_accum_steps``
-    micro-batches (of whole groups: at most G of them) gives the gradient of one large batch. A
+    micro-batches (of whole rows: at most R of them) gives the gradient of one large batch. A
     batch with no token left in the loss is skipped (:attr:`StepResult.skipped`): no forward, no
     optimizer step, no mismatch measured — an AdamW step on zero gradients would still move the
     weights (decoupled weight decay, and the momentum of earlier steps) without training on anything.
@@ -219,8 +103,8 @@ def train_step(
 
     Sharded (``world_size`` > 1, inside a ``torch.distributed`` process group whose every rank calls
     this with the same ``batch``; the model sharded with FSDP2 summing, not averaging, gradients:
-    ``actors/trainer/ranks/sharded.py``): rank r trains its contiguous share of the G group rows
-    (``tensor_split``), in ``min(grad_accum_steps, ⌈G / world_size⌉)`` micro-batches on every rank —
+    ``actors/trainer/ranks/sharded.py``): rank r trains its contiguous share of the R rows
+    (``tensor_split``), in ``min(grad_accum_steps, ⌈R / world_size⌉)`` micro-batches on every rank —
     FSDP's collectives need the same number of forward/backward passes everywhere, so a rank out of
     rows runs a pass with an empty loss mask (a zero loss that still backpropagates). N is the whole
     batch's, so the summed gradient is the one-rank gradient; the loss diagnostics and the mismatch
@@ -247,16 +131,15 @@ def train_step(
     loss_sum = 0.0
     lag0 = batch.loss_mask & (batch.versions == current_version)  # [B, L]: sampled by the weights trained now
     mismatch = Mismatch()
-    num_groups = batch.input_ids.shape[0]
-    n = batch.group_size
+    num_rows = batch.input_ids.shape[0]
     device = batch.input_ids.device
-    share = torch.arange(num_groups, device=device).tensor_split(world_size)[rank]  # this rank's rows
-    passes = min(config.grad_accum_steps, -(-num_groups // world_size))
+    share = torch.arange(num_rows, device=device).tensor_split(world_size)[rank]  # this rank's rows
+    passes = min(config.grad_accum_steps, -(-num_rows // world_size))
     for rows in share.tensor_split(passes):
         _call(before_phase)
         idle = len(rows) == 0  # a sharded rank out of rows: the same passes as the others, nothing trained
         rows = torch.zeros(1, dtype=torch.int64, device=device) if idle else rows  # [g]
-        samples = (rows[:, None] * n + torch.arange(n, device=device)).flatten()  # [s]
+        samples, _ = batch.continuations_of(rows)  # [s]
         with precision_context(config.precision, device):
             logprobs = response_logprobs(model, batch, rows, config.head_chunk)  # [s, L]
         trained, fresh = mask[samples], lag0[samples]  # [s, L] each

@@ -106,7 +106,7 @@ def test_specroll_trainer_takes_the_rank_flags(tmp_path: Path) -> None:
 
 
 def test_commands_round_trip_and_rank_roles() -> None:
-    step = TrainStep(version=3, shape=BatchShape(groups=2, tokens=9, group_size=4, response_tokens=5), threads=1)
+    step = TrainStep(version=3, shape=BatchShape(rows=2, tokens=9, continuations=8, response_tokens=5), threads=1)
     assert decode_command(encode_command(step)) == step
     assert decode_command(encode_command(Restore(step=2, with_optimizer=True))) == Restore(step=2, with_optimizer=True)
     bad = msgspec.msgpack.encode({"type": "train_step", "version": "3", "threads": 1,

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from specroll.protocol.trainer_ranks import BatchShape, RankCommand, decode_command, encode_command
-from specroll.rl.grpo_step import RolloutBatch
+from specroll.rl.packing import RolloutBatch
 
 KEY_PREFIX = "specroll/trainer/command/"
 STOPPED_KEY = "specroll/trainer/stopped"
@@ -79,13 +79,12 @@ class RankChannel:
     def broadcast_batch(self, batch: RolloutBatch | None, shape: BatchShape) -> RolloutBatch:
         """Rank 0 sends ``batch`` (of ``shape``), every other rank passes None and gets it: two
         broadcasts, the int64 tensors in one and the float32 ones in the other."""
-        g, t, n, length = shape.groups, shape.tokens, shape.group_size, shape.response_tokens
-        b = g * n
-        int_sizes = [g * t, g * t, g * t, g, b * length, b * length, b * length, b * length]
+        g, t, b, length = shape.rows, shape.tokens, shape.continuations, shape.response_tokens
+        int_sizes = [g * t, g * t, g * t, g, g + 1, b * length, b * length, b * length, b * length]
         float_sizes = [b * length, b]
         if batch is not None:
             ints = torch.cat([batch.input_ids.flatten(), batch.positions.flatten(), batch.segments.flatten(),
-                              batch.row_lengths, batch.predecessor.flatten(), batch.targets.flatten(),
+                              batch.row_lengths, batch.row_starts, batch.predecessor.flatten(), batch.targets.flatten(),
                               batch.loss_mask.flatten().long(), batch.versions.flatten()]).to(self.device)  # [sum]
             floats = torch.cat([batch.behavior_logprobs.flatten(), batch.advantages]).float().to(self.device)
         else:
@@ -94,17 +93,17 @@ class RankChannel:
         assert ints.numel() == sum(int_sizes) and floats.numel() == sum(float_sizes), "batch and shape disagree"
         dist.broadcast(ints, src=0)
         dist.broadcast(floats, src=0)
-        ids, pos, seg, lengths, pred, targets, mask, versions = ints.split(int_sizes)
+        ids, pos, seg, lengths, starts, pred, targets, mask, versions = ints.split(int_sizes)
         behavior, advantages = floats.split(float_sizes)
         return RolloutBatch(
             input_ids=ids.view(g, t), positions=pos.view(g, t), segments=seg.view(g, t), row_lengths=lengths,
-            predecessor=pred.view(b, length), targets=targets.view(b, length),
+            row_starts=starts, predecessor=pred.view(b, length), targets=targets.view(b, length),
             loss_mask=mask.view(b, length).bool(), behavior_logprobs=behavior.view(b, length),
-            versions=versions.view(b, length), advantages=advantages, group_size=n)
+            versions=versions.view(b, length), advantages=advantages)
 
 
 def batch_shape(batch: RolloutBatch) -> BatchShape:
     """The sizes of ``batch`` as a command carries them."""
-    groups, tokens = batch.input_ids.shape
-    return BatchShape(groups=groups, tokens=tokens, group_size=batch.group_size,
+    rows, tokens = batch.input_ids.shape
+    return BatchShape(rows=rows, tokens=tokens, continuations=batch.targets.shape[0],
                       response_tokens=batch.targets.shape[1])
