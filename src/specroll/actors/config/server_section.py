@@ -62,6 +62,11 @@ class ServerConfig(_Section):
     """Seconds an ``X-Session-ID`` stays pinned to its generator after its last request. Default 600."""
     max_sessions: int = 65536
     """Sessions remembered at once (the least recently used is forgotten first). Default 65536."""
+    stitch_sessions: int = 4096
+    """Sessions whose last chat turn is kept, so that their next turn's prompt is that turn's prompt
+    and completion tokens plus the new messages' tokens (token-in-token-out: earlier turns are never
+    rendered and tokenized again; docs/server.md, "Sessions"); 0 renders every turn from its messages.
+    Default 4096."""
 
     def __post_init__(self) -> None:
         _check_literals(self)
@@ -80,6 +85,8 @@ class ServerConfig(_Section):
                  "a positive number of seconds")
         _require(self.session_ttl_s > 0, "session_ttl_s", self.session_ttl_s, "a positive number of seconds")
         _require(self.max_sessions >= 1, "max_sessions", self.max_sessions, "a positive integer")
+        _require(0 <= self.stitch_sessions <= self.max_sessions, "stitch_sessions", self.stitch_sessions,
+                 "an integer in [0, server.max_sessions]")
         _require(self.api_key == self.api_key.strip(), "api_key", "<hidden>",
                  "a key without leading or trailing spaces")
 

@@ -75,7 +75,7 @@ def build_app(state: ServerState) -> Starlette:
             chat = ChatCompletionRequest(messages=body.messages, tools=body.tools,
                                          add_generation_prompt=body.add_generation_prompt,
                                          chat_template_kwargs=body.chat_template_kwargs)
-            ids, _ = await anyio.to_thread.run_sync(chat_prompt, state, chat)  # off the loop, as completions
+            ids = (await anyio.to_thread.run_sync(chat_prompt, state, chat)).ids  # off the loop, as completions
         else:
             ids = await anyio.to_thread.run_sync(state.tokenizer.encode, body.prompt or "", body.add_special_tokens)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": state.limits.max_model_len, "tokens": ids}

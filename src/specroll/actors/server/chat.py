@@ -12,7 +12,9 @@ carries ``token_versions``; with ``return_token_ids`` also ``token_ids``, and th
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from array import array
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -25,10 +27,12 @@ from specroll.actors.server.request_fields import Sampling, check_prompt, serve_
 from specroll.actors.server.requests import Generation
 from specroll.actors.server.schemas import ChatCompletionRequest, Message
 from specroll.actors.server.state import ServerState
+from specroll.actors.server.stitch import ChatTurn, continuation_ids, reply_key
 from specroll.actors.server.tool_calls import ToolCallIds, ToolCallStream
 from specroll.actors.server.tool_prompt import hermes_fallback_messages
 from specroll.actors.server.tool_schema import ToolSchemaError, validate_tool_choice, validate_tools
 from specroll.engine.loaders.chat_template import ChatTemplateError
+from specroll.rl.episodes import Turn
 
 
 def _message(message: Message, index: int) -> dict[str, Any]:
@@ -48,8 +52,22 @@ def _message(message: Message, index: int) -> dict[str, Any]:
     return out
 
 
-def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], list[str]]:
-    """The prompt's token ids and the names of the tools the reply may call.
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request's prompt: its token ids, the tools its reply may call, and what a session
+    keeps of the turn (``stitch.py``)."""
+
+    ids: list[int]
+    tool_names: list[str]
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    template_kwargs: dict[str, Any] | None
+    stitched: bool
+
+
+def chat_prompt(state: ServerState, body: ChatCompletionRequest, session_id: str | None = None) -> ChatPrompt:
+    """The prompt of a chat request: its messages rendered by the chat template, or, for a session
+    whose last turn it continues, that turn's tokens and the new messages' (``stitch.py``).
 
     Raises:
         ApiError: 400 for no messages, a bad message, tools or tool_choice, a template that fails on
@@ -67,18 +85,41 @@ def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[list[i
                           "server.tool_parser = 'hermes' if the model answers in <tool_call> blocks", param="tools")
     messages = [_message(m, i) for i, m in enumerate(body.messages)]
     tool_dicts = [t.as_openai() for t in tools]
-    uses_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
-    template_tools: list[dict[str, Any]] | None = tool_dicts or None
-    if not state.template_reads_tools and (tools or uses_tool_turns):
-        messages, template_tools = hermes_fallback_messages(messages, tool_dicts), None
+    render = _renderer(state, messages, tool_dicts, body.chat_template_kwargs)
+    tool_names = [t.name for t in tools] if choice == "auto" else []
+    transcripts = state.router.transcripts
+    last = transcripts.get(session_id) if session_id is not None and (body.n or 1) == 1 else None
     try:
-        ids = state.tokenizer.encode_chat(messages, body.add_generation_prompt, tools=template_tools,
-                                          chat_template_kwargs=body.chat_template_kwargs)
+        if last is not None:
+            ids, outcome = continuation_ids(last, messages, tool_dicts, body.chat_template_kwargs, render,
+                                            state.tokenizer)
+            transcripts.outcomes[outcome] += 1
+            if ids is not None:
+                return ChatPrompt(check_prompt(ids, state.limits, "messages"), tool_names, messages, tool_dicts,
+                                  body.chat_template_kwargs, True)
+        ids = state.tokenizer.encode(render(messages, body.add_generation_prompt), add_special_tokens=False)
     except ChatTemplateError as e:
         raise bad_request(str(e), param="messages") from None
     except ValueError as e:
         raise bad_request(str(e), param="chat_template_kwargs") from None
-    return check_prompt(ids, state.limits, "messages"), [t.name for t in tools] if choice == "auto" else []
+    return ChatPrompt(check_prompt(ids, state.limits, "messages"), tool_names, messages, tool_dicts,
+                      body.chat_template_kwargs, False)
+
+
+def _renderer(state: ServerState, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+              template_kwargs: dict[str, Any] | None) -> Callable[[list[dict[str, Any]], bool], str]:
+    """Messages → the template's text, as this request renders them: the template's own tools, or
+    the Hermes fallback written into the messages (decided once, on the whole request)."""
+    uses_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+    fallback = not state.template_reads_tools and bool(tools or uses_tool_turns)
+
+    def render(some: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        if fallback:
+            some = hermes_fallback_messages(some, tools)
+        return state.tokenizer.apply_chat_template(some, add_generation_prompt, tools=None if fallback else tools or None,
+                                                   chat_template_kwargs=template_kwargs)
+
+    return render
 
 
 async def chat_completions(state: ServerState, body: ChatCompletionRequest,
@@ -91,13 +132,14 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest,
     state.check_model(body.model)
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
         raise bad_request(f"top_logprobs = {body.top_logprobs}; expected an integer in [0, 20]", param="top_logprobs")
-    prompt, tool_names = await anyio.to_thread.run_sync(chat_prompt, state, body)  # off the loop, as completions
+    chat = await anyio.to_thread.run_sync(chat_prompt, state, body, session_id)  # off the loop, as completions
+    prompt, tool_names = chat.ids, chat.tool_names
     limits = [v for v in (body.max_tokens, body.max_completion_tokens) if v is not None]
     fields = Sampling(min(limits) if limits else None, body.temperature, body.top_p, body.top_k, body.n, body.seed,
                       body.stop, body.stop_token_ids, body.ignore_eos, body.skip_special_tokens,
                       body.include_stop_str_in_output)
     request = serve_request(prompt, fields, state.limits, session_id)
-    reply = _ChatReply(state, body, prompt, tool_names)
+    reply = _ChatReply(state, body, chat, session_id)
     if body.stream:
         return _chat_events(reply, follow(state.router, [request]))
     async for generations in follow(state.router, [request], every_change=False):
@@ -106,11 +148,27 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest,
 
 
 class _ChatReply:
-    def __init__(self, state: ServerState, body: ChatCompletionRequest, prompt: list[int],
-                 tool_names: list[str]) -> None:
-        self.state, self.body, self.prompt, self.tool_names = state, body, prompt, tool_names
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, chat: ChatPrompt,
+                 session_id: str | None) -> None:
+        self.state, self.body, self.chat, self.session_id = state, body, chat, session_id
+        self.prompt, self.tool_names = chat.ids, chat.tool_names
         self.id, self.created = new_id("chatcmpl"), now()
         self.new_call_id = ToolCallIds()
+        self.started = anyio.current_time()
+
+    def remember(self, choice: ChoiceText, content: str | None, tool_calls: list[dict[str, Any]],
+                 parse_errors: int) -> None:
+        """A session's one-choice turn ended: keep it for the next turn's prompt (``stitch.py``) and
+        in its episode, if one is open (``episode_log.py``)."""
+        if self.session_id is None or len(self.body.messages) == 0 or (self.body.n or 1) != 1:
+            return
+        router = self.state.router
+        router.transcripts.record(self.session_id, ChatTurn(
+            self.chat.messages, self.chat.tools, self.chat.template_kwargs, array("q", self.prompt),
+            array("q", choice.token_ids), reply_key(content, tool_calls)))
+        router.episodes.add(self.session_id, Turn(
+            list(self.prompt), list(choice.token_ids), list(choice.logprobs), list(choice.versions),
+            choice.finish_reason, len(tool_calls), parse_errors, anyio.current_time() - self.started))
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.state.model_name}
@@ -131,10 +189,14 @@ class _ChatReply:
         for j, c in enumerate(generation.choices):
             message: dict[str, Any] = {"role": "assistant", "content": c.text, "tool_calls": [],
                                        "reasoning_content": None}
+            errors = 0
             if self.tool_names and parser is not None:
                 parsed = parser.parse(c.text, self.tool_names, self.new_call_id)
                 message["content"] = parsed.content
                 message["tool_calls"] = [call.as_openai() for call in parsed.tool_calls]
+                errors = parsed.parse_errors
+            if len(generation.choices) == 1:
+                self.remember(c, message["content"], message["tool_calls"], errors)
             out: dict[str, Any] = {"index": j, "message": message, "logprobs": self._logprobs(c.token_ids, c.logprobs),
                                    "finish_reason": self._finish(c, bool(message["tool_calls"])),
                                    "stop_reason": c.stop_reason, "token_versions": c.versions}
@@ -196,6 +258,13 @@ async def _chat_events(reply: _ChatReply, updates: AsyncIterator[list[Generation
             if reply.body.return_token_ids:
                 event["token_ids"] = ids
             yield sse({**head, "choices": [event]})
+    if generation is not None and len(generation.choices) == 1 and generation.choices[0].finished:
+        choice, stream = generation.choices[0], streams[0]
+        if stream is None:
+            reply.remember(choice, choice.text, [], 0)
+        else:
+            result = stream.result()
+            reply.remember(choice, result.content, [c.as_openai() for c in result.tool_calls], result.parse_errors)
     options = reply.body.stream_options
     if options is not None and options.include_usage and generation is not None:
         yield sse({**head, "choices": [], "usage": usage(len(reply.prompt), generation.choices)})

@@ -26,7 +26,9 @@ from specroll.actors.config.server_section import ServerConfig
 from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.server.choice_text import ChoiceText
 from specroll.actors.server.errors import ApiError
+from specroll.actors.server.episode_log import EpisodeLog
 from specroll.actors.server.sessions import Sessions
+from specroll.actors.server.stitch import Transcripts
 from specroll.engine.loaders.tokenizer import Tokenizer
 from specroll.protocol.messages import RolloutChunk
 from specroll.protocol.sampling import SamplingParams
@@ -144,6 +146,10 @@ class Router:
     def __init__(self, client: RolloutClient, tokenizer: Tokenizer, config: ServerConfig) -> None:
         self.client, self.tokenizer, self.config = client, tokenizer, config
         self.sessions = Sessions(config.max_sessions, config.session_ttl_s)
+        self.transcripts = Transcripts(config.stitch_sessions)
+        """Each session's last chat turn, for the next one's token-in-token-out prompt (``stitch.py``)."""
+        self.episodes = EpisodeLog()
+        """The turns of the episodes a trainer opened (``episode_log.py``)."""
         self.live: dict[str, Generation] = {}
         """Requests dispatched or queued in the hub, by group id."""
         self.waiting = 0
