@@ -73,6 +73,11 @@ class Admission:
     def on_submit(self) -> None:
         self.submitted += 1
 
+    def on_drop(self) -> None:
+        """A submitted group will never be trained (an episode group whose episode kept failing): it
+        gives its place back, as if never submitted — it takes no place in any batch."""
+        self.submitted -= 1
+
     def on_batch_done(self) -> None:
         """A step took its batch and finished: trained and published, or skipped."""
         self.batches_done += 1

@@ -31,6 +31,24 @@ class TaskConfig(_Section):
     operators: str = "+-*"
     """The built-in task's operators: distinct characters of ``+-*`` (subtraction never goes below 0).
     Default ``+-*``."""
+    environment: str | None = None
+    """Multi-turn episodes instead of single completions (docs/agentic.md): ``calculator`` (the
+    built-in tool task on the built-in problems: a calculator tool with ``tool_latency_*``),
+    ``verifiers:<taskset id>`` (a ``verifiers`` taskset, the ``verifiers`` extra) or
+    ``package.module:function`` (your own async ``(client, prompt) -> reward``, ``specroll.envs.base``).
+    Episodes run against the server in the trainer's process (served even when ``server.enabled`` is
+    false). ``None`` (default): single-turn GRPO on ``prompts`` with ``reward``."""
+    max_turns: int = 4
+    """Model turns an episode may take; one more fails it. Default 4."""
+    max_retries: int = 2
+    """Times a failed episode (an error of its environment, a timeout, too many turns) runs again
+    from the start; past that its whole group is dropped and counted. Default 2."""
+    episode_timeout_s: float = 600.0
+    """Seconds an episode may take, tools and turns together; then it fails. Default 600."""
+    tool_latency_median_s: float = 0.0
+    """The ``calculator`` tool's latency: median seconds of a lognormal distribution (0, default: none)."""
+    tool_latency_p99_s: float = 0.0
+    """Its 99th percentile in seconds (at least the median; equal: a constant latency). Default 0."""
 
     def __post_init__(self) -> None:
         _check_literals(self)
@@ -42,6 +60,17 @@ class TaskConfig(_Section):
         _require(self.max_prompts is None or self.max_prompts >= 1, "max_prompts", self.max_prompts,
                  "a positive integer or unset")
         _require(self.builtin_count >= 1, "builtin_count", self.builtin_count, "a positive integer")
+        _require(self.environment is None or bool(self.environment.strip()), "environment", self.environment,
+                 "'calculator', 'verifiers:<taskset id>', 'package.module:function' or unset")
+        _require(1 <= self.max_turns <= 256, "max_turns", self.max_turns, "an integer in [1, 256]")
+        _require(0 <= self.max_retries <= 100, "max_retries", self.max_retries, "an integer in [0, 100]")
+        _require(0 < self.episode_timeout_s <= 86400, "episode_timeout_s", self.episode_timeout_s,
+                 "seconds in (0, 86400]")
+        _require(0 <= self.tool_latency_median_s <= 3600, "tool_latency_median_s", self.tool_latency_median_s,
+                 "seconds in [0, 3600]")
+        _require(self.tool_latency_p99_s >= self.tool_latency_median_s and self.tool_latency_p99_s <= 36000,
+                 "tool_latency_p99_s", self.tool_latency_p99_s,
+                 f"seconds in [tool_latency_median_s = {self.tool_latency_median_s}, 36000]")
 
 
 class EvalConfig(_Section):

@@ -116,7 +116,8 @@ def _renderer(state: ServerState, messages: list[dict[str, Any]], tools: list[di
     def render(some: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         if fallback:
             some = hermes_fallback_messages(some, tools)
-        return state.tokenizer.apply_chat_template(some, add_generation_prompt, tools=None if fallback else tools or None,
+        return state.tokenizer.apply_chat_template(some, add_generation_prompt,
+                                                   tools=None if fallback else tools or None,
                                                    chat_template_kwargs=template_kwargs)
 
     return render
@@ -133,7 +134,7 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest,
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
         raise bad_request(f"top_logprobs = {body.top_logprobs}; expected an integer in [0, 20]", param="top_logprobs")
     chat = await anyio.to_thread.run_sync(chat_prompt, state, body, session_id)  # off the loop, as completions
-    prompt, tool_names = chat.ids, chat.tool_names
+    prompt = chat.ids
     limits = [v for v in (body.max_tokens, body.max_completion_tokens) if v is not None]
     fields = Sampling(min(limits) if limits else None, body.temperature, body.top_p, body.top_k, body.n, body.seed,
                       body.stop, body.stop_token_ids, body.ignore_eos, body.skip_special_tokens,

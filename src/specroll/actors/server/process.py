@@ -1,6 +1,7 @@
 """The server as an actor: ``specroll serve --config FILE`` runs this process in the trainer's place
 (the launcher starts ``generator.count`` generators that connect to its hub), and ``specroll
-launch`` with ``[server] enabled`` runs :func:`serve_beside_trainer` inside the trainer's process.
+launch`` with ``[server] enabled`` (or an episode task) serves inside the trainer's process
+(``actors/trainer/process.py``).
 
 The process binds the hub, writes ``RUN_DIR/trainer.endpoint`` (the launcher's contract), reads
 the model's metadata (no weights: the generators hold them), binds the HTTP port, writes
@@ -17,7 +18,6 @@ from pathlib import Path
 import anyio
 
 from specroll.actors.config import RunConfig, write_resolved
-from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.rollout.from_config import client_from_config
 from specroll.actors.rollout.timeline import TIMELINE_FILENAME, Timeline
 from specroll.actors.server.serving import URL_FILENAME, bind, make_state, serve_http
@@ -26,26 +26,12 @@ from specroll.actors.shared.exit_codes import EXIT_FAILED, EXIT_REFUSED
 from specroll.actors.shared.files import write_text_atomic
 from specroll.actors.shared.signals import cancel_on_stop_signal
 from specroll.engine.loaders.checkpoint import CheckpointError, load_metadata
-from specroll.engine.loaders.tokenizer import Tokenizer
-from specroll.engine.model_config import ModelConfig
 from specroll.protocol.curve import KeysError
 
 log = logging.getLogger("specroll.server")
 
 ENDPOINT_FILENAME = "trainer.endpoint"
 """The hub's endpoint file, the same as the trainer's (the launcher waits for it)."""
-
-
-async def serve_beside_trainer(config: RunConfig, client: RolloutClient, tokenizer: Tokenizer,
-                               model: ModelConfig) -> None:
-    """Serve HTTP in front of the trainer's generators until cancelled; weight updates over HTTP
-    are refused (the trainer owns the policy).
-
-    Raises:
-        OSError: ``server.host:server.port`` cannot be bound.
-    """
-    state = make_state(config, client, tokenizer, model, None)
-    await serve_http(state, bind(config.server), Path(config.run_dir) / URL_FILENAME)
 
 
 async def run_server(config: RunConfig) -> int:

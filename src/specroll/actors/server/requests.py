@@ -25,8 +25,8 @@ import anyio
 from specroll.actors.config.server_section import ServerConfig
 from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.server.choice_text import ChoiceText
-from specroll.actors.server.errors import ApiError
 from specroll.actors.server.episode_log import EpisodeLog
+from specroll.actors.server.errors import ApiError
 from specroll.actors.server.sessions import Sessions
 from specroll.actors.server.stitch import Transcripts
 from specroll.engine.loaders.tokenizer import Tokenizer

@@ -91,3 +91,5 @@ def _run(config: RunConfig, ranks: Ranks | None) -> int:
 
 def _configure_logging(level: str) -> None:
     logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for chatty in ("httpx", "httpx2", "openai"):  # a line per episode turn at INFO: the environments' client
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))

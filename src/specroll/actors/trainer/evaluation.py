@@ -96,13 +96,8 @@ class Evaluator:
         self._done, result = None, self._result
         return result
 
-    async def _run(self, step: int, version: int, done: anyio.Event) -> None:
-        start = anyio.current_time()
-        try:
-            await self.client.wait_for_version(version, timeout=self.version_timeout_s)
-        except TimeoutError:
-            log.warning("evaluating policy version %d although not every generator serves it yet: %s", version,
-                        self.client.generator_versions)
+    async def _collect(self, version: int) -> tuple[EvalResult, list[int]]:
+        """Generate and score: the result and the policy version of every evaluation token."""
         by_id: dict[str, int] = {}
         for i, (prompt, ids) in enumerate(self.prompts):
             group_id = await self.client.submit(ids, 1, eval_sampling(self.sampling, i, self.greedy), payload=prompt,
@@ -116,7 +111,17 @@ class Evaluator:
         samples = [g.samples[0] for g in groups]
         responses = await anyio.to_thread.run_sync(lambda: [self.tokenizer.decode(s.token_ids) for s in samples])
         result = score([p for p, _ in self.prompts], responses, [len(s.token_ids) for s in samples], self.reward_fn)
-        versions = [v for s in samples for v in s.versions] or [version]
+        return result, [v for s in samples for v in s.versions]
+
+    async def _run(self, step: int, version: int, done: anyio.Event) -> None:
+        start = anyio.current_time()
+        try:
+            await self.client.wait_for_version(version, timeout=self.version_timeout_s)
+        except TimeoutError:
+            log.warning("evaluating policy version %d although not every generator serves it yet: %s", version,
+                        self.client.generator_versions)
+        result, versions = await self._collect(version)
+        versions = versions or [version]
         self._result = Evaluation(step, version, result, (min(versions), max(versions)),
                                   anyio.current_time() - start)
         if min(versions) != version or max(versions) != version:

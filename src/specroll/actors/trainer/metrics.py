@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -19,7 +20,9 @@ import torch
 from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.shared.files import write_text_atomic
 from specroll.actors.shared.restarts import read_restarts
+from specroll.actors.trainer.episode_metrics import response_lengths
 from specroll.rl.coordinator import Group
+from specroll.rl.episodes import EpisodeGroup
 from specroll.rl.grpo_step import StepResult
 
 log = logging.getLogger("specroll.trainer")
@@ -65,8 +68,8 @@ class StepMetrics:
         steps = sum(s.num_draft_steps for s in specs)
         return 1 + sum(s.num_accepted for s in specs) / steps if steps else None
 
-    def record(self, step: int, version: int, groups: list[Group], rewards: torch.Tensor, r: StepResult,
-               trained_version: int, step_s: float, wait_s: float, train_s: float | None = None,
+    def record(self, step: int, version: int, groups: Sequence[Group | EpisodeGroup], rewards: torch.Tensor,
+               r: StepResult, trained_version: int, step_s: float, wait_s: float, train_s: float | None = None,
                threads_borrowed: float | None = None) -> dict[str, object]:
         """The record of step ``step``, after which the policy is at ``version``. A skipped batch
         (``r.skipped``: no token in the loss, no optimizer step) has a record of its own with
@@ -82,7 +85,7 @@ class StepMetrics:
             threads_borrowed: the share of the step's phases that ran with the generators' idle
                 threads (``thread_budget.ThreadBudget``); None when it never borrows.
         """
-        lengths = [len(s.token_ids) for g in groups for s in g.samples]
+        lengths = [n for g in groups for n in response_lengths(g)]
         m = r.mismatch
         return {
             "step": step,

@@ -15,13 +15,16 @@ import torch.distributed as dist
 from specroll.actors.config import RunConfig, write_resolved
 from specroll.actors.rollout.from_config import client_from_config
 from specroll.actors.rollout.timeline import TIMELINE_FILENAME, Timeline
-from specroll.actors.server.process import serve_beside_trainer
+from specroll.actors.server.serving import URL_FILENAME, bind, make_state, serve_http, url_of
 from specroll.actors.shared.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_REFUSED
 from specroll.actors.shared.files import write_text_atomic
 from specroll.actors.shared.signals import cancel_on_stop_signal
+from specroll.actors.trainer.episodes import EpisodeRunner
 from specroll.actors.trainer.ranks.join import Ranks
 from specroll.actors.trainer.setup import TrainerError, load_setup
+from specroll.actors.trainer.task_load import load_environment
 from specroll.actors.trainer.trainer import Trainer
+from specroll.envs.base import Environment, EnvironmentLoadError
 from specroll.protocol.curve import KeysError
 
 log = logging.getLogger("specroll.trainer")
@@ -85,9 +88,18 @@ async def _serve(config: RunConfig, timeline: Timeline, ranks: Ranks | None, sto
             done = False
             try:
                 client.vocab_size = setup.policy.config.vocab_size  # before the Trainer submits its first group
-                if config.server.enabled:  # the HTTP server in front of the same generators
-                    tg.start_soon(serve_beside_trainer, config, client, setup.tokenizer, setup.policy.config)
-                trainer = Trainer(config, setup, client, timeline)
+                runner = None
+                if config.server.enabled or config.task.environment is not None:  # HTTP in front of the generators
+                    state, sock = make_state(config, client, setup.tokenizer, setup.policy.config, None), None
+                    try:
+                        sock = bind(config.server)
+                    except OSError as e:
+                        raise TrainerError(f"server: cannot bind {config.server.host}:{config.server.port} ({e})",
+                                           EXIT_REFUSED) from None
+                    tg.start_soon(serve_http, state, sock, run_dir / URL_FILENAME)
+                    if config.task.environment is not None:
+                        runner = EpisodeRunner(config, state, url_of(sock), _environment(config))
+                trainer = Trainer(config, setup, client, timeline, runner)
                 await trainer.run()
                 done = True
                 log.info("trained %d steps; final policy version %d", trainer.step, trainer.version)
@@ -96,6 +108,18 @@ async def _serve(config: RunConfig, timeline: Timeline, ranks: Ranks | None, sto
                 with anyio.CancelScope(shield=True):  # also when cancelled: the other ranks must stop
                     await anyio.to_thread.run_sync(setup.policy.close, done)
     return code
+
+
+def _environment(config: RunConfig) -> Environment:
+    """``task.environment``, loaded.
+
+    Raises:
+        TrainerError: it does not load (exit 2).
+    """
+    try:
+        return load_environment(config)
+    except EnvironmentLoadError as e:
+        raise TrainerError(str(e), EXIT_REFUSED) from None
 
 
 def _leaf(e: BaseException) -> BaseException:

@@ -73,6 +73,8 @@ def load_setup(config: RunConfig, ranks: Ranks | None = None, store: dist.Store 
     split = load_task(config)
 
     def encode(p: Prompt) -> list[int]:
+        if config.task.environment is not None:
+            return []  # an episode task: its environment writes the messages
         return ckpt.tokenizer.encode_chat(format_question(p.question, split.instruction))
 
     token_ids = [encode(p) for p in split.train]

@@ -6,8 +6,13 @@ before anything starts; imports no torch.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from specroll.actors.config import RunConfig
 from specroll.rl.tasks import TaskSplit, builtin_task, hold_out, load_prompts
+
+if TYPE_CHECKING:
+    from specroll.envs.base import Environment
 
 
 def load_task(config: RunConfig) -> TaskSplit:
@@ -33,3 +38,20 @@ def load_task(config: RunConfig) -> TaskSplit:
         raise ValueError(f"evaluation prompts without an answer cannot be scored: {unanswered[:5]}"
                          f"{' ...' if len(unanswered) > 5 else ''} (give each an 'answer', or use other eval.prompts)")
     return split
+
+
+def load_environment(config: RunConfig) -> Environment:
+    """The environment ``task.environment`` names: the built-in ``calculator``, a ``verifiers:``
+    taskset, or ``package.module:function``.
+
+    Raises:
+        EnvironmentLoadError: it cannot be loaded (the message names it).
+    """
+    from specroll.envs.base import import_environment
+    from specroll.envs.calculator import CalculatorEnv, Latency
+
+    task = config.task
+    spec = task.environment or ""
+    if spec == "calculator":
+        return CalculatorEnv(Latency(task.tool_latency_median_s, task.tool_latency_p99_s), task.max_turns)
+    return import_environment(spec)

@@ -80,6 +80,9 @@ from specroll.actors.config import RunConfig
 from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.rollout.timeline import Timeline
 from specroll.actors.trainer.checkpoint import TrainerState
+from specroll.actors.trainer.episode_eval import EpisodeEvaluator
+from specroll.actors.trainer.episode_metrics import episode_metrics, token_versions
+from specroll.actors.trainer.episodes import EpisodeFeeder, EpisodeRunner, sampling_kwargs
 from specroll.actors.trainer.evaluation import Evaluator
 from specroll.actors.trainer.feeder import Feeder
 from specroll.actors.trainer.generator_watch import GeneratorWatch
@@ -94,6 +97,7 @@ from specroll.actors.trainer.metrics import (
 from specroll.actors.trainer.setup import TrainerError, TrainerSetup
 from specroll.actors.trainer.thread_budget import thread_budget
 from specroll.rl.coordinator import Group
+from specroll.rl.episodes import EpisodeGroup, pack_episode_groups
 from specroll.rl.grpo_step import StepResult, build_batch
 from specroll.rl.tasks import Prompt, RewardFn, get_reward
 
@@ -113,7 +117,7 @@ class Trainer:
     """
 
     def __init__(self, config: RunConfig, setup: TrainerSetup, client: RolloutClient,
-                 timeline: Timeline | None = None) -> None:
+                 timeline: Timeline | None = None, runner: EpisodeRunner | None = None) -> None:
         self.config, self.client, self.timeline = config, client, timeline
         self.policy, self.tokenizer = setup.policy, setup.tokenizer
         self.prompts = setup.prompts
@@ -123,15 +127,22 @@ class Trainer:
         self.run_dir = Path(config.run_dir)
         self.watch = GeneratorWatch(client, config.network.heartbeat_timeout_s)
         """Gives up once no generator has been connected for a while."""
-        self.feeder = Feeder(config, client, self.prompts, self.watch)
-        """Submits the training groups and takes finished batches."""
+        self.runner = runner
+        """Runs the episodes of an episode task (``task.environment``); None: single-turn groups."""
+        self.feeder: Feeder | EpisodeFeeder = (EpisodeFeeder(config, runner, self.prompts, self.watch) if runner
+                                               else Feeder(config, client, self.prompts, self.watch))
+        """Submits the training groups (or runs the episode groups) and takes finished batches."""
         self._skipped_in_row = 0
         """Batches in a row with no token to train (``_skip``)."""
         self.step_metrics = StepMetrics(client, config.drafter.acceptance_floor)
         self._last_checkpoint = self.step
-        self.evaluator = Evaluator(client, setup.eval_prompts, config.generator.sampling, config.eval.greedy,
-                                   self.reward_fn, self.tokenizer, config.network.heartbeat_timeout_s,
-                                   self.watch.check, timeline) if setup.eval_prompts else None
+        evaluator = dict(client=client, prompts=setup.eval_prompts, sampling=config.generator.sampling,
+                         greedy=config.eval.greedy, reward_fn=self.reward_fn, tokenizer=self.tokenizer,
+                         version_timeout_s=config.network.heartbeat_timeout_s, check=self.watch.check,
+                         timeline=timeline)
+        self.evaluator = None if not setup.eval_prompts else (
+            EpisodeEvaluator(runner, sampling_kwargs(config.generator.sampling), **evaluator) if runner
+            else Evaluator(**evaluator))  # type: ignore[arg-type]
         self._held: dict[str, object] | None = None
         """The metrics line of the step whose weights are being evaluated: written, with the
         evaluation's figures, once it finishes (before the next step's line)."""
@@ -162,7 +173,9 @@ class Trainer:
         sync = self.config.trainer.mode == "sync"
         async with anyio.create_task_group() as tg:
             self._tg = tg
-            if not sync:
+            if isinstance(self.feeder, EpisodeFeeder):  # hosts the episode groups in either mode
+                tg.start_soon(self.feeder.run, not sync)
+            elif not sync:
                 tg.start_soon(self._feed)
             if self._maybe_evaluate():  # the weights before the first step: a line of their own
                 # (resumed: the step's old line, its evaluation to be replaced by this one's)
@@ -178,6 +191,7 @@ class Trainer:
 
     async def _feed(self) -> None:
         """The feeder task (:meth:`Feeder.run`)."""
+        assert isinstance(self.feeder, Feeder)
         await self.feeder.run()
 
     # ---- versions -------------------------------------------------------------------------------
@@ -246,10 +260,10 @@ class Trainer:
         await self._publish()
         await self._wait_acks()
 
-    async def _overtake(self, groups: Sequence[Group]) -> None:
+    async def _overtake(self, groups: Sequence[Group | EpisodeGroup]) -> None:
         """A generator or a rollout token reports a version above ours (an earlier incarnation of this
         trainer published it): republish the current weights above it, so versions only increase."""
-        tokens = max((v for g in groups for s in g.samples for v in s.versions), default=-1)
+        tokens = max((v for g in groups for v in token_versions(g)), default=-1)
         seen = max(self._reported_version(), tokens)
         if seen > self.version:
             log.warning("version %d is in use, above this trainer's %d; republishing the current weights as %d",
@@ -282,11 +296,11 @@ class Trainer:
         trained_version = self.version
         positions = [self.feeder.untrained.pop(g.group_id, None) for g in groups]
         if self.timeline is not None:
+            resumed = [g for g in groups if isinstance(g, Group) and g.dispatches > 1]
             self.timeline.record("step_groups", step=self.step + 1, group_ids=[g.group_id for g in groups],
                                  prompt_ids=[g.payload.prompt_id for g in groups if isinstance(g.payload, Prompt)],
-                                 positions=positions, resumed=[g.group_id for g in groups if g.dispatches > 1],
-                                 resumed_tokens={g.group_id: [smp.token_ids for smp in g.samples]
-                                                 for g in groups if g.dispatches > 1})
+                                 positions=positions, resumed=[g.group_id for g in resumed],
+                                 resumed_tokens={g.group_id: [smp.token_ids for smp in g.samples] for g in resumed})
         pause = self.config.drafter.pause_during_train_step
         if pause:
             self.client.pause_drafter(True)
@@ -312,6 +326,8 @@ class Trainer:
                 await self._wait_acks()
         metrics = self.step_metrics.record(self.step, self.version, groups, rewards, result, trained_version,
                                            time.monotonic() - start, start - wait_start, train_s, borrowed)
+        if isinstance(self.feeder, EpisodeFeeder):
+            metrics.update(episode_metrics(groups, self.feeder))  # type: ignore[arg-type]
         if self._maybe_evaluate():
             self._held = metrics
         else:
@@ -355,13 +371,18 @@ class Trainer:
         await self._wait_acks()
         self.feeder.batch_done()
 
-    def _train(self, groups: list[Group], version: int) -> tuple[torch.Tensor, StepResult, float | None]:
+    def _train(self, groups: list[Group] | list[EpisodeGroup], version: int
+               ) -> tuple[torch.Tensor, StepResult, float | None]:
         """Rewards and one optimizer step (runs in a worker thread). Returns rewards ``[G, n]``, the
         step's result and the share of its phases that borrowed the generators' threads."""
-        answers = [g.payload.answer if isinstance(g.payload, Prompt) else None for g in groups]
-        rewards = torch.tensor([[self.reward_fn(self.tokenizer.decode(s.token_ids), answer) for s in g.samples]
-                                for g, answer in zip(groups, answers, strict=True)], dtype=torch.float32)  # [G, n]
-        batch = build_batch(groups, rewards, normalize_std=self.config.trainer.normalize_std, fill_version=version)
+        normalize = self.config.trainer.normalize_std
+        if groups and isinstance(groups[0], EpisodeGroup):  # rewards from the environment
+            rewards, batch = pack_episode_groups(groups, normalize_std=normalize, fill_version=version)
+        else:
+            answers = [g.payload.answer if isinstance(g.payload, Prompt) else None for g in groups]
+            rewards = torch.tensor([[self.reward_fn(self.tokenizer.decode(s.token_ids), answer) for s in g.samples]
+                                    for g, answer in zip(groups, answers, strict=True)], dtype=torch.float32)  # [G, n]
+            batch = build_batch(groups, rewards, normalize_std=normalize, fill_version=version)
         tc = self.config.trainer
         with thread_budget(tc.train_threads, tc.borrow_threads, self.client.generators_idle) as budget:
             result = self.policy.train(batch, version, budget)

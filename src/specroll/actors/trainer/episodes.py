@@ -1,0 +1,256 @@
+"""Episodes in the trainer: an environment (``specroll.envs``) runs each episode against the
+server in the trainer's own process, and the turns the server recorded are what the step trains.
+
+Per episode (:meth:`EpisodeRunner.episode`): open a fresh ``X-Session-ID`` in the server's episode
+log, call the environment with an ``openai.AsyncOpenAI`` client that sends it (so each turn's prompt
+is stitched from the tokens before it, ``actors/server/stitch.py``), take its reward, close the
+session and keep its turns. It fails — an exception of the environment, more than
+``task.episode_timeout_s`` seconds, more than ``task.max_turns`` turns, no turn at all, a reward that
+is not a finite number — and then runs again from the start with a new seed, at most
+``task.max_retries`` times; past that its whole group is dropped and counted, its other episodes
+cancelled (a group is never trained partial: its advantages would be normalised over the episodes
+that happened to succeed, a bias towards whatever fails less).
+
+:class:`EpisodeFeeder` is :class:`~specroll.actors.trainer.feeder.Feeder`'s counterpart: the same
+admission (``rl/admission.py``), a group being n episodes of one prompt run concurrently; its
+groups run as tasks of the feeder's task group, so in synchronous mode too.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from collections import Counter, deque
+from collections.abc import Mapping
+from typing import Any
+
+import anyio
+import openai
+from anyio.abc import TaskGroup
+
+from specroll.actors.config import RunConfig
+from specroll.actors.server.state import ServerState
+from specroll.actors.shared.wakeup import Wakeup
+from specroll.actors.trainer.generator_watch import GeneratorWatch
+from specroll.actors.trainer.prompt_cycle import PromptCycle
+from specroll.envs.base import Environment, EpisodeOutcome, EpisodePrompt
+from specroll.protocol.sampling import SamplingParams
+from specroll.rl.admission import Admission, run_ahead_warning
+from specroll.rl.episodes import Episode, EpisodeGroup
+from specroll.rl.tasks import Prompt
+
+log = logging.getLogger("specroll.trainer")
+
+
+class EpisodeFailed(RuntimeError):
+    """An episode ended without a trainable result (the message says why)."""
+
+
+class _GroupFailed(Exception):
+    pass
+
+
+def sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
+    """``generator.sampling`` as keyword arguments of ``chat.completions.create`` (``top_k`` through
+    ``extra_body``, the server's vLLM extension)."""
+    out: dict[str, Any] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                           "max_tokens": sampling.max_tokens}
+    if sampling.top_k > 0:
+        out["extra_body"] = {"top_k": sampling.top_k}
+    return out
+
+
+def episode_seed(group_seed: int, index: int, attempt: int) -> int:
+    """The seed of episode ``index`` of a group, try ``attempt`` (0 first): the sampling seed of
+    each of its requests and the environment's own."""
+    return (group_seed * 1_000_003 + index * 1009 + attempt) & (2**63 - 1)
+
+
+class EpisodeRunner:
+    """Runs episodes of an environment against the server in this process (module docstring).
+
+    Args:
+        config: the run (``[task]``: timeout, turns, retries; ``[server]``: the key).
+        server: the server's state (its episode log and transcripts).
+        url: its base URL (``http://HOST:PORT/v1``).
+        environment: the environment.
+    """
+
+    def __init__(self, config: RunConfig, server: ServerState, url: str, environment: Environment) -> None:
+        task = config.task
+        self.environment, self.server, self.model = environment, server, server.model_name
+        self.timeout_s, self.max_turns, self.max_retries = task.episode_timeout_s, task.max_turns, task.max_retries
+        self.api = openai.AsyncOpenAI(base_url=url, api_key=config.server.api_key or "unused", max_retries=0,
+                                      timeout=config.server.request_timeout_s + 30)
+        self.failures: Counter[str] = Counter()
+        """Failed episodes by reason, over the run."""
+
+    async def episode(self, prompt: Prompt, seed: int, sampling: Mapping[str, Any],
+                      evaluation: bool = False) -> Episode:
+        """Run one episode of ``prompt``.
+
+        Raises:
+            EpisodeFailed: the environment raised, timed out, returned no finite reward, took more
+                than ``task.max_turns`` turns or none.
+        """
+        session = f"episode-{uuid.uuid4().hex}"
+        log_ = self.server.router.episodes
+        log_.open(session)
+        start = anyio.current_time()
+        client = self.api.with_options(default_headers={"X-Session-ID": session})
+        try:
+            with anyio.fail_after(self.timeout_s):
+                result = await self.environment(client, EpisodePrompt(prompt, self.model, {**sampling, "seed": seed},
+                                                                      seed, evaluation))
+        except TimeoutError:
+            raise EpisodeFailed(f"timeout: over task.episode_timeout_s = {self.timeout_s:g} s") from None
+        except Exception as e:
+            raise EpisodeFailed(f"environment error: {type(e).__name__}: {str(e)[:300]}") from e
+        finally:
+            turns, overflowed = log_.close(session)
+            self.server.router.transcripts.forget(session)
+        outcome = result if isinstance(result, EpisodeOutcome) else EpisodeOutcome(result)  # type: ignore[arg-type]
+        if isinstance(outcome.reward, bool) or not isinstance(outcome.reward, int | float) \
+                or not math.isfinite(outcome.reward):
+            raise EpisodeFailed(f"bad reward: the environment returned {outcome.reward!r}, expected a finite number")
+        if overflowed or len(turns) > self.max_turns:
+            raise EpisodeFailed(f"too many turns: over task.max_turns = {self.max_turns}")
+        if not turns:
+            raise EpisodeFailed("no turn: the environment made no request through its client")
+        metrics = {k: float(v) for k, v in outcome.metrics.items() if isinstance(v, int | float)}
+        return Episode(turns, float(outcome.reward), metrics, anyio.current_time() - start)
+
+    async def group(self, group_id: str, prompt: Prompt, n: int, seed: int,
+                    sampling: Mapping[str, Any]) -> EpisodeGroup | None:
+        """n episodes of ``prompt`` at once, each failed one run again up to ``task.max_retries``
+        times; None (the group dropped) when one still fails."""
+        episodes: list[Episode | None] = [None] * n
+        retries = 0
+
+        async def slot(i: int) -> None:
+            nonlocal retries
+            for attempt in range(self.max_retries + 1):
+                try:
+                    episodes[i] = await self.episode(prompt, episode_seed(seed, i, attempt), sampling)
+                    return
+                except EpisodeFailed as e:
+                    reason = str(e).partition(":")[0]
+                    self.failures[reason] += 1
+                    log.warning("group %s episode %d (attempt %d of %d) failed: %s", group_id, i, attempt + 1,
+                                self.max_retries + 1, e)
+                    retries += attempt < self.max_retries
+            raise _GroupFailed
+
+        dropped = False
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(n):
+                    tg.start_soon(slot, i)
+        except* _GroupFailed:
+            dropped = True  # the other episodes were cancelled
+        return None if dropped else EpisodeGroup(group_id, prompt, [e for e in episodes if e is not None], retries)
+
+
+class EpisodeFeeder:
+    """Starts the run's episode groups and takes finished batches (module docstring); the interface
+    of :class:`~specroll.actors.trainer.feeder.Feeder`.
+
+    Args:
+        config: the run.
+        runner: runs the episodes.
+        prompts: the prompt order.
+        watch: raises while waiting once no generator is left.
+    """
+
+    def __init__(self, config: RunConfig, runner: EpisodeRunner, prompts: PromptCycle, watch: GeneratorWatch) -> None:
+        self.config, self.runner, self.prompts, self.watch = config, runner, prompts, watch
+        tc = config.trainer
+        self.admission = Admission(tc.batch_groups, tc.max_staleness, tc.max_groups_in_flight)
+        self.sampling = sampling_kwargs(config.generator.sampling)
+        self.untrained: dict[str, int] = {}
+        """Groups started and not yet trained: group id → its position in the prompt order."""
+        self.finished: deque[EpisodeGroup] = deque()
+        self.running = 0
+        self.groups_dropped = 0
+        """Groups dropped over the run (an episode failed past ``task.max_retries``)."""
+        self.dropped_ids: list[str] = []
+        """Their ids, until the next step reads them (:meth:`take_dropped`)."""
+        self._room, self._changed = Wakeup(), Wakeup()
+        self._tg: TaskGroup | None = None
+        self._count = 0
+
+    async def run(self, submit: bool = True) -> None:
+        """Host the groups' tasks until cancelled; with ``submit`` (off-step), start groups while
+        :class:`Admission` has room."""
+        tc = self.config.trainer
+        if submit and (warning := run_ahead_warning(tc.max_groups_in_flight, tc.batch_groups, tc.max_staleness)):
+            log.warning("%s", warning)
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            self._changed.notify()
+            while True:
+                while submit and self.admission.room(self.running + len(self.finished)) > 0:
+                    self._start_next()
+                await self._room.wait()
+
+    async def submit_batch(self) -> None:
+        """Sync mode: start one step's groups."""
+        while self._tg is None:
+            await self._changed.wait()
+        for _ in range(self.config.trainer.batch_groups):
+            self._start_next()
+
+    async def wait_for_batch(self) -> list[EpisodeGroup]:
+        """The ``batch_groups`` oldest finished groups, once there are that many.
+
+        Raises:
+            TrainerError: no generator connected for too long (:class:`GeneratorWatch`).
+        """
+        batch = self.config.trainer.batch_groups
+        while len(self.finished) < batch:
+            self.watch.check()
+            with anyio.move_on_after(self.watch.check_s):
+                await self._changed.wait()
+        groups = [self.finished.popleft() for _ in range(batch)]
+        self._room.notify()
+        return groups
+
+    def batch_done(self) -> None:
+        """A step took its batch and finished: room for B more."""
+        self.admission.on_batch_done()
+        self._room.notify()
+
+    def take_dropped(self) -> list[str]:
+        """The ids of the groups dropped since the last call."""
+        dropped, self.dropped_ids = self.dropped_ids, []
+        return dropped
+
+    def _start_next(self) -> None:
+        assert self._tg is not None
+        draw = self.prompts.next()
+        self._count += 1
+        group_id = f"episodes-{self._count}-{draw.position}"
+        self.untrained[group_id] = draw.position
+        self.admission.on_submit()
+        self.running += 1
+        self._tg.start_soon(self._run_group, group_id, draw.prompt, draw.seed, draw.position)
+
+    async def _run_group(self, group_id: str, prompt: Prompt, seed: int, position: int) -> None:
+        try:
+            group = await self.runner.group(group_id, prompt, self.config.trainer.group_size, seed, self.sampling)
+        finally:
+            self.running -= 1
+        if group is None:
+            self.groups_dropped += 1
+            self.dropped_ids.append(group_id)
+            self.untrained.pop(group_id, None)
+            self.admission.on_drop()
+            log.warning("group %s (prompt %s) dropped: an episode failed %d times", group_id, prompt.prompt_id,
+                        self.runner.max_retries + 1)
+            if self.config.trainer.mode == "sync":
+                self._start_next()  # the step still needs its batch
+        else:
+            self.finished.append(group)
+        self._changed.notify()
+        self._room.notify()
