@@ -47,6 +47,10 @@ class EpisodePrompt:
         seed: the episode's seed, for the environment's own randomness (a tool's latency, a user
             simulator): the same prompt position and attempt give the same seed across a restart.
         evaluation: the episode is a held-out evaluation (never trained on).
+        record_session: ``record_session(session_id)`` makes the server record the turns of
+            requests that carry ``X-Session-ID: session_id`` as this episode's too — for an
+            environment whose client sets its own session id (``verifiers`` sets its trace id);
+            call it before the first such request. None outside a trainer.
     """
 
     prompt: Prompt
@@ -54,6 +58,7 @@ class EpisodePrompt:
     sampling: Mapping[str, Any]
     seed: int
     evaluation: bool = False
+    record_session: Callable[[str], None] | None = None
 
     @property
     def question(self) -> str:

@@ -24,6 +24,7 @@ class EpisodeLogError(RuntimeError):
 class _Open:
     turns: list[Turn] = field(default_factory=list)
     overflowed: bool = False
+    aliases: list[str] = field(default_factory=list)
 
 
 class EpisodeLog:
@@ -50,6 +51,24 @@ class EpisodeLog:
             raise EpisodeLogError(f"{len(self._open)} episodes are open, the limit is {self.max_open}")
         self._open[session_id] = _Open()
 
+    def attach(self, session_id: str, other: str) -> None:
+        """Record the turns of session ``other`` in the open episode ``session_id`` too (an
+        environment whose client sets its own ``X-Session-ID``, e.g. ``verifiers``' trace id).
+
+        Raises:
+            EpisodeLogError: ``session_id`` is not open, ``other`` is open already, or ``max_open``
+                sessions are recorded.
+        """
+        episode = self._open.get(session_id)
+        if episode is None:
+            raise EpisodeLogError(f"episode {session_id!r} is not open")
+        if other in self._open:
+            raise EpisodeLogError(f"session {other!r} is recorded already")
+        if len(self._open) >= self.max_open:
+            raise EpisodeLogError(f"{len(self._open)} sessions are recorded, the limit is {self.max_open}")
+        self._open[other] = episode
+        episode.aliases.append(other)
+
     def add(self, session_id: str | None, turn: Turn) -> None:
         """A turn of ``session_id`` ended: recorded when its episode is open, else ignored."""
         episode = self._open.get(session_id) if session_id is not None else None
@@ -64,7 +83,12 @@ class EpisodeLog:
         """Stop recording ``session_id``: its turns, and whether any was left out past ``max_turns``
         (an unknown id: no turns)."""
         episode = self._open.pop(session_id, None)
-        return ([], False) if episode is None else (episode.turns, episode.overflowed)
+        if episode is None:
+            return [], False
+        for alias in episode.aliases:
+            self._open.pop(alias, None)
+        return episode.turns, episode.overflowed
 
     def __len__(self) -> int:
+        """Sessions recorded (an episode's attached ones included)."""
         return len(self._open)

@@ -18,6 +18,7 @@ groups run as tasks of the feeder's task group, so in synchronous mode too.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import uuid
@@ -101,8 +102,9 @@ class EpisodeRunner:
         client = self.api.with_options(default_headers={"X-Session-ID": session})
         try:
             with anyio.fail_after(self.timeout_s):
-                result = await self.environment(client, EpisodePrompt(prompt, self.model, {**sampling, "seed": seed},
-                                                                      seed, evaluation))
+                result = await self.environment(client, EpisodePrompt(
+                    prompt, self.model, {**sampling, "seed": seed}, seed, evaluation,
+                    functools.partial(log_.attach, session)))
         except TimeoutError:
             raise EpisodeFailed(f"timeout: over task.episode_timeout_s = {self.timeout_s:g} s") from None
         except Exception as e:
