@@ -87,6 +87,10 @@ class EpisodeRunner:
         self.failures: Counter[str] = Counter()
         """Failed episodes by reason, over the run."""
 
+    async def aclose(self) -> None:
+        """Close the client's connections."""
+        await self.api.close()
+
     async def episode(self, prompt: Prompt, seed: int, sampling: Mapping[str, Any],
                       evaluation: bool = False) -> Episode:
         """Run one episode of ``prompt``.

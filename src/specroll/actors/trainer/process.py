@@ -86,9 +86,9 @@ async def _serve(config: RunConfig, timeline: Timeline, ranks: Ranks | None, sto
             cancel_on_stop_signal(tg, stopped)
             setup = await anyio.to_thread.run_sync(load_setup, config, ranks, store)  # generators connect meanwhile
             done = False
+            runner: EpisodeRunner | None = None
             try:
                 client.vocab_size = setup.policy.config.vocab_size  # before the Trainer submits its first group
-                runner = None
                 if config.server.enabled or config.task.environment is not None:  # HTTP in front of the generators
                     state, sock = make_state(config, client, setup.tokenizer, setup.policy.config, None), None
                     try:
@@ -107,6 +107,9 @@ async def _serve(config: RunConfig, timeline: Timeline, ranks: Ranks | None, sto
             finally:
                 with anyio.CancelScope(shield=True):  # also when cancelled: the other ranks must stop
                     await anyio.to_thread.run_sync(setup.policy.close, done)
+                    if runner is not None:
+                        with anyio.move_on_after(5):
+                            await runner.aclose()
     return code
 
 

@@ -1,0 +1,132 @@
+"""Episodes run through the real server in front of a real generator process, as the trainer runs
+them (``actors/trainer/episodes.py``): a 2-turn and a 4-turn episode train exactly the tokens the
+server returned (the environment's masked), their trainer logprobs equal the generator's behavior
+logprobs (the packed sequence is what the generator saw); a parse failure is counted; a group
+whose episode keeps failing is dropped whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.server import served
+
+from specroll.actors.server.tool_calls import HermesToolParser, ParsedToolCalls
+from specroll.actors.trainer.episode_metrics import episode_metrics
+from specroll.actors.trainer.episodes import EpisodeFeeder, EpisodeRunner, episode_seed
+from specroll.engine.loaders.checkpoint import load_checkpoint
+from specroll.engine.model import CausalLM
+from specroll.envs.base import EpisodeOutcome
+from specroll.rl.episodes import EpisodeGroup, pack_episode_groups, stitch
+from specroll.rl.grpo_step import response_logprobs
+from specroll.rl.tasks import Prompt
+
+pytestmark = [pytest.mark.anyio, pytest.mark.integration]
+PROMPT = Prompt("p0", "What is 2 * 3?", "6")
+TOOL = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _turns_env(k: int, returned: list, tools: bool = False):
+    """An environment of ``k`` model turns, each answered by a tool message; it keeps what the
+    server returned for each turn."""
+
+    async def env(client, prompt):
+        messages = [{"role": "user", "content": prompt.question}]
+        extra = {"tools": [TOOL]} if tools else {}
+        for t in range(k):
+            reply = await client.chat.completions.create(
+                model=prompt.model, messages=messages, logprobs=True, **{**prompt.sampling, "max_tokens": 5},
+                extra_body={"return_token_ids": True}, **extra)
+            choice = reply.choices[0]
+            returned.append((reply.model_extra["prompt_token_ids"], choice.model_extra["token_ids"],
+                             [c.logprob for c in choice.logprobs.content], choice.model_extra["token_versions"]))
+            messages += [{"role": "assistant", "content": choice.message.content},
+                         {"role": "user", "content": f"result {t}"}]
+        return EpisodeOutcome(1.0 if len(returned) % 2 else 0.0, {"turns_seen": k})
+
+    return env
+
+
+@pytest.mark.parametrize("k", [2, 4])
+async def test_episodes_train_exactly_the_tokens_the_server_returned(tiny_llama, tmp_path, k):
+    async with served(tiny_llama, tmp_path, overrides=("task.max_turns=4",)) as s:
+        returned: list = []
+        runner = EpisodeRunner(s.config, s.state, s.url, _turns_env(k, returned))
+        sampling = {"temperature": 1.0}
+        episodes = [await runner.episode(PROMPT, seed, sampling) for seed in (1, 2)]
+        await runner.aclose()
+    group = EpisodeGroup("g", PROMPT, episodes)
+    for e, mine in zip(episodes, (returned[:k], returned[k:]), strict=True):
+        assert [(t.prompt_token_ids, t.token_ids, t.versions) for t in e.turns] == [(p, i, v) for p, i, _, v in mine]
+        assert [x for t in e.turns for x in t.logprobs] == pytest.approx([x for _, _, lp, _ in mine for x in lp],
+                                                                          abs=1e-4)
+        [segment] = stitch(e.turns)  # every turn's prompt extended the one before (token-in-token-out)
+        assert [t for t, keep in zip(segment.token_ids, segment.trained, strict=True) if keep] == \
+            [t for _, ids, _, _ in mine for t in ids]
+    _, batch = pack_episode_groups([group], normalize_std=True, fill_version=0)
+    model_tokens = [t for e in episodes for turn in e.turns for t in turn.token_ids]
+    assert batch.targets[batch.loss_mask].tolist() == model_tokens  # nothing of the environment is trained
+    assert int((~batch.loss_mask & (batch.targets != 0)).sum()) > 0  # ... though it is in the sequences
+    ckpt = load_checkpoint(tiny_llama, torch.float32)
+    model = CausalLM(ckpt.config)
+    model.load_weights(ckpt.weights)
+    with torch.no_grad():
+        logprobs = response_logprobs(model, batch, torch.arange(batch.input_ids.shape[0]))
+    # the trainer's logprob of each model token is the generator's: the packed sequence is what it saw
+    assert logprobs[batch.loss_mask] == pytest.approx(batch.behavior_logprobs[batch.loss_mask], abs=2e-3)
+
+
+async def test_parse_failures_are_counted_and_a_failing_group_is_dropped_whole(tiny_llama, tmp_path, monkeypatch):
+    def unparsed(self, text, names, new_id):  # as if every reply held one malformed <tool_call> block
+        return ParsedToolCalls(text, [], 1)
+
+    monkeypatch.setattr(HermesToolParser, "parse", unparsed)
+    attempts: list[int] = []
+
+    bad = {episode_seed(1, 1, attempt) for attempt in range(3)}
+
+    async def flaky(client, prompt):
+        if prompt.seed in bad:  # episode 1 of the group of seed 1 fails, every time
+            attempts.append(prompt.seed)
+            raise RuntimeError("sandbox crashed")
+        return await _turns_env(2, [], tools=True)(client, prompt)
+
+    overrides = ("task.max_turns=4", "task.max_retries=2", "trainer.group_size=2", "trainer.batch_groups=1")
+    async with served(tiny_llama, tmp_path, overrides=overrides) as s:
+        runner = EpisodeRunner(s.config, s.state, s.url, flaky)
+        ok = await runner.group("g-ok", PROMPT, 2, seed=0, sampling={"temperature": 1.0})
+        attempts.clear()
+        dropped = await runner.group("g-bad", PROMPT, 2, seed=1, sampling={"temperature": 1.0})
+        assert len(s.state.router.episodes) == 0  # every session closed, the cancelled ones too
+        await runner.aclose()
+    assert dropped is None and len(attempts) == 3  # one episode, tried 1 + max_retries times
+    assert runner.failures["environment error"] == 3
+    assert isinstance(ok, EpisodeGroup) and all(t.tool_call_errors == 1 for e in ok.episodes for t in e.turns)
+
+    class _Feeder:  # what episode_metrics reads of a feeder
+        groups_dropped, dropped_ids = 1, ["g-bad"]
+        take_dropped = EpisodeFeeder.take_dropped
+    feeder = _Feeder()
+    feeder.runner = runner
+    metrics = episode_metrics([ok], feeder)  # type: ignore[arg-type]
+    assert metrics["tool_call_errors"] == 4 and metrics["tool_call_errors_mean"] == 2
+    assert metrics["groups_dropped"] == 1 and metrics["env_turns_seen_mean"] == 2.0
+    assert metrics["episode_failures"] == {"environment error": 3}
+
+
+async def test_an_episode_without_a_finite_reward_or_over_its_turns_fails(tiny_llama, tmp_path):
+    async def no_reward(client, prompt):
+        await _turns_env(1, [])(client, prompt)
+        return float("nan")
+
+    async with served(tiny_llama, tmp_path, overrides=("task.max_turns=1", "task.max_retries=0")) as s:
+        for env, reason in ((no_reward, "bad reward"), (_turns_env(2, []), "too many turns")):
+            runner = EpisodeRunner(s.config, s.state, s.url, env)
+            assert await runner.group("g", PROMPT, 1, seed=0, sampling={}) is None
+            assert list(runner.failures) == [reason]
+            await runner.aclose()
+        assert len(s.state.router.episodes) == 0
