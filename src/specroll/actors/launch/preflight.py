@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING
 
 from specroll.actors.launch.errors import LaunchError
 from specroll.actors.trainer.checkpoint import STATE_FILE, find_checkpoint
-from specroll.actors.trainer.task_load import load_task
+from specroll.actors.trainer.task_load import load_environment, load_task
 from specroll.drafter.eagle_config import DrafterError
 from specroll.drafter.eagle_head import EagleHead
 from specroll.engine.loaders.checkpoint import CheckpointError, load_model_config
 from specroll.engine.loaders.registry import resolve_model
+from specroll.envs.base import EnvironmentLoadError
 from specroll.rl.admission import run_ahead_warning
 from specroll.rl.tasks import PromptFileError
 
@@ -59,9 +60,14 @@ def preflight(config: RunConfig, serving: bool = False) -> str | None:
             load_task(config)
     except (PromptFileError, ValueError) as e:
         raise LaunchError(f"{_task_key(config, e)}: {e}") from None
+    if not serving and config.task.environment is not None:
+        try:
+            load_environment(config)
+        except EnvironmentLoadError as e:
+            raise LaunchError(str(e)) from None
     if config.network.trainer_port:
         _check_port(config.network.host, config.network.trainer_port, "network.trainer_port")
-    if (serving or config.server.enabled) and config.server.port:
+    if (serving or config.server.enabled or config.task.environment is not None) and config.server.port:
         _check_port(config.server.host, config.server.port, "server.port")
     if serving:
         return None
