@@ -20,15 +20,13 @@ import operator
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
+import openai
 
 from specroll.envs.base import EpisodeOutcome, EpisodePrompt
 from specroll.rl.tasks import gsm8k_reward
-
-if TYPE_CHECKING:
-    import openai
 
 SYSTEM = "You are a helpful assistant. Use the calculator tool for arithmetic."
 TOOL = {"type": "function", "function": {
@@ -131,9 +129,15 @@ class CalculatorEnv:
         rng = random.Random(prompt.seed)
         messages = messages_for(prompt.question)
         waited, calls, content = 0.0, 0, ""
-        for _ in range(self.max_turns):
-            reply = await client.chat.completions.create(model=prompt.model, messages=messages, tools=[TOOL],
-                                                         **prompt.sampling)
+        for turn in range(self.max_turns):
+            try:
+                reply = await client.chat.completions.create(model=prompt.model, messages=messages, tools=[TOOL],
+                                                             **prompt.sampling)
+            except openai.BadRequestError:
+                if turn == 0:
+                    raise  # the first prompt does not fit: a setting to fix, not an episode to score
+                content = ""  # the conversation outgrew the context: the episode ends unanswered
+                break
             message = reply.choices[0].message
             content = message.content or ""
             tool_calls = message.tool_calls or []

@@ -10,15 +10,18 @@ import pytest
 import torch
 from helpers.server import served
 
+from specroll.actors.config import load_config
 from specroll.actors.server.tool_calls import HermesToolParser, ParsedToolCalls
 from specroll.actors.trainer.episode_metrics import episode_metrics
 from specroll.actors.trainer.episodes import EpisodeFeeder, EpisodeRunner, episode_seed
+from specroll.actors.trainer.prompt_cycle import PromptCycle
+from specroll.actors.trainer.setup import TrainerError
 from specroll.engine.loaders.checkpoint import load_checkpoint
 from specroll.engine.model import CausalLM
 from specroll.envs.base import EpisodeOutcome
 from specroll.rl.episodes import EpisodeGroup, pack_episode_groups, stitch
 from specroll.rl.grpo_step import response_logprobs
-from specroll.rl.tasks import Prompt
+from specroll.rl.tasks import Prompt, builtin_prompts
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 PROMPT = Prompt("p0", "What is 2 * 3?", "6")
@@ -130,3 +133,25 @@ async def test_an_episode_without_a_finite_reward_or_over_its_turns_fails(tiny_l
             assert list(runner.failures) == [reason]
             await runner.aclose()
         assert len(s.state.router.episodes) == 0
+
+
+async def test_a_run_whose_every_group_is_dropped_ends_with_the_last_failure():
+    class Failing:  # a runner whose every group is dropped
+        max_retries, last_failure, started = 0, "environment error: RuntimeError: sandbox down", 0
+
+        async def group(self, *args):
+            self.started += 1
+            return None
+
+    config = load_config(None, ["trainer.batch_groups=2", "trainer.group_size=2", "trainer.max_groups_in_flight=4"])
+    runner = Failing()
+    feeder = EpisodeFeeder(config, runner, PromptCycle([[]] * 4, builtin_prompts(4), 0), None)  # type: ignore[arg-type]
+    with pytest.raises(BaseExceptionGroup) as caught:
+        await feeder.run()
+    leaf = caught.value
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    assert isinstance(leaf, TrainerError) and "9 groups in a row were dropped" in str(leaf)
+    assert "sandbox down" in str(leaf)
+    assert 9 <= feeder.groups_dropped <= runner.started <= 9 + 3  # at most 3 more were in flight (4 at once)
+    assert feeder.admission.submitted == 0  # dropped groups give their place back

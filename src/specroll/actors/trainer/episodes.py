@@ -35,6 +35,7 @@ from specroll.actors.server.state import ServerState
 from specroll.actors.shared.wakeup import Wakeup
 from specroll.actors.trainer.generator_watch import GeneratorWatch
 from specroll.actors.trainer.prompt_cycle import PromptCycle
+from specroll.actors.trainer.setup import TrainerError
 from specroll.envs.base import Environment, EpisodeOutcome, EpisodePrompt
 from specroll.protocol.sampling import SamplingParams
 from specroll.rl.admission import Admission, run_ahead_warning
@@ -86,6 +87,8 @@ class EpisodeRunner:
                                       timeout=config.server.request_timeout_s + 30)
         self.failures: Counter[str] = Counter()
         """Failed episodes by reason, over the run."""
+        self.last_failure = ""
+        """What the last failed episode said."""
 
     async def aclose(self) -> None:
         """Close the client's connections."""
@@ -143,6 +146,7 @@ class EpisodeRunner:
                 except EpisodeFailed as e:
                     reason = str(e).partition(":")[0]
                     self.failures[reason] += 1
+                    self.last_failure = str(e)
                     log.warning("group %s episode %d (attempt %d of %d) failed: %s", group_id, i, attempt + 1,
                                 self.max_retries + 1, e)
                     retries += attempt < self.max_retries
@@ -182,6 +186,8 @@ class EpisodeFeeder:
         """Groups dropped over the run (an episode failed past ``task.max_retries``)."""
         self.dropped_ids: list[str] = []
         """Their ids, until the next step reads them (:meth:`take_dropped`)."""
+        self.dropped_in_row = 0
+        """Groups dropped since the last group that finished."""
         self._room, self._changed = Wakeup(), Wakeup()
         self._tg: TaskGroup | None = None
         self._count = 0
@@ -227,6 +233,12 @@ class EpisodeFeeder:
         self.admission.on_batch_done()
         self._room.notify()
 
+    @property
+    def max_dropped_in_row(self) -> int:
+        """Groups dropped in a row, none finishing, after which the run ends with an error (an
+        environment that fails every episode would otherwise start groups without end): 4·B."""
+        return 4 * self.config.trainer.batch_groups
+
     def take_dropped(self) -> list[str]:
         """The ids of the groups dropped since the last call."""
         dropped, self.dropped_ids = self.dropped_ids, []
@@ -249,14 +261,20 @@ class EpisodeFeeder:
             self.running -= 1
         if group is None:
             self.groups_dropped += 1
+            self.dropped_in_row += 1
             self.dropped_ids.append(group_id)
             self.untrained.pop(group_id, None)
             self.admission.on_drop()
             log.warning("group %s (prompt %s) dropped: an episode failed %d times", group_id, prompt.prompt_id,
                         self.runner.max_retries + 1)
+            if self.dropped_in_row > self.max_dropped_in_row:
+                raise TrainerError(
+                    f"{self.dropped_in_row} groups in a row were dropped and none finished: every episode fails "
+                    f"(last: {self.runner.last_failure}); fix the environment or its settings (task.*)")
             if self.config.trainer.mode == "sync":
                 self._start_next()  # the step still needs its batch
         else:
+            self.dropped_in_row = 0
             self.finished.append(group)
         self._changed.notify()
         self._room.notify()
