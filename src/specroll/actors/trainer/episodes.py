@@ -27,7 +27,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import anyio
-import openai
 from anyio.abc import TaskGroup
 
 from specroll.actors.config import RunConfig
@@ -83,6 +82,8 @@ class EpisodeRunner:
         task = config.task
         self.environment, self.server, self.model = environment, server, server.model_name
         self.timeout_s, self.max_turns, self.max_retries = task.episode_timeout_s, task.max_turns, task.max_retries
+        import openai  # the agentic extra: imported by runs with an environment only
+
         self.api = openai.AsyncOpenAI(base_url=url, api_key=config.server.api_key or "unused", max_retries=0,
                                       timeout=config.server.request_timeout_s + 30)
         self.failures: Counter[str] = Counter()
