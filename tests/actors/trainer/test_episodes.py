@@ -155,3 +155,36 @@ async def test_a_run_whose_every_group_is_dropped_ends_with_the_last_failure():
     assert "sandbox down" in str(leaf)
     assert 9 <= feeder.groups_dropped <= runner.started <= 9 + 3  # at most 3 more were in flight (4 at once)
     assert feeder.admission.submitted == 0  # dropped groups give their place back
+
+
+async def test_a_tool_set_that_changes_between_turns_trains_the_turn_as_its_own_sequence(tiny_checkpoint, tmp_path):
+    model_dir = tiny_checkpoint(max_position_embeddings=2048)  # room for two tools' descriptions in bytes
+    other = {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}
+
+    async def changing(client, prompt):
+        messages = [{"role": "user", "content": prompt.question}]
+        for tools in ([TOOL], [TOOL, other]):
+            reply = await client.chat.completions.create(model=prompt.model, messages=messages, tools=tools,
+                                                         **{**prompt.sampling, "max_tokens": 5})
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": "go on"}]
+        return 1.0
+
+    async with served(model_dir, tmp_path) as s:
+        runner = EpisodeRunner(s.config, s.state, s.url, changing)
+        episodes = [await runner.episode(PROMPT, seed, {"temperature": 1.0}) for seed in (1, 2)]
+        await runner.aclose()
+        assert s.state.router.transcripts.outcomes == {"tools_changed": 2}
+    for e in episodes:
+        first, second = e.segments  # the second turn's prompt was rendered whole, with the new tools
+        assert first.prompt_token_ids == e.turns[0].prompt_token_ids and first.token_ids == e.turns[0].token_ids
+        assert second.prompt_token_ids == e.turns[1].prompt_token_ids and all(second.trained)
+    _, batch = pack_episode_groups([EpisodeGroup("g", PROMPT, episodes)], normalize_std=True, fill_version=0)
+    assert batch.input_ids.shape[0] == 3  # the shared first prompt, and each episode's second
+    assert int(batch.loss_mask.sum()) == sum(len(t.token_ids) for e in episodes for t in e.turns)
+    ckpt = load_checkpoint(model_dir, torch.float32)
+    model = CausalLM(ckpt.config)
+    model.load_weights(ckpt.weights)
+    with torch.no_grad():
+        logprobs = response_logprobs(model, batch, torch.arange(3))
+    assert logprobs[batch.loss_mask] == pytest.approx(batch.behavior_logprobs[batch.loss_mask], abs=2e-3)
