@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 PROGRESS_FIELDS = ("policy_version", "reward_mean", "accuracy", "eval_accuracy", "eval_step", "loss",
+                   "turns_mean", "tool_calls_mean", "tool_call_errors", "sequences_mean", "groups_dropped",
                    "logprob_diff_mean", "logprob_kl_k3", "gen_tokens_per_s", "max_lag",
                    "tokens_masked_stale", "samples_dropped_stale", "acceptance_length", "acceptance_length_window",
                    "drafter_version", "step_s", "wait_s", "restarts")
