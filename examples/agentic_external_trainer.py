@@ -32,14 +32,6 @@ args = parser.parse_args()
 MAX_TURNS, PROMPTS_PER_STEP = 3, 2
 
 
-def start_server(run_dir: Path) -> subprocess.Popen:
-    """`specroll serve` with the agentic example's settings; returns once RUN_DIR/server.url is written."""
-    cmd = [sys.executable, "-m", "specroll.actors.cli", "serve", "--config",
-           str(Path(__file__).with_name("agentic_smollm2.toml")), "--set", f"run_dir={run_dir}",
-           "--set", f"model.name={args.model}", "--set", "server.port=0", "--set", "generator.count=1"]
-    return subprocess.Popen(cmd, stdout=sys.stderr, start_new_session=True)
-
-
 def wait_until_serving(server: subprocess.Popen, run_dir: Path, timeout_s: float = 600) -> str:
     """The server's base URL, once GET /health answers 200 (a generator is connected)."""
     deadline = time.monotonic() + timeout_s
@@ -76,11 +68,12 @@ async def episode(api: openai.AsyncOpenAI, model: str, question: str, answer: st
     return turns, gsm8k_reward(message.content or "", answer), calls
 
 
-def sequences(turns) -> list[tuple[list[int], list[bool], list[float]]]:
-    """The trained sequences of an episode: (token ids, trained mask, behavior logprobs). A turn whose
-    prompt starts with the sequence so far continues it, the tokens in between being the environment's
-    (tool results, template): in the sequence, out of the loss. Any other turn starts a new one."""
-    seqs: list[tuple[list[int], list[bool], list[float]]] = []
+def sequences(turns: list) -> list[tuple[list[int], list[bool], list[float]]]:
+    """An episode's trained sequences: (token ids, trained mask, behavior logprobs). A turn whose prompt
+    starts with the sequence so far (the last prompt + completion) continues it, the tokens in between
+    being the environment's (tool results, template): in the sequence, out of the loss. Any other turn
+    (a template that rewrote the history) starts a new sequence."""
+    seqs = []
     for prompt, ids, logprobs, _ in turns:
         if seqs and prompt[: len(seqs[-1][0])] == seqs[-1][0]:
             env = prompt[len(seqs[-1][0]) :]
@@ -107,9 +100,10 @@ async def train(url: str, weights_dir: Path) -> None:
                                               for p in batch for i in range(args.group_size)))
             rewards = torch.tensor([reward for _, reward, _ in episodes]).view(len(batch), args.group_size)
             advantages = (rewards - rewards.mean(1, keepdim=True)).flatten()  # REINFORCE, group-mean baseline
+            trained_seqs = [sequences(turns) for turns, _, _ in episodes]
             optimizer.zero_grad()
-            for (turns, _, _), advantage in zip(episodes, advantages, strict=True):
-                for ids, trained, behavior in sequences(turns):
+            for seqs, advantage in zip(trained_seqs, advantages, strict=True):
+                for ids, trained, behavior in seqs:
                     x = torch.tensor([ids])
                     logp = model.score(x, x >= 0)[0, :-1].log_softmax(-1).gather(-1, x[0, 1:, None])[:, 0]
                     ratio = (logp - torch.tensor(behavior[1:])).exp().clamp(max=2.0).detach()  # truncated IS
@@ -117,23 +111,25 @@ async def train(url: str, weights_dir: Path) -> None:
                     loss.backward()  # one sequence at a time: gradients accumulate
             optimizer.step()
             versions = sorted({v for turns, _, _ in episodes for turn in turns for v in turn[3]})
-            print(f"step {step}: mean reward {rewards.mean():.2f}, tool calls {sum(e[2] for e in episodes)}, "
-                  f"turns {sum(len(e[0]) for e in episodes)}, sequences {sum(len(sequences(e[0])) for e in episodes)}"
-                  f" in {len(episodes)} episodes, tokens from policy versions {versions}", flush=True)
-            if versions != [step - 1]:
+            print(f"step {step}: mean reward {rewards.mean():.2f}, tool calls {sum(c for _, _, c in episodes)}, "
+                  f"{sum(len(t) for t, _, _ in episodes)} turns in {sum(map(len, trained_seqs))} sequences of "
+                  f"{len(episodes)} episodes, tokens from policy versions {versions}", flush=True)
+            if versions != [step - 1]:  # the update below is served before the next step's first request
                 raise RuntimeError(f"step {step}'s tokens came from versions {versions}; expected [{step - 1}]")
             folder = weights_dir / f"step-{step}"  # the next policy version, as HTTP sees it
             folder.mkdir(parents=True)
             save_file({k: v.contiguous().clone() for k, v in model.hf_weights().items()}, folder / "model.safetensors")
-            request = urllib.request.Request(url.removesuffix("/v1") + "/update_weights", method="POST",
-                                             data=json.dumps({"path": folder.name, "version": step}).encode(),
-                                             headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=600):  # answers once every generator serves it
-                pass
+            body = json.dumps({"path": folder.name, "version": step}).encode()  # relative to server.weights_dir
+            update = urllib.request.Request(url.removesuffix("/v1") + "/update_weights", body,
+                                            {"Content-Type": "application/json"})
+            urllib.request.urlopen(update, timeout=600).close()  # answers once every generator serves the version
 
 
-with tempfile.TemporaryDirectory() as tmp:
-    server = start_server(Path(tmp))
+with tempfile.TemporaryDirectory() as tmp:  # the server and one generator, with the agentic example's settings
+    server = subprocess.Popen([sys.executable, "-m", "specroll.actors.cli", "serve", "--config",
+                               str(Path(__file__).with_name("agentic_smollm2.toml")), "--set", f"run_dir={tmp}",
+                               "--set", f"model.name={args.model}", "--set", "server.port=0",
+                               "--set", "generator.count=1"], stdout=sys.stderr, start_new_session=True)
     try:
         asyncio.run(train(wait_until_serving(server, Path(tmp)), Path(tmp) / "weights"))  # server.weights_dir
     finally:
