@@ -116,6 +116,8 @@ def _check_cuda(config: RunConfig) -> None:
 def _task_key(config: RunConfig, error: Exception) -> str:
     """The config key a prompt-file or split error is about (prompt-file errors name their path)."""
     text = str(error)
+    if isinstance(error, EnvironmentLoadError) or text.startswith("task.environment"):
+        return "task.environment"
     for key, path in (("eval.prompts", config.eval.prompts), ("task.prompts", config.task.prompts)):
         if path is not None and text.startswith(path):
             return key

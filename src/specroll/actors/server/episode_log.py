@@ -79,15 +79,15 @@ class EpisodeLog:
             return
         episode.turns.append(turn)
 
-    def close(self, session_id: str) -> tuple[list[Turn], bool]:
-        """Stop recording ``session_id``: its turns, and whether any was left out past ``max_turns``
-        (an unknown id: no turns)."""
+    def close(self, session_id: str) -> tuple[list[Turn], bool, list[str]]:
+        """Stop recording ``session_id``: its turns, whether any was left out past ``max_turns``, and
+        the session ids attached to it (an unknown id: no turns, none attached)."""
         episode = self._open.pop(session_id, None)
         if episode is None:
-            return [], False
+            return [], False, []
         for alias in episode.aliases:
             self._open.pop(alias, None)
-        return episode.turns, episode.overflowed
+        return episode.turns, episode.overflowed, episode.aliases
 
     def __len__(self) -> int:
         """Sessions recorded (an episode's attached ones included)."""

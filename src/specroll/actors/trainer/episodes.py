@@ -118,8 +118,9 @@ class EpisodeRunner:
         except Exception as e:
             raise EpisodeFailed(f"environment error: {type(e).__name__}: {str(e)[:300]}") from e
         finally:
-            turns, overflowed = log_.close(session)
-            self.server.router.transcripts.forget(session)
+            turns, overflowed, attached = log_.close(session)
+            for ended in (session, *attached):  # their last turns are never continued
+                self.server.router.transcripts.forget(ended)
         outcome = result if isinstance(result, EpisodeOutcome) else EpisodeOutcome(result)  # type: ignore[arg-type]
         if isinstance(outcome.reward, bool) or not isinstance(outcome.reward, int | float) \
                 or not math.isfinite(outcome.reward):
