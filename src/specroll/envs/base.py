@@ -22,6 +22,7 @@ than ``task.episode_timeout_s`` seconds, fails the episode: it runs again from t
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -92,7 +93,8 @@ def import_environment(spec: str) -> Environment:
 
     Raises:
         EnvironmentLoadError: not ``module:function``, the module does not import, it has no such
-            attribute, or the attribute is not callable.
+            attribute, or the attribute is not an async function (nor an object with an async
+            ``__call__``).
     """
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute.isidentifier():
@@ -105,4 +107,7 @@ def import_environment(spec: str) -> Environment:
     function = getattr(module, attribute, None)
     if not callable(function):
         raise EnvironmentLoadError(f"task.environment = {spec!r}: {module_name} has no function {attribute!r}")
+    if not (inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(type(function).__call__)):
+        raise EnvironmentLoadError(f"task.environment = {spec!r}: not an async function; expected "
+                                   "'async def f(client, prompt)' returning the episode's reward")
     return function

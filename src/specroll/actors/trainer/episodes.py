@@ -31,6 +31,7 @@ from anyio.abc import TaskGroup
 
 from specroll.actors.config import RunConfig
 from specroll.actors.server.state import ServerState
+from specroll.actors.shared.exit_codes import EXIT_REFUSED
 from specroll.actors.shared.wakeup import Wakeup
 from specroll.actors.trainer.generator_watch import GeneratorWatch
 from specroll.actors.trainer.prompt_cycle import PromptCycle
@@ -190,6 +191,8 @@ class EpisodeFeeder:
         """Their ids, until the next step reads them (:meth:`take_dropped`)."""
         self.dropped_in_row = 0
         """Groups dropped since the last group that finished."""
+        self.gave_up = False
+        """The run was ended for groups dropped in a row."""
         self._room, self._changed = Wakeup(), Wakeup()
         self._tg: TaskGroup | None = None
         self._count = 0
@@ -269,10 +272,12 @@ class EpisodeFeeder:
             self.admission.on_drop()
             log.warning("group %s (prompt %s) dropped: an episode failed %d times", group_id, prompt.prompt_id,
                         self.runner.max_retries + 1)
-            if self.dropped_in_row > self.max_dropped_in_row:
+            if self.dropped_in_row > self.max_dropped_in_row and not self.gave_up:
+                self.gave_up = True  # once: groups dropping in the same tick must not each raise
                 raise TrainerError(
                     f"{self.dropped_in_row} groups in a row were dropped and none finished: every episode fails "
-                    f"(last: {self.runner.last_failure}); fix the environment or its settings (task.*)")
+                    f"(last: {self.runner.last_failure}); fix the environment or its settings (task.*)",
+                    EXIT_REFUSED)  # not restarted: it would fail the same way
             if self.config.trainer.mode == "sync":
                 self._start_next()  # the step still needs its batch
         else:
