@@ -121,17 +121,19 @@ async def test_parse_failures_are_counted_and_a_failing_group_is_dropped_whole(t
     assert metrics["episode_failures"] == {"environment error": 3}
 
 
-async def test_an_episode_without_a_finite_reward_or_over_its_turns_fails(tiny_llama, tmp_path):
+async def test_an_episode_without_a_finite_reward_or_past_its_turns_fails(tiny_llama, tmp_path):
     async def no_reward(client, prompt):
         await _turns_env(1, [])(client, prompt)
         return float("nan")
 
     async with served(tiny_llama, tmp_path, overrides=("task.max_turns=1", "task.max_retries=0")) as s:
-        for env, reason in ((no_reward, "bad reward"), (_turns_env(2, []), "too many turns")):
+        for env, reason in ((no_reward, "bad reward"), (_turns_env(2, []), "environment error")):
             runner = EpisodeRunner(s.config, s.state, s.url, env)
             assert await runner.group("g", PROMPT, 1, seed=0, sampling={}) is None
             assert list(runner.failures) == [reason]
             await runner.aclose()
+        # the turn past task.max_turns was refused before it ran: an episode's work is bounded
+        assert "took its 1 turns (task.max_turns)" in runner.last_failure and "400" in runner.last_failure
         assert len(s.state.router.episodes) == 0
 
 

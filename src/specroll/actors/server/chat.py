@@ -131,6 +131,9 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest,
         ApiError: 400/404 for bad input (:func:`chat_prompt`, ``request_fields``), 429/503/504 (``Router``).
     """
     state.check_model(body.model)
+    if (limit := state.router.episodes.full(session_id)) is not None:
+        raise bad_request(f"the episode of session {session_id!r} took its {limit} turns (task.max_turns); "
+                          "no more requests run in it", param="X-Session-ID")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
         raise bad_request(f"top_logprobs = {body.top_logprobs}; expected an integer in [0, 20]", param="top_logprobs")
     chat = await anyio.to_thread.run_sync(chat_prompt, state, body, session_id)  # off the loop, as completions

@@ -4,9 +4,11 @@ A trainer that runs environments against the server (``specroll.actors.trainer.e
 episode under a fresh ``X-Session-ID`` before its environment starts and closes it when the
 environment returned its reward: every chat or completion request of that session in between is
 one :class:`~specroll.rl.episodes.Turn` — the exact prompt token ids the generator was given and the
-token ids, behavior logprobs and policy versions it produced. Sessions nobody opened are not
-recorded. Bounded: at most ``max_open`` episodes open, each at most ``max_turns`` turns (a turn past
-it marks the episode ``overflowed`` instead of growing it).
+token ids, behavior logprobs and policy versions it produced (chat requests: ``/v1/completions`` and
+``/inference/v1/generate`` turns are not recorded). Sessions nobody opened are not recorded. Bounded:
+at most ``max_open`` episodes open, each at most ``max_turns`` turns (a turn past it marks the episode
+``overflowed`` instead of growing it), and an episode opened with a ``limit`` has its requests past
+``limit`` turns refused before they run (:meth:`full`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class EpisodeLogError(RuntimeError):
 class _Open:
     turns: list[Turn] = field(default_factory=list)
     overflowed: bool = False
+    limit: int | None = None
     aliases: list[str] = field(default_factory=list)
 
 
@@ -39,8 +42,9 @@ class EpisodeLog:
         self.max_open, self.max_turns = max_open, max_turns
         self._open: dict[str, _Open] = {}
 
-    def open(self, session_id: str) -> None:
-        """Record the turns of ``session_id`` from now on.
+    def open(self, session_id: str, limit: int | None = None) -> None:
+        """Record the turns of ``session_id`` from now on; with ``limit``, refuse its requests once it
+        has that many turns (:meth:`full`).
 
         Raises:
             EpisodeLogError: it is open already, or ``max_open`` are.
@@ -49,7 +53,15 @@ class EpisodeLog:
             raise EpisodeLogError(f"episode {session_id!r} is open already")
         if len(self._open) >= self.max_open:
             raise EpisodeLogError(f"{len(self._open)} episodes are open, the limit is {self.max_open}")
-        self._open[session_id] = _Open()
+        self._open[session_id] = _Open(limit=limit)
+
+    def full(self, session_id: str | None) -> int | None:
+        """The turn limit of ``session_id``'s open episode when it has reached it (its next request
+        must not run), else None."""
+        episode = self._open.get(session_id) if session_id is not None else None
+        if episode is None or episode.limit is None or len(episode.turns) < episode.limit:
+            return None
+        return episode.limit
 
     def attach(self, session_id: str, other: str) -> None:
         """Record the turns of session ``other`` in the open episode ``session_id`` too (an

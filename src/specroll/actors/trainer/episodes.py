@@ -106,7 +106,7 @@ class EpisodeRunner:
         """
         session = f"episode-{uuid.uuid4().hex}"
         log_ = self.server.router.episodes
-        log_.open(session)
+        log_.open(session, self.max_turns)  # a request past it is refused: an episode's work is bounded
         start = anyio.current_time()
         client = self.api.with_options(default_headers={"X-Session-ID": session})
         try:
@@ -127,7 +127,7 @@ class EpisodeRunner:
                 or not math.isfinite(outcome.reward):
             raise EpisodeFailed(f"bad reward: the environment returned {outcome.reward!r}, expected a finite number")
         if overflowed or len(turns) > self.max_turns:
-            raise EpisodeFailed(f"too many turns: over task.max_turns = {self.max_turns}")
+            raise EpisodeFailed(f"too many turns: over task.max_turns = {self.max_turns}")  # attached sessions
         if not turns:
             raise EpisodeFailed("no turn: the environment made no request through its client")
         metrics = {k: float(v) for k, v in outcome.metrics.items() if isinstance(v, int | float)}
