@@ -142,3 +142,21 @@ def wait_for(predicate: Callable[[], bool], what: str, proc: subprocess.Popen[st
 def generators_connected(run_dir: Path, count: int) -> bool:
     logs = [run_dir / "logs" / f"generator-{i}.log" for i in range(count)]
     return all(log.exists() and "welcomed by" in log.read_text(errors="replace") for log in logs)
+
+
+def launched_episode_run(tmp_path: Path, model: Path, task_toml: str) -> tuple[list[dict], list[dict]]:
+    """Launch a 2-step episode run on ``model`` (one generator, evaluations at steps 0 and 2, the
+    server on a free port) with ``task_toml`` as its ``[task]`` table's body; check it exits 0 and
+    leaves nothing running; return (every metrics record, the trained steps' records)."""
+    config = write_config(tmp_path, model, steps=2, count=1, eval_every=2)
+    config.write_text(config.read_text() + f"\n[task]\n{task_toml}\n\n[server]\nport = 0\n")
+    before = children_of(os.getpid())
+    code, _, err = finish(launch(tmp_path, config), timeout=300)
+    run_dir = tmp_path / "run"
+    assert code == 0, err
+    assert_nothing_left(run_dir, before)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["step"] > 0 and not r.get("skipped")]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert [r["step"] for r in records if "eval_accuracy" in r] == [0, 2]
+    return records, steps
