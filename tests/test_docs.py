@@ -141,3 +141,11 @@ def test_the_site_builds_with_mkdocs_strict(tmp_path: Path) -> None:
                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / "site" / "configuration" / "index.html").exists()
+
+
+def test_the_metrics_page_lists_every_exported_metric_with_its_type() -> None:
+    from specroll.actors.telemetry import catalogue
+
+    page = (ROOT / "docs" / "metrics.md").read_text()
+    rows = dict(re.findall(r"^\| `([a-z0-9_:]+)` \| (counter|gauge|histogram) \|", page, re.M))
+    assert rows == {m.exposed: m.kind for m in catalogue.ALL}

@@ -16,6 +16,7 @@ import httpx2 as httpx  # the HTTP client the openai package depends on
 import openai
 import pytest
 from helpers.launch import assert_nothing_left, children_of, finish, generators_connected, wait_for, write_config
+from helpers.scrape import assert_catalogue, scrape, value
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -24,7 +25,8 @@ HANG_S = 120
 
 def _start(tmp_path: Path, config: Path, *command: str) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "specroll.actors.cli", *command, "--grace-s", "60",
-           "--set", "server.port=0", "--set", "server.enabled=true"]
+           "--set", "server.port=0", "--set", "server.enabled=true", "--set", "metrics.enabled=true",
+           "--set", "metrics.port=0"]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -69,6 +71,12 @@ def test_specroll_serve_answers_takes_a_weight_update_and_stops_on_ctrl_c(tmp_pa
             again = api.completions.create(model=name, prompt=[5, 6, 7], max_tokens=8,
                                            extra_body={"ignore_eos": True})
             assert again.choices[0].model_extra["token_versions"] == [1] * 8
+        served = scrape(run_dir, "server")  # /metrics of the server's process: the hub's and the server's
+        assert_catalogue(served, "server")
+        assert value(served[1], "specroll:server_requests_total") == 3
+        assert value(served[1], "specroll:generators_registered") == 2
+        for generator in ("generator-0", "generator-1"):
+            assert_catalogue(scrape(run_dir, generator), "generator", speculative=False)  # serve: never drafts
     finally:
         _interrupt(proc, run_dir, before)
 
@@ -88,5 +96,8 @@ def test_launch_with_a_server_serves_beside_training_and_refuses_weight_updates(
             assert len(reply.choices[0].model_extra["token_versions"]) == 8
         update = httpx.post(url.removesuffix("/v1") + "/update_weights", json={"path": "v1"}, timeout=HANG_S)
         assert update.status_code == 409 and update.json()["error"]["code"]
+        trainer = scrape(run_dir, "trainer")  # the trainer's /metrics holds its server's too
+        assert_catalogue(trainer, "trainer", "server")
+        assert value(trainer[1], "specroll:server_requests_total") == 1
     finally:
         _interrupt(proc, run_dir, before)

@@ -7,7 +7,7 @@ per section, each in a module of its own: ``[model]`` (``model_section.py``), ``
 (``task_section.py``), ``[trainer]`` (``trainer_section.py``), ``[generator]``
 (``generator_section.py``), ``[drafter]`` (``drafter_section.py``), ``[network]``
 (``network_section.py``), ``[launch]`` (``launch_section.py``), ``[cluster]`` (``cluster_section.py``),
-``[server]`` (``server_section.py``);
+``[server]`` (``server_section.py``), ``[metrics]`` (``metrics_section.py``);
 this module holds the run's own keys and the checks that span sections.
 
 * :func:`~specroll.actors.config.load.load_config` reads a file (or nothing: the defaults), applies
@@ -40,6 +40,7 @@ from specroll.actors.config.cluster_section import ClusterConfig
 from specroll.actors.config.drafter_section import DrafterConfig
 from specroll.actors.config.generator_section import GeneratorConfig
 from specroll.actors.config.launch_section import LaunchConfig
+from specroll.actors.config.metrics_section import MetricsConfig
 from specroll.actors.config.model_section import ModelSection
 from specroll.actors.config.network_section import NetworkConfig
 from specroll.actors.config.section import Section as _Section
@@ -73,6 +74,8 @@ class RunConfig(_Section):
     """Where ``specroll launch`` places the roles: this host, or Ray actors on a cluster (``[cluster]``)."""
     server: ServerConfig = ServerConfig()
     """The OpenAI-compatible HTTP server (``[server]``)."""
+    metrics: MetricsConfig = MetricsConfig()
+    """Live metrics: Prometheus ``/metrics`` on every role, W&B and TensorBoard sinks (``[metrics]``)."""
 
     def __post_init__(self) -> None:
         _require(bool(self.run_dir), "run_dir", self.run_dir, "a directory path")
@@ -99,6 +102,10 @@ class RunConfig(_Section):
         _require(server.max_n <= self.generator.engine.max_num_seqs, "server.max_n", server.max_n,
                  f"at most generator.engine.max_num_seqs = {self.generator.engine.max_num_seqs} (a request's n "
                  "samples run on one generator)")
+        metrics = self.metrics
+        _require(not metrics.enabled or metrics.is_loopback() or bool(metrics.api_key) or self.network.allow_insecure,
+                 "metrics.host", metrics.host, "a loopback address (127.0.0.1, ::1, localhost) unless metrics.api_key "
+                 "is set (or network.allow_insecure = true: then anyone who reaches the ports reads the run's metrics)")
         k = engine.num_draft_tokens
         # The acceptance length (tokens per verify step) is at most k + 1: k drafts and a bonus token.
         _require(self.drafter.acceptance_floor <= k + 1, "drafter.acceptance_floor", self.drafter.acceptance_floor,
@@ -129,7 +136,7 @@ class RunConfig(_Section):
           a later run's warm start (``drafter.path``) without spending generator time on drafting —
           but no generator drafts with them, which is more often a forgotten ``speculative``.
         * a non-loopback ``network.host`` with ``security = "none"`` (``allow_insecure``): nothing is
-          authenticated.
+          authenticated; the same for ``server.host`` and ``metrics.host`` without a key.
         """
         found = []
         insecure = self.network.insecure_warning()
@@ -139,6 +146,10 @@ class RunConfig(_Section):
             found.append(f"server.host = {self.server.host!r} without server.api_key (network.allow_insecure = true): "
                          "anyone who reaches the server's port can generate, pause the generators and replace the "
                          "policy's weights; set server.api_key")
+        m = self.metrics
+        if m.enabled and not m.is_loopback() and not m.api_key:
+            found.append(f"metrics.host = {m.host!r} without metrics.api_key (network.allow_insecure = true): anyone "
+                         "who reaches the metrics ports reads the run's metrics; set metrics.api_key")
         mode = self.generator.speculative
         if self.runs_drafter_trainer() and mode in ("off", "suffix"):
             found.append(f"drafter.enabled = true with generator.speculative = {mode!r}: the drafter trainer trains "

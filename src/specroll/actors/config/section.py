@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import typing
 from typing import Literal
 
@@ -22,6 +23,17 @@ def check_literals(struct: msgspec.Struct) -> None:
             allowed = typing.get_args(kind)
             value = getattr(struct, name)
             require(value in allowed, name, value, f"one of {', '.join(map(repr, allowed))}")
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` is a loopback address (``localhost``, 127.0.0.0/8, ``::1``, ``[::1]``); a
+    hostname or ``0.0.0.0`` is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
+    except ValueError:
+        return False
 
 
 class Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

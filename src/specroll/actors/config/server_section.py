@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import ipaddress
 from typing import Literal
 
 from specroll.actors.config.section import Section as _Section
 from specroll.actors.config.section import check_literals as _check_literals
+from specroll.actors.config.section import is_loopback_host
 from specroll.actors.config.section import require as _require
 
 MAX_BODY_BYTES_CAP = 256 << 20
@@ -92,9 +92,4 @@ class ServerConfig(_Section):
 
     def is_loopback(self) -> bool:
         """Whether :attr:`host` is a loopback address (``localhost``, 127.0.0.0/8, ``::1``)."""
-        if self.host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(self.host.removeprefix("[").removesuffix("]")).is_loopback
-        except ValueError:
-            return False  # a hostname or "0.0.0.0": public
+        return is_loopback_host(self.host)

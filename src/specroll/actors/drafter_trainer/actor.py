@@ -40,6 +40,8 @@ from specroll.actors.peer.lifecycle import PeerConnection, trainer_channel
 from specroll.actors.peer.weights_fetch import FetchAbandoned, WeightsFetch, check_announcement
 from specroll.actors.shared.exit_codes import EXIT_REFUSED
 from specroll.actors.shared.security import peer_keys
+from specroll.actors.telemetry.drafter_metrics import collect_drafter
+from specroll.actors.telemetry.endpoint import open_endpoint
 from specroll.drafter.eagle_config import DrafterError, max_tensor_bytes
 from specroll.drafter.eagle_head import EagleHead
 from specroll.drafter.learner import DrafterLearner, DrafterSnapshot
@@ -107,6 +109,8 @@ class DrafterActor:
         self.train_s = 0.0
         """Seconds spent in training steps."""
         self.last_metrics: dict[str, float] = {}
+        self.rollouts_received = 0
+        """Finished rollouts the trainer sent (``specroll:drafter_rollouts``)."""
         self._rollouts: list[tuple[list[int], int, int]] = []
         """Received, not yet in the learner (added between steps)."""
         self._policy: tuple[int, dict[str, torch.Tensor]] | None = None
@@ -156,6 +160,7 @@ class DrafterActor:
                 except LimitExceeded as e:
                     await self.peer.refuse("bad_request", str(e), r.seq)
                     return
+                self.rollouts_received += len(msg.rollouts)
                 for ro in msg.rollouts:
                     if ro.token_ids and ro.prompt_token_ids:
                         self._rollouts.append((ro.prompt_token_ids + ro.token_ids, len(ro.prompt_token_ids),
@@ -364,4 +369,10 @@ async def run_drafter(config: RunConfig, connect: str, actor_id: str) -> int:
     keys = peer_keys(config, "drafter", log)
     async with trainer_channel(connect, actor_id, ToDrafter, config.network.window, config.drafter.linger_s,
                                keys, max_tensor_bytes=max_tensor_bytes(learner.target.config)) as channel:
-        return await DrafterActor(config, learner, channel, connect=connect, actor_id=actor_id).run()
+        actor = DrafterActor(config, learner, channel, connect=connect, actor_id=actor_id)
+        endpoint = open_endpoint(config, "drafter", actor_id, lambda: collect_drafter(actor, actor_id))
+        try:
+            return await actor.run()
+        finally:
+            if endpoint is not None:
+                endpoint.close()

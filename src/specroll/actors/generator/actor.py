@@ -56,6 +56,8 @@ from specroll.actors.generator.rollout_stream import DraftCounter
 from specroll.actors.generator.submit_limits import SubmitLimits
 from specroll.actors.peer.lifecycle import PeerConnection, trainer_channel
 from specroll.actors.shared.security import peer_keys
+from specroll.actors.telemetry.endpoint import open_endpoint
+from specroll.actors.telemetry.generator_metrics import RequestLatency, SyncCounters, collect_generator
 from specroll.drafter.eagle_config import max_tensor_bytes
 from specroll.engine.engine import Engine
 from specroll.protocol.channel import Channel, Received
@@ -124,7 +126,9 @@ class GeneratorActor:
                                               enabled=self.speculative == "eagle")
         """The drafter versions announced, fetched and checked."""
         self.samples = LiveSamples(engine, self.drafter, self.peer.put, self.gen.stream_every_steps,
-                                   self.speculative != "off")
+                                   self.speculative != "off", RequestLatency() if config.metrics.enabled else None)
+        self.sync = SyncCounters()
+        """Policy versions applied, their bytes and seconds, and the pauses to apply them."""
         self._inbox: deque[SubmitGroup | Abort | ResetPrefixCache | ReadyWeights | ReadyDrafter] = deque()
         """Engine work for the step loop, in arrival order."""
         self.limits = SubmitLimits.of(engine, self.gen.engine.max_num_seqs)
@@ -135,8 +139,10 @@ class GeneratorActor:
         """The policy versions announced and fetched (over chunks or this generator's weights group)."""
         self._largest_group = 1
         self._last_stats = time.monotonic()
-        self._num_steps = 0
-        self._busy_s = self._idle_s = 0.0
+        self.num_steps = 0
+        """Engine steps run."""
+        self.busy_s = self.idle_s = 0.0
+        """Seconds in engine steps, and with nothing to decode."""
 
     async def run(self) -> int:
         """Serve until a signal, a refusal or the trainer's loss; send ``Dead``; return the exit code
@@ -185,8 +191,8 @@ class GeneratorActor:
             spec = SpecStats(num_drafted=s.num_drafted, num_accepted=s.num_accepted, num_draft_steps=s.num_draft_steps,
                              drafter_version=self.drafter.version)
         prefix = self.engine.block_manager.prefix_counters
-        return Stats(policy_version=self.engine.weight_version, num_steps=self._num_steps,
-                     num_tokens=self.samples.num_tokens, busy_s=self._busy_s, idle_s=self._idle_s, spec=spec,
+        return Stats(policy_version=self.engine.weight_version, num_steps=self.num_steps,
+                     num_tokens=self.samples.num_tokens, busy_s=self.busy_s, idle_s=self.idle_s, spec=spec,
                      drafter_version=self.drafter.version, prompt_tokens=prefix.prompt_tokens,
                      cached_prompt_tokens=prefix.cached_prompt_tokens)
 
@@ -272,14 +278,14 @@ class GeneratorActor:
                 start = time.monotonic()
                 if not self._inbox:
                     await self.peer.wake.wait()
-                self._idle_s += time.monotonic() - start
+                self.idle_s += time.monotonic() - start
                 continue
             while self.peer.queued >= self.gen.max_outbox and not self.peer.stopping:
                 await self.peer.outbox_changed.wait()  # backpressure: the trainer is behind
             start = time.monotonic()
             outputs = await anyio.to_thread.run_sync(self.engine.step)
-            self._busy_s += time.monotonic() - start
-            self._num_steps += 1
+            self.busy_s += time.monotonic() - start
+            self.num_steps += 1
             self.samples.on_outputs(outputs)
 
     async def _apply_inbox(self) -> None:
@@ -320,11 +326,14 @@ class GeneratorActor:
         self.peer.put(AckResetPrefixCache(request_id=msg.request_id))
 
     def _apply_drafter(self, ready: ReadyDrafter) -> None:
+        start = time.monotonic()
         self.samples.flush()
         self.peer.put(self.drafter.swap(ready))
         self.drafter_updates.swapped(ready.version)
+        self.sync.pause_s += time.monotonic() - start
 
     async def _apply_weights(self, op: ReadyWeights) -> None:
+        start = time.monotonic()
         self.samples.flush()
         try:
             await anyio.to_thread.run_sync(self.engine.update_weights, op.tensors, op.version)
@@ -335,6 +344,7 @@ class GeneratorActor:
             return
         if self.gen.kv_policy == "recompute":
             self.samples.recompute()
+        self.sync.applied(sum(t.nbytes for t in op.tensors.values()), op.fetch_started, time.monotonic() - start)
         log.info("serving policy version %d (%d live samples, kv_policy=%s)", op.version, len(self.samples.streams),
                  self.gen.kv_policy)
         self.peer.put(AckWeights(version=op.version))
@@ -354,4 +364,11 @@ async def run_generator(config: RunConfig, connect: str, actor_id: str) -> int:
     async with trainer_channel(connect, actor_id, ToGenerator, config.network.window, config.generator.linger_s,
                                keys, max_header_bytes=limits.max_header_bytes(),
                                max_tensor_bytes=max_tensor_bytes(engine.model_config)) as channel:
-        return await GeneratorActor(config, engine, channel, counter, connect=connect, actor_id=actor_id).run()
+        actor = GeneratorActor(config, engine, channel, counter, connect=connect, actor_id=actor_id)
+        model_name = config.server.model_name or config.model.name
+        endpoint = open_endpoint(config, "generator", actor_id, lambda: collect_generator(actor, model_name, actor_id))
+        try:
+            return await actor.run()
+        finally:
+            if endpoint is not None:
+                endpoint.close()

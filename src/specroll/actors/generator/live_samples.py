@@ -8,12 +8,14 @@ tokens come from one policy version and its draft counts from one drafter versio
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import msgspec
 
 from specroll.actors.generator.drafter_swap import DrafterSlot
 from specroll.actors.generator.rollout_stream import SampleStream
+from specroll.actors.telemetry.generator_metrics import RequestLatency
 from specroll.engine.engine import Engine
 from specroll.engine.sequence import StepOutput
 from specroll.protocol.messages import ErrorCode, FinishReason, RolloutChunk, SubmitGroup
@@ -37,10 +39,11 @@ class LiveSamples:
         put: queues a chunk for the trainer.
         stream_every: engine steps between a sample's chunks at most.
         speculative: chunks carry ``SpecStats``.
+        latency: times the requests (``[metrics] enabled``), or None.
     """
 
     def __init__(self, engine: Engine, drafter: DrafterSlot, put: Callable[[RolloutChunk], None], stream_every: int,
-                 speculative: bool) -> None:
+                 speculative: bool, latency: RequestLatency | None = None) -> None:
         self.engine = engine
         self.drafter = drafter
         self.put = put
@@ -52,6 +55,7 @@ class LiveSamples:
         """group id → its live samples by index."""
         self.num_tokens = 0
         """Response tokens emitted since the start."""
+        self.latency = latency
 
     def submit(self, msg: SubmitGroup) -> None:
         """Add the group's samples (those of ``msg.resume`` only, when it resumes a group).
@@ -79,6 +83,8 @@ class LiveSamples:
         except ValueError as e:
             for stream in added:
                 self.engine.abort(stream.request_id)
+                if self.latency is not None:
+                    self.latency.forget(stream.request_id)
             raise SampleRefused("bad_request", f"group {msg.group_id!r}: {e}") from None
         self.groups[msg.group_id] = {s.index: s for s in added}
         self.streams.update((s.request_id, s) for s in added)
@@ -104,8 +110,11 @@ class LiveSamples:
         """Take one engine step's deltas: extend the streams, send what is due."""
         counter = self.drafter.counter
         drafted = counter.drafted if counter is not None else {}
+        latency, now = self.latency, time.monotonic()
         for out in outputs:
             stream = self.streams[out.request_id]
+            if latency is not None and out.new_token_ids:
+                latency.emitted(out.request_id, now)
             stream.extend(out.new_token_ids, out.new_logprobs, out.new_versions)
             stream.count_spec(drafted.get(out.request_id, 0), len(out.new_token_ids))
             self.num_tokens += len(out.new_token_ids)
@@ -150,11 +159,15 @@ class LiveSamples:
             seed = sample_seed(seed, stream.index, stream.engine_base)
         sampling = msgspec.structs.replace(sampling, max_tokens=stream.remaining, seed=seed)
         self.engine.add_request(prompt, sampling, stream.request_id, group_id=stream.group_id)
+        if self.latency is not None:
+            self.latency.admitted(stream.request_id, time.monotonic())
 
     def _finish(self, stream: SampleStream, reason: FinishReason) -> None:
         """Send the sample's final chunk and forget it (and its group once every sample finished)."""
         self.put(self._chunk(stream, reason))
         self.streams.pop(stream.request_id, None)
+        if self.latency is not None:
+            self.latency.finished_now(stream.request_id, reason, time.monotonic())
         group = self.groups.get(stream.group_id)
         if group is not None:
             group.pop(stream.index, None)

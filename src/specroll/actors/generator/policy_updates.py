@@ -14,6 +14,7 @@ complete version between engine steps (``actor.py``) and then reports it here (:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +36,8 @@ class ReadyWeights:
 
     version: int
     tensors: dict[str, torch.Tensor]
+    fetch_started: float
+    """When its fetch started (``time.monotonic()``)."""
 
 
 class PolicyUpdates:
@@ -58,6 +61,8 @@ class PolicyUpdates:
         """The model's parameters: what a policy version may hold."""
         self.announced: WeightsAvailable | None = None
         self.fetch: WeightsFetch | None = None
+        self.fetch_started = 0.0
+        """When the current fetch started (``time.monotonic()``)."""
         self.group = WeightsGroupLink(collective, engine.device, put, self._on_broadcast_result,
                                       trainer_host=trainer_host)
         """This generator's weights group with the trainer (``collective``)."""
@@ -99,7 +104,7 @@ class PolicyUpdates:
             self._forget_announcement(msg.version)
             return f"{e} (fetch abandoned)"
         if complete is not None:  # the step loop applies it (the fetch stays until then)
-            self._ready(ReadyWeights(msg.version, complete))
+            self._ready(ReadyWeights(msg.version, complete, self.fetch_started))
         return None
 
     def applied(self, version: int, *, refused: bool) -> None:
@@ -122,6 +127,7 @@ class PolicyUpdates:
         if a is None or self.fetch is not None or a.version <= self.engine.weight_version:
             return
         self.fetch = WeightsFetch.announced(a, self.weight_shapes)
+        self.fetch_started = time.monotonic()
         if self.group.ready and a.transport == "collective":
             log.info("fetching policy version %d over the weights group (%d buckets)", a.version,
                      len(a.bucket_checksums))
@@ -154,7 +160,7 @@ class PolicyUpdates:
                     return
                 assert f is not None
                 f.finish()
-                self._ready(ReadyWeights(version, result))
+                self._ready(ReadyWeights(version, result, self.fetch_started))
 
     def _forget_announcement(self, version: int) -> None:
         """A fetch of ``version`` failed: do not fetch it again until it is announced again."""

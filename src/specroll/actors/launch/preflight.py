@@ -5,6 +5,7 @@ checkpoint leaves steps to train; and the run directory's lock, so two launches 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -69,6 +70,7 @@ def preflight(config: RunConfig, serving: bool = False) -> str | None:
         _check_port(config.network.host, config.network.trainer_port, "network.trainer_port")
     if (serving or config.server.enabled or config.task.environment is not None) and config.server.port:
         _check_port(config.server.host, config.server.port, "server.port")
+    _check_metrics(config, serving)
     if serving:
         return None
     checkpoint = find_checkpoint(config.run_dir)
@@ -184,6 +186,25 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _check_metrics(config: RunConfig, serving: bool) -> None:
+    """``[metrics]``: the sinks' packages are installed, and (on this host, with a fixed base port)
+    every role's metrics port is free: the trainer's (or ``specroll serve``'s), the drafter
+    trainer's, each generator's."""
+    m = config.metrics
+    for enabled, key, module, extra in ((m.wandb, "metrics.wandb", "wandb", "wandb"),
+                                        (m.tensorboard, "metrics.tensorboard", "tensorboardX", "tensorboard")):
+        if enabled and not serving and importlib.util.find_spec(module) is None:
+            raise LaunchError(f"{key} = true needs the {module} package: pip install 'specroll[{extra}]' "
+                              f"(or set {key} = false)")
+    if not m.enabled or not m.port or config.cluster.backend != "local":
+        return
+    actors = ["trainer"] if serving else ["trainer", *(f"generator-{i}" for i in range(config.generator.count))]
+    if not serving and config.runs_drafter_trainer():
+        actors.append("drafter-0")
+    for actor in actors:
+        _check_port(m.host, m.port_for(actor), f"metrics.port ({actor}'s)")
 
 
 def _check_port(host: str, port: int, key: str) -> None:

@@ -41,7 +41,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Generic, Protocol, TypeVar, assert_never
 
@@ -140,6 +140,8 @@ class PeerConnection(Generic[M]):
         self.heartbeat_s, self.trainer_timeout_s, self.linger_s = heartbeat_s, trainer_timeout_s, linger_s
         self.log = log
         self.capabilities = capabilities
+        self.refusals: Counter[str] = Counter()
+        """Inbound messages refused, by error code (``specroll:refusals``)."""
         self.graceful_signals = graceful_signals
         self.trainer = TrainerLiveness(endpoint, trainer_timeout_s, log, on_connected=self._on_connected,
                                        on_refused=lambda why: self.stop(EXIT_REFUSED, why),
@@ -293,6 +295,7 @@ class PeerConnection(Generic[M]):
         """Log a refused inbound message and answer it with ``Error`` when that would not wait for
         credit (the receive task must never block, or credit would never arrive)."""
         self.log.warning("refused (%s): %s", code, message)
+        self.refusals[code] += 1
         if self.channel.can_send():
             await self.channel.send(Error(code=code, message=message[:_MAX_ERROR_TEXT], seq=seq, group_id=group_id))
 

@@ -124,19 +124,19 @@ class RolloutClient:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.actor_id = actor_id
         self.timeline = timeline
-        self._mail = Mail(lambda actor: self.peers.registered(actor))
-        self._ticker = Ticker(self.coordinator, self._mail.send, timeline, lambda: self._closing)
-        self.drafters = DrafterRelay(self._mail.send, timeline=timeline)
+        self.mail = Mail(lambda actor: self.peers.registered(actor))
+        self._ticker = Ticker(self.coordinator, self.mail.send, timeline, lambda: self._closing)
+        self.drafters = DrafterRelay(self.mail.send, timeline=timeline)
         """Drafter trainers, the current drafter version and acceptance per (drafter, policy) version."""
         self._events = HubEvents()
         self._weights = PublishedWeights(weights_transport, weights_bucket_mb << 20)
         self.weights_groups = WeightsGroups(
-            self._weights, weights_host or endpoint_host(bind), weights_backend, heartbeat_timeout_s, self._mail.send,
+            self._weights, weights_host or endpoint_host(bind), weights_backend, heartbeat_timeout_s, self.mail.send,
             self._send_chunks, self._start_soon)
         """The generators' weights groups (``collective``)."""
         self.peers = Peers(self.coordinator, self.drafters, self._weights, self.weights_groups,
-                           PeerLiveness(heartbeat_timeout_s, disconnect_grace_s), self._events, self._mail.send,
-                           self._ticker.dispatch, actor_id, self._mail.forget)
+                           PeerLiveness(heartbeat_timeout_s, disconnect_grace_s), self._events, self.mail.send,
+                           self._ticker.dispatch, actor_id, self.mail.forget)
         """The connected generators and drafter trainers: their load, statistics and liveness."""
         self.dead_generators = self.peers.dead_generators
         """Generators declared dead, one entry per death in order (:attr:`Peers.dead_generators`)."""
@@ -145,7 +145,7 @@ class RolloutClient:
         self.drafter_policy_versions = self.peers.drafter_policy_versions
         """Policy version each drafter trainer acknowledged holding."""
         self._receiver = Receiver(self.coordinator, self.peers, self.drafters, self._weights, self.weights_groups,
-                                  ForeignGroups(self.coordinator), self._events, self._mail.send, self._send_chunks,
+                                  ForeignGroups(self.coordinator), self._events, self.mail.send, self._send_chunks,
                                   self._ticker.dispatch, curve, self.refusals, timeline, on_chunk, vocab_size)
         self._socket = HubSocket(bind, window=window, hwm=hwm, allow_public=allow_public, curve=curve,
                                  refusals=self.refusals, max_frame_bytes=max_frame_bytes)
@@ -171,7 +171,7 @@ class RolloutClient:
         channel = self._socket.open()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
-        self._mail.open(channel, self._tg)
+        self.mail.open(channel, self._tg)
         self._tg.start_soon(self._receiver.run, channel)
         self._tg.start_soon(self._ticker.run, self.peers)
         self._tg.start_soon(self._socket.watch, self.peers.liveness.disconnected)
@@ -190,7 +190,7 @@ class RolloutClient:
             # Each shielded scope nests inside the task group's (entered in start) or follows it:
             # the group's own scope must be the innermost when it exits.
             with anyio.CancelScope(shield=True):
-                await self._mail.flush(_FLUSH_S)
+                await self.mail.flush(_FLUSH_S)
             self._tg.cancel_scope.cancel()
             await self._tg.__aexit__(None, None, None)
         finally:
@@ -275,7 +275,7 @@ class RolloutClient:
         """
         actor = self.coordinator.abort(group_id)
         if actor is not None:
-            self._mail.send(actor, Abort(group_id=group_id))
+            self.mail.send(actor, Abort(group_id=group_id))
             self._receiver.foreign.aborted(actor, group_id)  # its chunks still in flight: no second Abort
 
     async def wait_for_generators(self, count: int, timeout: float | None = None) -> None:
@@ -313,7 +313,7 @@ class RolloutClient:
         if self.timeline is not None:
             self.timeline.record("policy_published", version=version)
         for actor in [*self.coordinator.generators, *self.drafters.drafters]:
-            self._mail.send(actor, announce)
+            self.mail.send(actor, announce)
 
     @property
     def weights_transport(self) -> WeightsTransport:
@@ -392,7 +392,7 @@ class RolloutClient:
     def _send_chunks(self, actor: str, version: int) -> None:
         """Answer a fetch of ``version`` with its chunks (or the ``Error`` naming the current version)."""
         for msg, tensors in self._weights.answer_fetch(version):
-            self._mail.send(actor, msg, tensors)
+            self.mail.send(actor, msg, tensors)
 
     def _start_soon(self, fn: Callable[..., Any], *args: object) -> None:
         """Start ``fn(*args)`` in the client's task group (nothing once closed)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from specroll.protocol.channel import Channel
+from specroll.protocol.messages import Error
 
 log = logging.getLogger("specroll.client")
 
@@ -129,6 +131,8 @@ class Mail:
     def __init__(self, registered: Callable[[str], bool]) -> None:
         self._registered = registered
         self._channel: Channel[Any] | None = None
+        self.errors_sent: Counter[str] = Counter()
+        """``Error`` replies sent, by code: messages refused (``specroll:refusals``)."""
         self.outboxes: Outboxes | None = None
 
     def open(self, channel: Channel[Any], task_group: TaskGroup) -> None:
@@ -138,6 +142,8 @@ class Mail:
 
     def send(self, actor: str, msg: Any, tensors: list[torch.Tensor] | None = None) -> None:
         """Queue ``msg`` (with the tensors sent as its frames) for ``actor``."""
+        if isinstance(msg, Error):
+            self.errors_sent[msg.code] += 1
         if self.outboxes is None:
             log.debug("not started: %s to %s dropped", type(msg).__name__, actor)
             return

@@ -11,6 +11,7 @@ config or a port it cannot bind, 1 for a failure.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import signal
 from pathlib import Path
@@ -25,6 +26,8 @@ from specroll.actors.server.weights_update import FolderWeights
 from specroll.actors.shared.exit_codes import EXIT_FAILED, EXIT_REFUSED
 from specroll.actors.shared.files import write_text_atomic
 from specroll.actors.shared.signals import cancel_on_stop_signal
+from specroll.actors.telemetry.endpoint import open_endpoint
+from specroll.actors.telemetry.server_metrics import collect_hub, collect_server
 from specroll.engine.loaders.checkpoint import CheckpointError, load_metadata
 from specroll.protocol.curve import KeysError
 
@@ -67,9 +70,19 @@ async def run_server(config: RunConfig) -> int:
                 log.info("server stopped by %s", sig.name)
                 code = 128 + sig
 
+            try:
+                endpoint = open_endpoint(config, "server", "server", lambda: itertools.chain(
+                    collect_hub(client, "server", "server"), collect_server(state.router)))
+            except OSError as e:
+                log.error("server refused: %s", e)
+                return EXIT_REFUSED
             cancel_on_stop_signal(tg, stopped)
             log.info("hub listening on %s for generators", client.endpoint)
-            await serve_http(state, sock, run_dir / URL_FILENAME)
+            try:
+                await serve_http(state, sock, run_dir / URL_FILENAME)
+            finally:
+                if endpoint is not None:
+                    endpoint.close()
     except Exception as e:
         log.error("server failed: %s: %s", type(e).__name__, e)
         log.debug("traceback", exc_info=e)

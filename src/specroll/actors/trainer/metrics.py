@@ -17,9 +17,12 @@ from pathlib import Path
 
 import torch
 
+from specroll.actors.config import RunConfig
 from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.shared.files import write_text_atomic
 from specroll.actors.shared.restarts import read_restarts
+from specroll.actors.telemetry.sinks import RecordSinks
+from specroll.actors.telemetry.trainer_metrics import TrainerExport
 from specroll.actors.trainer.episode_metrics import response_lengths
 from specroll.rl.coordinator import Group
 from specroll.rl.episodes import EpisodeGroup
@@ -124,6 +127,41 @@ class StepMetrics:
             "train_s": train_s,
             "threads_borrowed": threads_borrowed,
         }
+
+
+class RecordLog:
+    """Where each step's record goes: appended to ``RUN_DIR/metrics.jsonl`` (:func:`append_metrics`),
+    then to the live export (``/metrics``) and the W&B / TensorBoard sinks, when configured.
+
+    Args:
+        run_dir: the run directory.
+        export: the trainer's live figures (``/metrics`` serves them when ``[metrics] enabled``).
+        sinks: the W&B / TensorBoard sinks, or None.
+    """
+
+    def __init__(self, run_dir: Path, export: TrainerExport, sinks: RecordSinks | None = None) -> None:
+        self.run_dir, self.export, self.sinks = run_dir, export, sinks
+
+    @classmethod
+    def open(cls, config: RunConfig, client: RolloutClient, step: int) -> RecordLog:
+        """The trainer's record log, from step ``step``, with the sinks ``[metrics]`` enables.
+
+        Raises:
+            ~specroll.actors.telemetry.sinks.MetricsSinkUnavailable: a sink's package is not installed.
+        """
+        return cls(Path(config.run_dir), TrainerExport(client, step), RecordSinks.open(config, Path(config.run_dir)))
+
+    def close(self) -> None:
+        """Close the sinks (idempotent)."""
+        if self.sinks is not None:
+            self.sinks.close()
+
+    def append(self, record: dict[str, object]) -> None:
+        """Append ``record`` (with the launcher's restart counts) and hand it on."""
+        append_metrics(self.run_dir, record)
+        self.export.on_record(record)
+        if self.sinks is not None:
+            self.sinks.write(record)
 
 
 def append_metrics(run_dir: Path, metrics: dict[str, object]) -> None:

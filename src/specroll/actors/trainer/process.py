@@ -4,6 +4,7 @@ ended into the exit code (the contract with the launcher is in ``trainer.py``'s 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import signal
 from pathlib import Path
@@ -19,6 +20,9 @@ from specroll.actors.server.serving import URL_FILENAME, bind, make_state, serve
 from specroll.actors.shared.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_REFUSED
 from specroll.actors.shared.files import write_text_atomic
 from specroll.actors.shared.signals import cancel_on_stop_signal
+from specroll.actors.telemetry.endpoint import open_endpoint
+from specroll.actors.telemetry.server_metrics import collect_server
+from specroll.actors.telemetry.sinks import MetricsSinkUnavailable
 from specroll.actors.trainer.episodes import EpisodeRunner
 from specroll.actors.trainer.ranks.join import Ranks
 from specroll.actors.trainer.setup import TrainerError, load_setup
@@ -87,6 +91,7 @@ async def _serve(config: RunConfig, timeline: Timeline, ranks: Ranks | None, sto
             setup = await anyio.to_thread.run_sync(load_setup, config, ranks, store)  # generators connect meanwhile
             done = False
             runner: EpisodeRunner | None = None
+            router = None
             try:
                 client.vocab_size = setup.policy.config.vocab_size  # before the Trainer submits its first group
                 if config.server.enabled or config.task.environment is not None:  # HTTP in front of the generators
@@ -97,10 +102,26 @@ async def _serve(config: RunConfig, timeline: Timeline, ranks: Ranks | None, sto
                         raise TrainerError(f"server: cannot bind {config.server.host}:{config.server.port} ({e})",
                                            EXIT_REFUSED) from None
                     tg.start_soon(serve_http, state, sock, run_dir / URL_FILENAME)
+                    router = state.router
                     if config.task.environment is not None:
                         runner = EpisodeRunner(config, state, url_of(sock), _environment(config))
-                trainer = Trainer(config, setup, client, timeline, runner)
-                await trainer.run()
+                try:  # the W&B / TensorBoard sinks start here
+                    trainer = Trainer(config, setup, client, timeline, runner)
+                except MetricsSinkUnavailable as e:
+                    raise TrainerError(str(e), EXIT_REFUSED) from None
+                export = trainer.records.export
+                try:
+                    endpoint = open_endpoint(config, "trainer", "trainer", lambda: itertools.chain(
+                        export.collect(), collect_server(router) if router is not None else ()))
+                except OSError as e:  # its port in use
+                    trainer.records.close()
+                    raise TrainerError(str(e), EXIT_REFUSED) from None
+                try:
+                    await trainer.run()
+                finally:
+                    trainer.records.close()
+                    if endpoint is not None:
+                        endpoint.close()
                 done = True
                 log.info("trained %d steps; final policy version %d", trainer.step, trainer.version)
                 tg.cancel_scope.cancel()

@@ -88,8 +88,8 @@ from specroll.actors.trainer.feeder import Feeder
 from specroll.actors.trainer.generator_watch import GeneratorWatch
 from specroll.actors.trainer.metrics import (
     METRICS_FILENAME,
+    RecordLog,
     StepMetrics,
-    append_metrics,
     earlier_incarnation,
     progress,
     truncate_metrics,
@@ -135,6 +135,7 @@ class Trainer:
         self._skipped_in_row = 0
         """Batches in a row with no token to train (``_skip``)."""
         self.step_metrics = StepMetrics(client, config.drafter.acceptance_floor)
+        self.records = RecordLog.open(config, client, self.step)  # metrics.jsonl, /metrics, W&B / TensorBoard
         self._last_checkpoint = self.step
         evaluator = dict(client=client, prompts=setup.eval_prompts, sampling=config.generator.sampling,
                          greedy=config.eval.greedy, reward_fn=self.reward_fn, tokenizer=self.tokenizer,
@@ -214,6 +215,7 @@ class Trainer:
         try:
             yield
         finally:
+            self.records.export.on_phase(phase, time.time() - start)
             if self.timeline is not None:
                 self.timeline.record("phase", phase=phase, start=start, end=time.time(), step=self.step + 1)
 
@@ -243,7 +245,7 @@ class Trainer:
         held, self._held = self._held, None
         if evaluation is not None:
             held.update(evaluation.metrics())
-        append_metrics(self.run_dir, held)
+        self.records.append(held)
 
     async def _publish_after_resume(self) -> None:
         """Publish the restored (or, with no checkpoint, initial) weights above every version a
@@ -331,7 +333,7 @@ class Trainer:
         if self._maybe_evaluate():
             self._held = metrics
         else:
-            append_metrics(self.run_dir, metrics)
+            self.records.append(metrics)
         if self.step == self.config.steps:
             await self._finish_evaluation()
         bar.set_postfix_str(progress(metrics, result), refresh=False)
@@ -366,7 +368,7 @@ class Trainer:
                 f"(generator versions: {dict(self.client.generator_versions)}); is a generator not applying new "
                 f"weights, or are the responses empty?")
         await self._finish_evaluation()  # the held line (an earlier step) first
-        append_metrics(self.run_dir, self.step_metrics.record(self.step + 1, self.version, groups, rewards, result,
+        self.records.append(self.step_metrics.record(self.step + 1, self.version, groups, rewards, result,
                                                              trained_version, step_s, wait_s))
         await self._wait_acks()
         self.feeder.batch_done()

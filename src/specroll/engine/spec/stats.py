@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -20,6 +20,9 @@ class SpeculativeStats:
     """Draft tokens accepted."""
     num_draft_steps: int = 0
     """(sequence, step) pairs that verified at least one draft."""
+    accepted_per_pos: list[int] = field(default_factory=list)
+    """Draft tokens accepted at each draft position (index 0: the first draft token; a tree's
+    positions are depths), as vLLM's ``spec_decode_num_accepted_tokens_per_pos``."""
     num_emitted: int = 0
     """Tokens emitted by decoding sequences (accepted + one recovered or bonus token each)."""
     draft_time_s: float = 0.0
@@ -37,6 +40,11 @@ class SpeculativeStats:
         self.num_drafted += num_drafted
         self.num_accepted += num_accepted
         self.num_draft_steps += num_drafted > 0
+        per_pos = self.accepted_per_pos
+        if num_accepted > len(per_pos):
+            per_pos.extend([0] * (num_accepted - len(per_pos)))
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
 
     def add(self, step: SpeculativeStats) -> None:
         """Fold one step's counters into this sum."""
@@ -45,6 +53,11 @@ class SpeculativeStats:
         self.num_drafted += step.num_drafted
         self.num_accepted += step.num_accepted
         self.num_draft_steps += step.num_draft_steps
+        per_pos = self.accepted_per_pos
+        if len(step.accepted_per_pos) > len(per_pos):
+            per_pos.extend([0] * (len(step.accepted_per_pos) - len(per_pos)))
+        for pos, n in enumerate(step.accepted_per_pos):
+            per_pos[pos] += n
         self.num_emitted += step.num_emitted
         self.draft_time_s += step.draft_time_s
         self.verify_time_s += step.verify_time_s

@@ -1,0 +1,133 @@
+"""A role's ``GET /metrics``: Prometheus's text format from a registry of its own, served by a small
+HTTP server in a daemon thread, and the target file that tells Prometheus where it is.
+
+* One request at a time, each bounded (``TIMEOUT_S`` to send it; the reply is the registry's few
+  hundred lines): a scraper that hangs or floods holds a connection, never a thread per connection.
+* ``[metrics] api_key``: every request must carry ``Authorization: Bearer KEY`` (compared in constant
+  time; 401 otherwise). A non-loopback ``host`` needs it (or ``network.allow_insecure``), the same
+  rule as the OpenAI-compatible server's.
+* ``RUN_DIR/metrics/targets/<actor>.json``: ``[{"targets": ["HOST:PORT"], "labels": {"role": ...,
+  "actor": ...}}]``, Prometheus's ``file_sd_configs`` format, written atomically once the port is
+  bound (``port = 0`` picks a free one) and removed when the role exits. A restarted role writes it
+  again.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import socket
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from socketserver import BaseServer
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
+from prometheus_client.core import Metric
+
+from specroll.actors.config import RunConfig
+from specroll.actors.shared.files import write_text_atomic
+from specroll.actors.telemetry.families import CallbackCollector
+
+log = logging.getLogger("specroll.metrics")
+
+TARGETS_DIR = Path("metrics") / "targets"
+"""Under the run directory: one ``file_sd`` target file per live role."""
+TIMEOUT_S = 10.0
+"""Seconds a client has to send its request before the connection is dropped."""
+
+
+class _Quiet(WSGIRequestHandler):
+    timeout = TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # a scrape every few seconds is not news
+
+
+class _Server(WSGIServer):
+    allow_reuse_address = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+def _guarded(app: Callable[..., Iterable[bytes]], api_key: str) -> Callable[..., Iterable[bytes]]:
+    """``app``, answering 401 to a request without ``Authorization: Bearer api_key`` (when one is set)
+    and 404 to any path but ``/metrics``."""
+    expected = f"Bearer {api_key}".encode()
+
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO", "") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"only GET /metrics here\n"]
+        if api_key and not hmac.compare_digest(environ.get("HTTP_AUTHORIZATION", "").encode(), expected):
+            start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+            return [b"metrics.api_key required: Authorization: Bearer KEY\n"]
+        return app(environ, start_response)
+
+    return guarded
+
+
+class MetricsEndpoint:
+    """A role's ``/metrics`` (module docstring); :meth:`close` stops it and removes its target file.
+
+    Args:
+        config: the run config (``[metrics]``, ``run_dir``).
+        role: ``trainer``, ``generator``, ``drafter`` or ``server`` (the target's ``role`` label).
+        actor_id: the process's id (its port offset, its target file's name and ``actor`` label).
+        collect: builds the role's families at each scrape (``families.family``).
+
+    Raises:
+        OSError: the port cannot be bound (in use, or not allowed), naming the address.
+    """
+
+    def __init__(self, config: RunConfig, role: str, actor_id: str, collect: Callable[[], Iterable[Metric]]) -> None:
+        m = config.metrics
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(CallbackCollector(collect))
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        host = m.host.removeprefix("[").removesuffix("]")
+        port = m.port_for(actor_id)
+        server_class = _Server6 if ":" in host else _Server
+        try:
+            self._server: BaseServer = make_server(host, port, _guarded(make_wsgi_app(self.registry), m.api_key),
+                                                   server_class=server_class, handler_class=_Quiet)
+        except OSError as e:
+            raise OSError(e.errno, f"metrics endpoint of {actor_id}: cannot bind {m.host}:{port} ({e.strerror}); "
+                                   "set metrics.port to a free base port, or 0 for free ports") from None
+        self.port: int = self._server.server_address[1]  # type: ignore[attr-defined]
+        shown = socket.gethostname() if host in ("0.0.0.0", "::") else (f"[{host}]" if ":" in host else host)
+        self.url = f"http://{shown}:{self.port}/metrics"
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.5},
+                                        name=f"metrics-{actor_id}", daemon=True)
+        self._thread.start()
+        self.target = Path(config.run_dir) / TARGETS_DIR / f"{actor_id}.json"
+        try:
+            self.target.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(self.target, json.dumps(
+                [{"targets": [f"{shown}:{self.port}"], "labels": {"role": role, "actor": actor_id}}]) + "\n")
+        except OSError as e:
+            log.warning("metrics: cannot write the target file %s: %s", self.target, e)
+        log.info("metrics: %s serves %s", actor_id, self.url)
+
+    def close(self) -> None:
+        """Stop serving and remove the target file (idempotent)."""
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._thread.join(timeout=5)
+        self._server.server_close()
+        self.target.unlink(missing_ok=True)
+
+
+def open_endpoint(config: RunConfig, role: str, actor_id: str,
+                  collect: Callable[[], Iterable[Metric]]) -> MetricsEndpoint | None:
+    """:class:`MetricsEndpoint` when ``metrics.enabled``, else None.
+
+    Raises:
+        OSError: the port cannot be bound.
+    """
+    return MetricsEndpoint(config, role, actor_id, collect) if config.metrics.enabled else None
