@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from helpers.launch import assert_nothing_left, children_of, finish, launch, started_pids, wait_for, write_config
 from helpers.scrape import Samples, answers, assert_catalogue, scrape, target, value
+from helpers.sink_files import event_files, read_wandb_run, scalars
 
 pytestmark = pytest.mark.integration
 
@@ -33,8 +34,11 @@ def trained(run_dir: Path) -> list[dict]:
     return [r for r in records(run_dir) if "loss" in r and not r["skipped"]]
 
 
-def test_every_role_is_scraped_with_the_catalogue_and_agrees_with_metrics_jsonl(tmp_path: Path,
-                                                                                tiny_checkpoint) -> None:
+def test_every_role_is_scraped_with_the_catalogue_and_agrees_with_metrics_jsonl(
+        tmp_path: Path, tiny_checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # offline anyway; closed if it were not
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
     config = write_config(tmp_path, tiny_checkpoint(), steps=1_000_000, count=2)
     config.write_text(config.read_text().replace("[generator]\n", '[generator]\nspeculative = "auto"\n') + """
 [drafter]
@@ -52,6 +56,8 @@ restart_backoff_s = 0.2
 [metrics]
 enabled = true
 port = 0
+wandb = true
+tensorboard = true
 """)
     before = children_of(os.getpid())
     proc = launch(tmp_path, config)
@@ -116,4 +122,12 @@ port = 0
     assert code in (0, 128 + signal.SIGTERM, -signal.SIGTERM), err
     assert_nothing_left(run_dir, before)
     assert not list((run_dir / "metrics" / "targets").glob("*.json"))  # each role removed its own on exit
+    # the sinks hold each trained step's record under the metrics.jsonl keys
+    steps = {r["step"]: r for r in trained(run_dir)}
+    (offline,) = (run_dir / "wandb").glob("offline-run-*")
+    history = {h["step"]: h for h in read_wandb_run(offline).history}
+    assert set(history) == set(steps) and all(history[s]["reward_mean"] == steps[s]["reward_mean"] for s in steps)
+    (events,) = event_files(run_dir / "tensorboard")
+    assert {s: v for (tag, s), v in scalars(events).items() if tag == "trained_tokens"} == \
+        {s: r["trained_tokens"] for s, r in steps.items()}
 

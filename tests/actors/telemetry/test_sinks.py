@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import struct
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers.sink_files import WandbRun, event_files, read_wandb_run, scalars
 
 from specroll.actors.config import NetworkConfig, RunConfig
 from specroll.actors.config.metrics_section import MetricsConfig
@@ -132,28 +131,6 @@ def test_a_record_without_an_int_step_is_refused(tmp_path: Path) -> None:
 # --- TensorBoard ---------------------------------------------------------------------------------------
 
 
-def _event_files(logdir: Path) -> list[list[object]]:
-    """Every event file under ``logdir``, each as its events (TFRecord framing: u64 length, u32 CRC,
-    data, u32 CRC)."""
-    from tensorboardX.proto import event_pb2
-
-    files = []
-    for path in logdir.glob("events.out.tfevents.*"):
-        data, i, events = path.read_bytes(), 0, []
-        while i < len(data):
-            (n,) = struct.unpack("<Q", data[i:i + 8])
-            event = event_pb2.Event()
-            event.ParseFromString(data[i + 12:i + 12 + n])
-            events.append(event)
-            i += 12 + n + 4
-        files.append(events)
-    return files
-
-
-def _scalars(events: list[object]) -> dict[tuple[str, int], float]:
-    return {(v.tag, e.step): v.simple_value for e in events for v in e.summary.value}  # type: ignore[attr-defined]
-
-
 def _purge_step(events: list[object]) -> int:
     return next(e.step for e in events if e.HasField("session_log"))  # type: ignore[attr-defined]
 
@@ -164,22 +141,22 @@ def test_tensorboard_writes_the_scalars_and_a_restart_purges(tmp_path: Path) -> 
     assert sinks.names == ("tensorboard",)
     for record in (_record(1), _record(2, skipped=True, loss=SKIPPED_LOSS), _record(2)):
         sinks.write(record)
-    (first,) = _event_files(tmp_path / "tensorboard")  # flushed after every record, before close
+    (first,) = event_files(tmp_path / "tensorboard")  # flushed after every record, before close
     sinks.close()
     sinks.close()
-    scalars = _scalars(first)
-    assert {tag for tag, _ in scalars} == set(flatten_record(_record(1)))
-    assert {step for _, step in scalars} == {1, 2}
-    assert scalars["loss", 2] == 0.25 and scalars["staleness/1", 1] == 112
+    logged = scalars(first)
+    assert {tag for tag, _ in logged} == set(flatten_record(_record(1)))
+    assert {step for _, step in logged} == {1, 2}
+    assert logged["loss", 2] == 0.25 and logged["staleness/1", 1] == 112
     losses = [v.simple_value for e in first for v in e.summary.value if v.tag == "loss"]  # type: ignore[attr-defined]
     assert losses == [0.125, 0.25]  # not the skipped batch's
 
     with RecordSinks.open(config, tmp_path) as restarted:  # resumed from step 1's checkpoint
         restarted.write(_record(2, loss=0.5))
-    files = _event_files(tmp_path / "tensorboard")
+    files = event_files(tmp_path / "tensorboard")
     assert sorted(_purge_step(events) for events in files) == [1, 2]
     (second,) = [events for events in files if _purge_step(events) == 2]
-    assert _scalars(second)["loss", 2] == 0.5
+    assert scalars(second)["loss", 2] == 0.5
 
 
 def test_a_failing_sink_is_switched_off_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -211,53 +188,6 @@ def _config() -> RunConfig:
     return RunConfig(seed=7, server=ServerConfig(api_key=SERVER_KEY), network=NetworkConfig(keys_dir=KEYS_DIR),
                      metrics=MetricsConfig(wandb=True, wandb_mode="offline", wandb_project="specroll-tests",
                                            api_key=METRICS_KEY))
-
-
-def _wandb_records(path: Path) -> Iterator[object]:
-    """The records of a ``.wandb`` file: a 7-byte header (``:W&B``, magic 0xBEE1, version), then LevelDB
-    log framing (32 KiB blocks; per chunk u32 CRC, u16 length, u8 type full/first/middle/last), each
-    record a ``wandb_internal_pb2.Record``."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = path.read_bytes()
-    assert struct.unpack("<4sHB", data[:7])[:2] == (b":W&B", 0xBEE1)
-    i, pending = 7, b""
-    while i + 7 <= len(data):
-        if 32768 - i % 32768 < 7:  # a block's tail too short for a header is padding
-            i += 32768 - i % 32768
-            continue
-        _, n, kind = struct.unpack("<IHB", data[i:i + 7])
-        pending += data[i + 7:i + 7 + n]
-        i += 7 + n
-        if kind in (1, 4):  # full, last
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            pending = b""
-            yield record
-
-
-@dataclass
-class WandbRun:
-    """What one trainer process left in ``RUN_DIR/wandb``."""
-
-    directory: Path
-    run_id: str
-    config: dict[str, object]
-    history: list[dict[str, object]]
-
-
-def _read_wandb_run(directory: Path) -> WandbRun:
-    (path,) = directory.glob("run-*.wandb")
-    run_id, config, history = "", {}, []
-    for record in _wandb_records(path):
-        kind = record.WhichOneof("record_type")  # type: ignore[attr-defined]
-        if kind == "run":
-            run_id = record.run.run_id  # type: ignore[attr-defined]
-            config = {u.key: json.loads(u.value_json) for u in record.run.config.update}  # type: ignore[attr-defined]
-        elif kind == "history":
-            items = record.history.item  # type: ignore[attr-defined]
-            history.append({"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in items})
-    return WandbRun(directory, run_id, config, history)
 
 
 @dataclass
@@ -319,7 +249,7 @@ def wandb_runs(tmp_path_factory: pytest.TempPathFactory) -> WandbRuns:
             logger.setLevel(level)
         leftover = _wandb_children()
     first, restarted = sorted(p for p in (run_dir / "wandb").glob("offline-run-*") if p.is_dir())
-    return WandbRuns(run_dir, _read_wandb_run(first), _read_wandb_run(restarted), names, names_at_end,
+    return WandbRuns(run_dir, read_wandb_run(first), read_wandb_run(restarted), names, names_at_end,
                      handler.messages, leftover)
 
 
