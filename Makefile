@@ -35,6 +35,7 @@ lint: setup
 
 docs: setup
 	$(BIN)/python scripts/config_reference.py
+	$(BIN)/python scripts/metrics_reference.py
 	$(BIN)/mkdocs build --strict
 
 clean:

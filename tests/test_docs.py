@@ -19,9 +19,9 @@ DOCS = ROOT / "docs"
 SCRIPT = ROOT / "scripts" / "config_reference.py"
 
 
-def _reference() -> ModuleType:
-    """``scripts/config_reference.py`` as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("config_reference", SCRIPT)
+def _reference(name: str = "config_reference") -> ModuleType:
+    """``scripts/<name>.py`` as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPT.with_name(f"{name}.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
@@ -146,6 +146,8 @@ def test_the_site_builds_with_mkdocs_strict(tmp_path: Path) -> None:
 def test_the_metrics_page_lists_every_exported_metric_with_its_type() -> None:
     from specroll.actors.telemetry import catalogue
 
+    script = _reference("metrics_reference")
     page = (ROOT / "docs" / "metrics.md").read_text()
+    assert script.render(page) == page, "docs/metrics.md is stale: run python scripts/metrics_reference.py"
     rows = dict(re.findall(r"^\| `([a-z0-9_:]+)` \| (counter|gauge|histogram) \|", page, re.M))
     assert rows == {m.exposed: m.kind for m in catalogue.ALL}

@@ -93,7 +93,8 @@ def test_endpoint_serves_the_families_and_its_target_file_then_removes_it(tmp_pa
     ep = MetricsEndpoint(_config(tmp_path), "drafter", "drafter-0", lambda: role_families(refusals, "drafter", "x"))
     try:
         target = json.loads((tmp_path / "run" / "metrics" / "targets" / "drafter-0.json").read_text())
-        assert target == [{"targets": [f"127.0.0.1:{ep.port}"], "labels": {"role": "drafter", "actor": "drafter-0"}}]
+        assert target == [{"targets": [f"127.0.0.1:{ep.port}"],
+                       "labels": {"run": "run", "role": "drafter", "actor": "drafter-0"}}]
         status, text = _get(ep.url)
         assert status == 200
         families = {f.name: f for f in text_string_to_metric_families(text)}
@@ -152,3 +153,18 @@ def test_the_catalogue_names_are_unique_and_bounded() -> None:
         assert (m.kind == "histogram") == bool(m.buckets), m.name
     assert c.of_role("generator", speculative=False) == tuple(m for m in c.of_role("generator") if not m.speculative)
     assert c.GENERATORS in c.of_role("server") and c.GENERATORS not in c.of_role("generator")
+
+
+def test_the_text_format_keeps_the_colons_whatever_the_scraper_accepts(tmp_path: Path) -> None:
+    """Prometheus 2 asks for OpenMetrics first; prometheus_client's OpenMetrics output would store
+    ``vllm:generation_tokens_total`` as ``vllm_generation_tokens_total``."""
+    ep = MetricsEndpoint(_config(tmp_path), "generator", "generator-0",
+                         lambda: iter([family(c.GENERATION_TOKENS, [(("m", "0"), 5)])]))
+    try:
+        accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+        with urllib.request.urlopen(urllib.request.Request(ep.url, headers={"Accept": accept}), timeout=30) as r:
+            assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            text = r.read().decode()
+        assert 'vllm:generation_tokens_total{engine="0",model_name="m"} 5.0' in text, text
+    finally:
+        ep.close()

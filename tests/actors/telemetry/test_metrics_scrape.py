@@ -113,7 +113,7 @@ tensorboard = true
             for key, v in counters(old, types).items():
                 assert now[key] >= v, (actor, key, v, now[key])
         _, tr = scrape(run_dir, "trainer")
-        assert value(tr, "specroll:restarts_total", role="generator-1") >= 1
+        assert value(tr, "specroll:restarts_total", process="generator-1") >= 1
         assert value(tr, "specroll:generators_dead_total") >= 1
     finally:
         if proc.poll() is None:

@@ -150,6 +150,12 @@ CLIP_FRACTION = _t("specroll:clip_fraction", "gauge", "Fraction of tokens whose 
 DIFF_MEAN = _t("specroll:logprob_diff_mean", "gauge",
                "Training-inference mismatch: mean |trainer - generator| logprob on lag-0 tokens, last step.")
 DIFF_MAX = _t("specroll:logprob_diff_max", "gauge", "Training-inference mismatch: largest such difference, last step.")
+MISMATCH_TOKENS = _t("specroll:logprob_mismatch_tokens", "gauge",
+                     "Lag-0 tokens the mismatch figures were measured on, last step (0: the figures are NaN).")
+TRUNCATED = _t("specroll:truncated_fraction", "gauge", "Fraction of the last step's tokens whose importance weight was "
+               "truncated (TIS).")
+IS_WEIGHT = _t("specroll:is_weight_mean", "gauge", "Mean importance weight applied (after truncation), last step.")
+MAX_LAG = _t("specroll:max_lag", "gauge", "Largest staleness (policy versions) among the last step's tokens.")
 KL_K3 = _t("specroll:logprob_kl_k3", "gauge", "Training-inference mismatch: k3 KL estimate on lag-0 tokens, last step.")
 STALENESS = _t("specroll:token_staleness", "histogram",
                "Trained tokens by staleness: policy versions between the version that sampled them and the "
@@ -166,7 +172,8 @@ ACCEPTANCE = _t("specroll:acceptance_length", "gauge",
                 "speculation).")
 GENERATORS = Metric("specroll:generators_registered", "gauge", "hub", "Generators registered with the hub and alive.")
 GENERATOR_DEATHS = Metric("specroll:generators_dead", "counter", "hub", "Generators the hub saw die or time out.")
-RESTARTS = _t("specroll:restarts", "counter", "Processes the launcher restarted, by role.", ("role",))
+RESTARTS = _t("specroll:restarts", "counter",
+              "Processes the launcher restarted, by process (trainer, generator-0, ...).", ("process",))
 
 # ---- the OpenAI-compatible server -------------------------------------------------------------
 SERVER_REQUESTS = Metric("specroll:server_requests", "counter", "server",

@@ -6,8 +6,9 @@ HTTP server in a daemon thread, and the target file that tells Prometheus where 
 * ``[metrics] api_key``: every request must carry ``Authorization: Bearer KEY`` (compared in constant
   time; 401 otherwise). A non-loopback ``host`` needs it (or ``network.allow_insecure``), the same
   rule as the OpenAI-compatible server's.
-* ``RUN_DIR/metrics/targets/<actor>.json``: ``[{"targets": ["HOST:PORT"], "labels": {"role": ...,
-  "actor": ...}}]``, Prometheus's ``file_sd_configs`` format, written atomically once the port is
+* ``RUN_DIR/metrics/targets/<actor>.json``: ``[{"targets": ["HOST:PORT"], "labels": {"run": ...,
+  "role": ..., "actor": ...}}]``, Prometheus's ``file_sd_configs`` format (``run``: the run
+  directory's name, so one Prometheus can scrape several runs), written atomically once the port is
   bound (``port = 0`` picks a free one) and removed when the role exits. A restarted role writes it
   again.
 """
@@ -25,8 +26,9 @@ from socketserver import BaseServer
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from specroll.actors.config import RunConfig
 from specroll.actors.shared.files import write_text_atomic
@@ -55,21 +57,27 @@ class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
-def _guarded(app: Callable[..., Iterable[bytes]], api_key: str) -> Callable[..., Iterable[bytes]]:
-    """``app``, answering 401 to a request without ``Authorization: Bearer api_key`` (when one is set)
-    and 404 to any path but ``/metrics``."""
+def _app(registry: CollectorRegistry, api_key: str) -> Callable[..., Iterable[bytes]]:
+    """The WSGI app: ``GET /metrics`` in Prometheus's text format 0.0.4, whatever the client's
+    ``Accept`` asks; 401 without ``Authorization: Bearer api_key`` (when one is set); 404 elsewhere.
+
+    Always the text format: prometheus_client's OpenMetrics output (what Prometheus 2 asks for first)
+    rewrites the ``:`` of every sample name to ``_`` (``vllm:num_requests_running`` would be stored as
+    ``vllm_num_requests_running``; prometheus/client_python issue 1177), and vLLM's names need it."""
     expected = f"Bearer {api_key}".encode()
 
-    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         if environ.get("PATH_INFO", "") != "/metrics":
             start_response("404 Not Found", [("Content-Type", "text/plain")])
             return [b"only GET /metrics here\n"]
         if api_key and not hmac.compare_digest(environ.get("HTTP_AUTHORIZATION", "").encode(), expected):
             start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
             return [b"metrics.api_key required: Authorization: Bearer KEY\n"]
-        return app(environ, start_response)
+        body = generate_latest(registry)
+        start_response("200 OK", [("Content-Type", CONTENT_TYPE_PLAIN_0_0_4), ("Content-Length", str(len(body)))])
+        return [body]
 
-    return guarded
+    return app
 
 
 class MetricsEndpoint:
@@ -94,7 +102,7 @@ class MetricsEndpoint:
         port = m.port_for(actor_id)
         server_class = _Server6 if ":" in host else _Server
         try:
-            self._server: BaseServer = make_server(host, port, _guarded(make_wsgi_app(self.registry), m.api_key),
+            self._server: BaseServer = make_server(host, port, _app(self.registry, m.api_key),
                                                    server_class=server_class, handler_class=_Quiet)
         except OSError as e:
             raise OSError(e.errno, f"metrics endpoint of {actor_id}: cannot bind {m.host}:{port} ({e.strerror}); "
@@ -109,7 +117,8 @@ class MetricsEndpoint:
         try:
             self.target.parent.mkdir(parents=True, exist_ok=True)
             write_text_atomic(self.target, json.dumps(
-                [{"targets": [f"{shown}:{self.port}"], "labels": {"role": role, "actor": actor_id}}]) + "\n")
+                [{"targets": [f"{shown}:{self.port}"], "labels": {"run": run_label(config), "role": role,
+                                                                  "actor": actor_id}}]) + "\n")
         except OSError as e:
             log.warning("metrics: cannot write the target file %s: %s", self.target, e)
         log.info("metrics: %s serves %s", actor_id, self.url)
@@ -121,6 +130,11 @@ class MetricsEndpoint:
             self._thread.join(timeout=5)
         self._server.server_close()
         self.target.unlink(missing_ok=True)
+
+
+def run_label(config: RunConfig) -> str:
+    """The ``run`` label of a run's targets: its run directory's name (``runs/gsm8k`` → ``gsm8k``)."""
+    return Path(config.run_dir).resolve().name or str(config.run_dir)
 
 
 def open_endpoint(config: RunConfig, role: str, actor_id: str,

@@ -27,12 +27,13 @@ _LAST_STEP = {  # gauge → the record's key
     c.REWARD: "reward_mean", c.ACCURACY: "accuracy", c.LOSS: "loss", c.GRAD_NORM: "grad_norm",
     c.APPROX_KL: "approx_kl", c.CLIP_FRACTION: "clip_fraction", c.DIFF_MEAN: "logprob_diff_mean",
     c.DIFF_MAX: "logprob_diff_max", c.KL_K3: "logprob_kl_k3", c.GEN_RATE: "gen_tokens_per_s",
-    c.ACCEPTANCE: "acceptance_length",
+    c.ACCEPTANCE: "acceptance_length", c.MISMATCH_TOKENS: "logprob_mismatch_tokens",
+    c.TRUNCATED: "truncated_fraction", c.IS_WEIGHT: "is_weight_mean", c.MAX_LAG: "max_lag",
 }
 PHASES = ("wait", "train", "publish", "eval_wait")
 """The trainer's phases (``Trainer._phase``); any other is counted as ``other``."""
 MAX_ROLES = 16
-"""Most ``role`` label values of ``specroll:restarts`` (more are summed under ``other``)."""
+"""Most ``process`` label values of ``specroll:restarts`` (more are summed under ``other``)."""
 
 
 def _number(value: Any) -> float:
