@@ -78,7 +78,6 @@ class TrainerExport:
             return
         if isinstance(step, int):
             self.step = step
-        self.policy_version = int(record.get("policy_version") or 0)
         self.samples += int(record.get("samples") or 0)
         self.tokens += int(record.get("trained_tokens") or 0)
         staleness = record.get("staleness")
@@ -88,9 +87,12 @@ class TrainerExport:
         self.step_seconds.observe(_number(record.get("step_s")))
         self.last = {key: _number(record.get(key)) for key in _LAST_STEP.values()}
 
-    def on_phase(self, phase: str, seconds: float) -> None:
-        """A trainer phase of ``seconds`` ended."""
+    def on_phase(self, phase: str, seconds: float, version: int) -> None:
+        """A trainer phase of ``seconds`` ended, the trainer's policy at ``version`` (published when
+        the phase is ``publish``: the gauge follows publishing, not the step's metrics line, which
+        a held evaluation delays)."""
         self.phase_s[phase if phase in PHASES else "other"] += seconds
+        self.policy_version = version
 
     def collect(self) -> Iterator[Metric]:
         """The trainer's families at one scrape (the catalogue's ``trainer`` and ``any`` metrics)."""

@@ -215,7 +215,7 @@ class Trainer:
         try:
             yield
         finally:
-            self.records.export.on_phase(phase, time.time() - start)
+            self.records.export.on_phase(phase, time.time() - start, self.version)
             if self.timeline is not None:
                 self.timeline.record("phase", phase=phase, start=start, end=time.time(), step=self.step + 1)
 
