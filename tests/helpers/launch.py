@@ -54,6 +54,21 @@ count = 4
     return path
 
 
+def with_drafter(config: Path, duty_cycle: float = 1.0) -> Path:
+    """``config`` (from :func:`write_config`) with the drafter trainer on, sized for a tiny model, and
+    the generators drafting with it."""
+    config.write_text(config.read_text().replace("[generator]\n", '[generator]\nspeculative = "auto"\n') + f"""
+[drafter]
+enabled = true
+min_rollouts = 2
+publish_every_steps = 2
+window_tokens = 16
+draft_vocab_size = 64
+duty_cycle = {duty_cycle}
+""")
+    return config
+
+
 def children_of(pid: int) -> set[int]:
     """Live (non-zombie) processes whose parent is ``pid``."""
     found = set()

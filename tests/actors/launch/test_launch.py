@@ -23,6 +23,7 @@ from helpers.launch import (
     launch,
     started_pids,
     wait_for,
+    with_drafter,
     write_config,
 )
 
@@ -254,16 +255,7 @@ def test_resume_replaces_the_metrics_of_steps_after_the_checkpoint(tmp_path: Pat
 def test_drafter_trainer_publishes_and_its_death_stops_nothing(tmp_path: Path, tiny_checkpoint) -> None:
     """The drafter trainer is SIGKILLed: the launcher restarts it (it warm-starts from RUN_DIR/drafter,
     ``test_drafter_actor.py``) and training goes on to the end meanwhile."""
-    config = write_config(tmp_path, tiny_checkpoint(), steps=40, count=1)
-    config.write_text(config.read_text().replace("[generator]\n", '[generator]\nspeculative = "auto"\n') + """
-[drafter]
-enabled = true
-min_rollouts = 2
-publish_every_steps = 2
-window_tokens = 16
-draft_vocab_size = 64
-duty_cycle = 1.0
-""")
+    config = with_drafter(write_config(tmp_path, tiny_checkpoint(), steps=40, count=1))
     before = children_of(os.getpid())
     proc = launch(tmp_path, config)
     run_dir = tmp_path / "run"

@@ -11,7 +11,16 @@ import signal
 from pathlib import Path
 
 import pytest
-from helpers.launch import assert_nothing_left, children_of, finish, launch, started_pids, wait_for, write_config
+from helpers.launch import (
+    assert_nothing_left,
+    children_of,
+    finish,
+    launch,
+    started_pids,
+    wait_for,
+    with_drafter,
+    write_config,
+)
 from helpers.scrape import Samples, answers, assert_catalogue, scrape, target, value
 from helpers.sink_files import event_files, read_wandb_run, scalars
 
@@ -39,16 +48,8 @@ def test_every_role_is_scraped_with_the_catalogue_and_agrees_with_metrics_jsonl(
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # offline anyway; closed if it were not
     for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(name, str(tmp_path / name.lower()))
-    config = write_config(tmp_path, tiny_checkpoint(), steps=1_000_000, count=2)
-    config.write_text(config.read_text().replace("[generator]\n", '[generator]\nspeculative = "auto"\n') + """
-[drafter]
-enabled = true
-min_rollouts = 2
-publish_every_steps = 2
-window_tokens = 16
-draft_vocab_size = 64
-duty_cycle = 0.5
-
+    config = with_drafter(write_config(tmp_path, tiny_checkpoint(), steps=1_000_000, count=2), duty_cycle=0.5)
+    config.write_text(config.read_text() + """
 [launch]
 max_restarts = 3
 restart_backoff_s = 0.2
