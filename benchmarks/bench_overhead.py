@@ -23,9 +23,14 @@ metadata, forward, sample/verify, emit; means per step) and the ratio verify / d
 device (``--device cuda``) the phase timer synchronises at each boundary, so there the phases come
 from one extra round and the step times from rounds without it.
 
+``--metrics`` adds a section after those: the generator's step loop (a decode step and
+``LiveSamples.on_outputs``) with live metrics off and on, a real ``/metrics`` scraped every
+``--scrape-interval-s`` in the "on" arm (``metrics_overhead.py``), under ``--json``'s ``metrics`` key.
+
 Usage::
 
     python benchmarks/bench_overhead.py --json bench_overhead.json
+    python benchmarks/bench_overhead.py --batch-sizes 1,16 --metrics --json bench_overhead.json
 """
 
 from __future__ import annotations
@@ -41,8 +46,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common import int_list
+from metrics_overhead import measure_metrics, print_metrics
 
-from specroll.actors.cli import positive_int
+from specroll.actors.shared.arg_types import positive_float, positive_int
 
 if TYPE_CHECKING:
 
@@ -74,6 +80,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here as JSON")
+    p.add_argument("--metrics", action="store_true",
+                   help="also time the generator's step loop with live metrics off and on (metrics_overhead.py)")
+    p.add_argument("--scrape-interval-s", type=positive_float, default=1.0,
+                   help="--metrics: seconds between scrapes of /metrics in the 'on' arm (default: %(default)s; "
+                        "Prometheus's default is 15)")
+    p.add_argument("--metrics-round-s", type=positive_float, default=3.0,
+                   help="--metrics: seconds each off or on round runs, --rounds of each (default: %(default)s)")
     args = p.parse_args(argv)
     if args.json is not None and not args.json.parent.is_dir():
         p.error(f"--json {args.json}: no directory {args.json.parent}")
@@ -217,12 +230,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{batch:>3} {mode:>6} {r['step_ms']:>8.2f} | "  # type: ignore[index]
                   + " ".join(f"{r['phases_ms'][p]:>9.3f}" for p in phase_names))  # type: ignore[index]
         print(f"{batch:>3} verify / decode = {row['verify_over_decode']:.2f}x")
+    metrics: dict[str, dict[str, object]] = {}
+    if args.metrics:
+        metrics = {str(batch): measure_metrics(checkpoint, args, batch) for batch in args.batch_sizes}
+        print_metrics(metrics, args.scrape_interval_s)
     load_after = os.getloadavg()[0]
     print(f"1-min load average {load_before:.2f} before, {load_after:.2f} after ({os.cpu_count()} CPUs)")
     if args.json is not None:
         report = {"layers": c.num_layers, "hidden": c.hidden_size, "vocab": c.vocab_size, "dtype": args.dtype,
                   "device": args.device, "threads": torch.get_num_threads(), "k": args.k,
                   "load_average": [load_before, load_after], "batch": results}
+        if args.metrics:
+            report["metrics"] = {"scrape_interval_s": args.scrape_interval_s, "round_s": args.metrics_round_s,
+                                 "rounds": args.rounds, "batch": metrics}
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"-> {args.json}")
     return 0
