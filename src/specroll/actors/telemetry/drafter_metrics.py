@@ -5,8 +5,9 @@ and its learner."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.core import Metric
 
@@ -14,10 +15,24 @@ from specroll.actors.telemetry import catalogue as c
 from specroll.actors.telemetry.families import family, role_families
 
 if TYPE_CHECKING:
-    from specroll.actors.drafter_trainer.actor import DrafterActor
+    from specroll.drafter.learner import DrafterLearner
 
 
-def collect_drafter(actor: DrafterActor, actor_id: str) -> Iterator[Metric]:
+class _Peer(Protocol):
+    refusals: Counter[str]
+
+
+class DrafterState(Protocol):
+    """What a scrape reads of the drafter trainer (``DrafterActor`` has it)."""
+
+    learner: DrafterLearner
+    train_s: float
+    last_metrics: dict[str, float]
+    rollouts_received: int
+    peer: _Peer
+
+
+def collect_drafter(actor: DrafterState, actor_id: str) -> Iterator[Metric]:
     """The drafter trainer's families at one scrape (the catalogue's ``drafter`` and ``any`` metrics)."""
     learner = actor.learner
     policy = learner.trained_policy_version if learner.trained_policy_version is not None else learner.policy_version

@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.core import Metric
 
@@ -23,7 +23,7 @@ from specroll.actors.telemetry import catalogue as c
 from specroll.actors.telemetry.families import Buckets, family, role_families
 
 if TYPE_CHECKING:
-    from specroll.actors.generator.actor import GeneratorActor
+    from specroll.engine.engine import Engine
 
 
 class RequestLatency:
@@ -92,7 +92,36 @@ class SyncCounters:
         self.seconds += max(0.0, time.monotonic() - fetch_started)
 
 
-def collect_generator(actor: GeneratorActor, model_name: str, actor_id: str) -> Iterator[Metric]:
+class _Samples(Protocol):
+    num_tokens: int
+    latency: RequestLatency | None
+    speculative: bool
+
+
+class _Versioned(Protocol):
+    version: int
+
+
+class _Peer(Protocol):
+    refusals: Counter[str]
+
+
+class GeneratorState(Protocol):
+    """What a scrape reads of a generator (``GeneratorActor`` has it): its engine, its live samples'
+    counters, its weight syncs, the drafter version served, its peer connection's refusals and its
+    step loop's counters."""
+
+    engine: Engine
+    samples: _Samples
+    sync: SyncCounters
+    drafter: _Versioned
+    peer: _Peer
+    num_steps: int
+    busy_s: float
+    idle_s: float
+
+
+def collect_generator(actor: GeneratorState, model_name: str, actor_id: str) -> Iterator[Metric]:
     """The generator's families at one scrape (the catalogue's ``generator`` and ``any`` metrics)."""
     engine = actor.engine
     sched, blocks = engine.scheduler, engine.block_manager

@@ -4,8 +4,8 @@ time."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sized
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.core import Metric
 
@@ -14,7 +14,18 @@ from specroll.actors.telemetry.families import family, role_families
 
 if TYPE_CHECKING:
     from specroll.actors.rollout.client import RolloutClient
-    from specroll.actors.server.requests import Router
+
+
+class RouterState(Protocol):
+    """What a scrape reads of the server's router (``actors/server/requests.Router`` has it)."""
+
+    requests_total: int
+    rejected_total: int
+    paused: bool
+    sessions: Sized
+
+    @property
+    def num_in_flight(self) -> int: ...
 
 
 def collect_hub(client: RolloutClient, role: str, actor_id: str) -> Iterator[Metric]:
@@ -24,7 +35,7 @@ def collect_hub(client: RolloutClient, role: str, actor_id: str) -> Iterator[Met
     yield from role_families(client.mail.errors_sent, role, actor_id)
 
 
-def collect_server(router: Router) -> Iterator[Metric]:
+def collect_server(router: RouterState) -> Iterator[Metric]:
     """The OpenAI-compatible server's families: requests accepted, rejected, in flight; pause; sessions."""
     yield family(c.SERVER_REQUESTS, [((), router.requests_total)])
     yield family(c.SERVER_REJECTED, [((), router.rejected_total)])
