@@ -8,6 +8,7 @@ import json
 import math
 import re
 import socket
+import threading
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -20,6 +21,7 @@ from specroll.actors.config import RunConfig
 from specroll.actors.config.metrics_section import MetricsConfig
 from specroll.actors.config.network_section import NetworkConfig
 from specroll.actors.telemetry import catalogue as c
+from specroll.actors.telemetry import endpoint
 from specroll.actors.telemetry.endpoint import MetricsEndpoint, open_endpoint
 from specroll.actors.telemetry.families import Buckets, family, role_families
 from specroll.actors.telemetry.generator_metrics import RequestLatency, SyncCounters
@@ -168,3 +170,70 @@ def test_the_text_format_keeps_the_colons_whatever_the_scraper_accepts(tmp_path:
         assert 'vllm:generation_tokens_total{engine="0",model_name="m"} 5.0' in text, text
     finally:
         ep.close()
+
+
+def test_a_client_that_drips_or_stalls_holds_neither_other_scrapes_nor_the_exit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(endpoint, "CONNECTION_S", 600.0)  # the stalled ones outlive the test: they must not matter
+    monkeypatch.setattr(endpoint._Handler, "timeout", 600.0)
+    ep = MetricsEndpoint(_config(tmp_path), "trainer", "trainer", lambda: iter(()))
+    stalled = [socket.create_connection(("127.0.0.1", ep.port)) for _ in range(3)]
+    try:
+        stalled[0].sendall(b"GET /metrics HTTP/1.1\r\nX-A: a")  # headers never finished
+        assert _get(ep.url)[0] == 200  # served beside the stalled connections (one at a time: 600 s)
+        closing = threading.Thread(target=ep.close)
+        closing.start()
+        closing.join(timeout=60)  # a hang guard: it returns without waiting for them
+        assert not closing.is_alive() and not ep._thread.is_alive()
+    finally:
+        for s in stalled:
+            s.close()
+
+
+def test_only_get_and_head_and_a_bearer_scheme_in_any_case(tmp_path: Path) -> None:
+    ep = MetricsEndpoint(_config(tmp_path, api_key="k"), "generator", "../../generator 0", lambda: iter(()))
+    try:
+        post = urllib.request.Request(ep.url, data=b"x", method="POST", headers={"Authorization": "Bearer k"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(post, timeout=30)
+        assert refused.value.code == 405
+        head = urllib.request.Request(ep.url, method="HEAD", headers={"Authorization": "bearer k"})
+        with urllib.request.urlopen(head, timeout=30) as reply:
+            assert reply.status == 200 and reply.read() == b""
+        # an id that is not a file name is made one; the file is readable by a Prometheus of another user
+        target = tmp_path / "run" / "metrics" / "targets" / ".._.._generator_0.json"
+        assert target.exists() and target.stat().st_mode & 0o777 == 0o644
+    finally:
+        ep.close()
+
+
+def test_launch_checks_every_role_s_metrics_port_also_under_serve(tmp_path: Path) -> None:
+    from specroll.actors.config.generator_section import GeneratorConfig
+    from specroll.actors.launch.errors import LaunchError
+    from specroll.actors.launch.preflight import _check_metrics
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        base = busy.getsockname()[1] - 3  # generator-1's port is taken
+        config = RunConfig(run_dir=str(tmp_path), generator=GeneratorConfig(count=2),
+                           metrics=MetricsConfig(enabled=True, port=base))
+        for serving in (False, True):
+            with pytest.raises(LaunchError, match=re.escape(f"metrics.port (generator-1's)={base + 3}")):
+                _check_metrics(config, serving)
+    with pytest.raises(ValueError, match=re.escape("room for generator.count = 64 generators")):
+        RunConfig(generator=GeneratorConfig(count=64), metrics=MetricsConfig(port=65471))
+
+
+def test_restarts_come_from_the_launcher_s_file_so_a_restarted_trainer_never_reads_0(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from specroll.actors.telemetry.trainer_metrics import TrainerExport
+
+    hub = SimpleNamespace(coordinator=SimpleNamespace(generators={"generator-0": None}), dead_generators={},
+                          mail=SimpleNamespace(errors_sent=Counter()))
+    export = TrainerExport(hub, tmp_path)  # type: ignore[arg-type]
+    (tmp_path / "restarts.json").write_text(json.dumps({"restarts_by_role": {"generator-1": 2}}))
+    (restarts,) = [f for f in export.collect() if f.name == "specroll:restarts"]
+    assert {s.labels["process"]: s.value for s in restarts.samples} == {"trainer": 0, "generator-0": 0,
+                                                                         "generator-1": 2}

@@ -72,5 +72,5 @@ class MetricsConfig(_Section):
             return self.port + DRAFTER_PORT_OFFSET
         index = actor_id.removeprefix("generator-")
         if actor_id.startswith("generator-") and index.isdigit() and len(index) <= 4:
-            return min(65535, self.port + GENERATOR_PORT_OFFSET + int(index))
+            return self.port + GENERATOR_PORT_OFFSET + int(index)
         return self.port

@@ -106,6 +106,10 @@ class RunConfig(_Section):
         _require(not metrics.enabled or metrics.is_loopback() or bool(metrics.api_key) or self.network.allow_insecure,
                  "metrics.host", metrics.host, "a loopback address (127.0.0.1, ::1, localhost) unless metrics.api_key "
                  "is set (or network.allow_insecure = true: then anyone who reaches the ports reads the run's metrics)")
+        last = metrics.port_for(f"generator-{self.generator.count - 1}")
+        _require(metrics.port == 0 or last <= 65535, "metrics.port", metrics.port,
+                 f"a base port with room for generator.count = {self.generator.count} generators (port + 2 + i "
+                 "<= 65535), or 0 for free ports")
         k = engine.num_draft_tokens
         # The acceptance length (tokens per verify step) is at most k + 1: k drafts and a bonus token.
         _require(self.drafter.acceptance_floor <= k + 1, "drafter.acceptance_floor", self.drafter.acceptance_floor,

@@ -41,7 +41,7 @@ from specroll.actors.peer.weights_fetch import FetchAbandoned, WeightsFetch, che
 from specroll.actors.shared.exit_codes import EXIT_REFUSED
 from specroll.actors.shared.security import peer_keys
 from specroll.actors.telemetry.drafter_metrics import collect_drafter
-from specroll.actors.telemetry.endpoint import open_endpoint
+from specroll.actors.telemetry.endpoint import serving_metrics
 from specroll.drafter.eagle_config import DrafterError, max_tensor_bytes
 from specroll.drafter.eagle_head import EagleHead
 from specroll.drafter.learner import DrafterLearner, DrafterSnapshot
@@ -367,12 +367,10 @@ async def run_drafter(config: RunConfig, connect: str, actor_id: str) -> int:
     log.info("drafter trainer %s: model %s loaded; %s; connecting to %s", actor_id, config.model.name,
              f"warm start from {init}" if init else "cold start", connect)
     keys = peer_keys(config, "drafter", log)
-    async with trainer_channel(connect, actor_id, ToDrafter, config.network.window, config.drafter.linger_s,
-                               keys, max_tensor_bytes=max_tensor_bytes(learner.target.config)) as channel:
-        actor = DrafterActor(config, learner, channel, connect=connect, actor_id=actor_id)
-        endpoint = open_endpoint(config, "drafter", actor_id, lambda: collect_drafter(actor, actor_id))
-        try:
-            return await actor.run()
-        finally:
-            if endpoint is not None:
-                endpoint.close()
+    served: list[DrafterActor] = []  # the actor, once made: what a scrape reads
+    with serving_metrics(config, "drafter", actor_id,  # a port in use: MetricsBindError before connecting
+                         lambda: collect_drafter(served[0], actor_id) if served else iter(())):
+        async with trainer_channel(connect, actor_id, ToDrafter, config.network.window, config.drafter.linger_s,
+                                   keys, max_tensor_bytes=max_tensor_bytes(learner.target.config)) as channel:
+            served.append(DrafterActor(config, learner, channel, connect=connect, actor_id=actor_id))
+            return await served[0].run()

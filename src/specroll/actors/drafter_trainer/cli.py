@@ -19,6 +19,7 @@ from specroll.actors.peer.endpoint import check_endpoint
 from specroll.actors.peer.exit import run_stoppable
 from specroll.actors.shared.exit_codes import EXIT_REFUSED
 from specroll.actors.shared.security import keys_overrides, keys_usable
+from specroll.actors.telemetry.endpoint import MetricsBindError
 from specroll.drafter.eagle_config import DrafterError
 from specroll.engine.loaders.checkpoint import CheckpointError
 
@@ -43,7 +44,7 @@ def serve(config: RunConfig, connect: str, actor_id: str | None = None, log_leve
     try:
         return run_stoppable(lambda: anyio.run(run_drafter, config, connect, actor_id, backend="asyncio"),
                              logging.getLogger("specroll.drafter"), "drafter trainer", actor_id)
-    except (CheckpointError, DrafterError) as e:
+    except (CheckpointError, DrafterError, MetricsBindError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_REFUSED
 

@@ -56,7 +56,7 @@ from specroll.actors.generator.rollout_stream import DraftCounter
 from specroll.actors.generator.submit_limits import SubmitLimits
 from specroll.actors.peer.lifecycle import PeerConnection, trainer_channel
 from specroll.actors.shared.security import peer_keys
-from specroll.actors.telemetry.endpoint import open_endpoint
+from specroll.actors.telemetry.endpoint import serving_metrics
 from specroll.actors.telemetry.generator_metrics import RequestLatency, SyncCounters, collect_generator
 from specroll.drafter.eagle_config import max_tensor_bytes
 from specroll.engine.engine import Engine
@@ -357,18 +357,16 @@ async def run_generator(config: RunConfig, connect: str, actor_id: str) -> int:
     """Load the engine ``config.generator.engine`` describes, connect to the trainer at ``connect`` as
     ``actor_id`` and serve until stopped; return the exit code."""
     engine, counter = build_engine(config)
+    served: list[GeneratorActor] = []  # the actor, once made: what a scrape reads
+    model_name = config.server.model_name or config.model.name
     log.info("generator %s: model %s loaded (%s, %s); connecting to %s", actor_id, config.generator.engine.model,
              engine.dtype, engine.device, connect)
     keys = peer_keys(config, "generator", log)
     limits = SubmitLimits.of(engine, config.generator.engine.max_num_seqs)
-    async with trainer_channel(connect, actor_id, ToGenerator, config.network.window, config.generator.linger_s,
-                               keys, max_header_bytes=limits.max_header_bytes(),
-                               max_tensor_bytes=max_tensor_bytes(engine.model_config)) as channel:
-        actor = GeneratorActor(config, engine, channel, counter, connect=connect, actor_id=actor_id)
-        model_name = config.server.model_name or config.model.name
-        endpoint = open_endpoint(config, "generator", actor_id, lambda: collect_generator(actor, model_name, actor_id))
-        try:
-            return await actor.run()
-        finally:
-            if endpoint is not None:
-                endpoint.close()
+    with serving_metrics(config, "generator", actor_id,  # a port in use: MetricsBindError before connecting
+                         lambda: collect_generator(served[0], model_name, actor_id) if served else iter(())):
+        async with trainer_channel(connect, actor_id, ToGenerator, config.network.window, config.generator.linger_s,
+                                   keys, max_header_bytes=limits.max_header_bytes(),
+                                   max_tensor_bytes=max_tensor_bytes(engine.model_config)) as channel:
+            served.append(GeneratorActor(config, engine, channel, counter, connect=connect, actor_id=actor_id))
+            return await served[0].run()

@@ -24,6 +24,7 @@ from specroll.actors.peer.exit import run_stoppable
 from specroll.actors.shared.exit_codes import EXIT_REFUSED
 from specroll.actors.shared.keys_flag import add_keys_argument
 from specroll.actors.shared.security import keys_overrides, keys_usable
+from specroll.actors.telemetry.endpoint import MetricsBindError
 from specroll.drafter.eagle_config import DrafterError
 from specroll.engine.loaders.errors import CheckpointError
 
@@ -159,7 +160,7 @@ def serve(start: GeneratorStart) -> int:
         return run_stoppable(
             lambda: anyio.run(run_generator, start.config, start.connect, start.actor_id, backend="asyncio"),
             logging.getLogger("specroll.generator"), "generator", start.actor_id)
-    except (CheckpointError, DrafterError) as e:  # the model or the drafter to serve does not load
+    except (CheckpointError, DrafterError, MetricsBindError) as e:  # the model or drafter does not load, a port
         print(f"specroll generator: error: {e}", file=sys.stderr)
         return EXIT_REFUSED
 

@@ -200,8 +200,8 @@ def _check_metrics(config: RunConfig, serving: bool) -> None:
                               f"(or set {key} = false)")
     if not m.enabled or not m.port or config.cluster.backend != "local":
         return
-    actors = ["trainer"] if serving else ["trainer", *(f"generator-{i}" for i in range(config.generator.count))]
-    if not serving and config.runs_drafter_trainer():
+    actors = ["trainer", *(f"generator-{i}" for i in range(config.generator.count))]  # serve: "server" = trainer's
+    if config.runs_drafter_trainer():
         actors.append("drafter-0")
     for actor in actors:
         _check_port(m.host, m.port_for(actor), f"metrics.port ({actor}'s)")
@@ -209,6 +209,9 @@ def _check_metrics(config: RunConfig, serving: bool) -> None:
 
 def _check_port(host: str, port: int, key: str) -> None:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        # as the servers bind (ZeroMQ, uvicorn, the metrics endpoint): a port whose last connections
+        # wait in TIME_WAIT (a run that just ended) is free
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host.strip("[]"), port))
         except OSError as e:

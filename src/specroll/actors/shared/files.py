@@ -7,9 +7,10 @@ import tempfile
 from pathlib import Path
 
 
-def write_text_atomic(path: str | Path, text: str) -> Path:
+def write_text_atomic(path: str | Path, text: str, mode: int | None = None) -> Path:
     """Write ``text`` (UTF-8) to ``path`` all or nothing: a temp file in the same directory, fsynced,
-    then renamed over ``path``; on any error the temp file is removed and ``path`` is untouched.
+    then renamed over ``path``; on any error the temp file is removed and ``path`` is untouched. The
+    file is readable by its owner only (``mkstemp``'s 0600) unless ``mode`` says otherwise.
 
     Raises:
         OSError: the directory is not writable (nothing is left behind).
@@ -21,6 +22,8 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

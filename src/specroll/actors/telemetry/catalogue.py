@@ -164,7 +164,7 @@ MASKED_STALE = _t("specroll:tokens_masked_stale", "counter", "Tokens left out of
 DROPPED_STALE = _t("specroll:samples_dropped_stale", "counter", "Samples dropped for being too stale.")
 PHASE_SECONDS = _t("specroll:step_phase_seconds", "counter",
                    "Seconds of the training steps by phase: wait (for groups), train (optimizer step), publish "
-                   "(the new version to the generators), other.", ("phase",))
+                   "(the new version to the generators), eval_wait (for a held-out evaluation), other.", ("phase",))
 STEP_SECONDS = _t("specroll:step_seconds", "histogram", "Seconds of each training step.", (), STEP_SECONDS_BUCKETS)
 GEN_RATE = _t("specroll:generation_tokens_per_second", "gauge", "Tokens/s of all live generators at the last step.")
 ACCEPTANCE = _t("specroll:acceptance_length", "gauge",

@@ -1,8 +1,11 @@
 """A role's ``GET /metrics``: Prometheus's text format from a registry of its own, served by a small
 HTTP server in a daemon thread, and the target file that tells Prometheus where it is.
 
-* One request at a time, each bounded (``TIMEOUT_S`` to send it; the reply is the registry's few
-  hundred lines): a scraper that hangs or floods holds a connection, never a thread per connection.
+* Bounded: at most ``MAX_CONNECTIONS`` connections at once (one more is closed), each cut
+  ``CONNECTION_S`` seconds after it was accepted whatever its client does; the reply is the
+  registry's few hundred lines. A scraper that hangs or drips holds one connection for a while,
+  never the other scrapes nor the role's exit.
+* ``GET`` or ``HEAD /metrics`` only (404 on any other path, 405 for any other method).
 * ``[metrics] api_key``: every request must carry ``Authorization: Bearer KEY`` (compared in constant
   time; 401 otherwise). A non-loopback ``host`` needs it (or ``network.allow_insecure``), the same
   rule as the OpenAI-compatible server's.
@@ -15,14 +18,16 @@ HTTP server in a daemon thread, and the target file that tells Prometheus where 
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
+import re
 import socket
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from socketserver import BaseServer
+from socketserver import BaseServer, ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -38,19 +43,63 @@ log = logging.getLogger("specroll.metrics")
 
 TARGETS_DIR = Path("metrics") / "targets"
 """Under the run directory: one ``file_sd`` target file per live role."""
-TIMEOUT_S = 10.0
-"""Seconds a client has to send its request before the connection is dropped."""
+CONNECTION_S = 10.0
+"""Seconds a connection may last, from its accept to its reply: then it is cut, whatever it was doing."""
+MAX_CONNECTIONS = 8
+"""Connections served at once; one more is closed at once."""
 
 
-class _Quiet(WSGIRequestHandler):
-    timeout = TIMEOUT_S
+class _Handler(WSGIRequestHandler):
+    """One connection, cut after :data:`CONNECTION_S` seconds however slowly its client sends."""
+
+    timeout = CONNECTION_S
+
+    def setup(self) -> None:
+        super().setup()
+        self._deadline = threading.Timer(CONNECTION_S, self._cut)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _cut(self) -> None:
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)  # unblocks the handler's read; it then ends
+
+    def finish(self) -> None:
+        self._deadline.cancel()
+        with contextlib.suppress(OSError):
+            super().finish()
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # a scrape every few seconds is not news
 
 
-class _Server(WSGIServer):
+class _Server(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most :data:`MAX_CONNECTIONS` at once: a client that sends slowly (or
+    never) holds one for :data:`CONNECTION_S` at most, and neither other scrapes nor :meth:`shutdown`
+    wait for it."""
+
     allow_reuse_address = True
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # too many at once: this one is dropped
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("metrics: a connection from %s failed", client_address, exc_info=True)
 
 
 class _Server6(_Server):
@@ -64,20 +113,29 @@ def _app(registry: CollectorRegistry, api_key: str) -> Callable[..., Iterable[by
     Always the text format: prometheus_client's OpenMetrics output (what Prometheus 2 asks for first)
     rewrites the ``:`` of every sample name to ``_`` (``vllm:num_requests_running`` would be stored as
     ``vllm_num_requests_running``; prometheus/client_python issue 1177), and vLLM's names need it."""
-    expected = f"Bearer {api_key}".encode()
+    expected = api_key.encode()
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         if environ.get("PATH_INFO", "") != "/metrics":
             start_response("404 Not Found", [("Content-Type", "text/plain")])
             return [b"only GET /metrics here\n"]
-        if api_key and not hmac.compare_digest(environ.get("HTTP_AUTHORIZATION", "").encode(), expected):
+        method = environ.get("REQUEST_METHOD", "")
+        if method not in ("GET", "HEAD"):
+            start_response("405 Method Not Allowed", [("Content-Type", "text/plain"), ("Allow", "GET, HEAD")])
+            return [b"only GET /metrics here\n"]
+        scheme, _, key = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
+        if api_key and not (scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), expected)):
             start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
             return [b"metrics.api_key required: Authorization: Bearer KEY\n"]
         body = generate_latest(registry)
         start_response("200 OK", [("Content-Type", CONTENT_TYPE_PLAIN_0_0_4), ("Content-Length", str(len(body)))])
-        return [body]
+        return [] if method == "HEAD" else [body]
 
     return app
+
+
+class MetricsBindError(OSError):
+    """A role's metrics port cannot be bound (in use, or not allowed): a configuration problem."""
 
 
 class MetricsEndpoint:
@@ -90,7 +148,7 @@ class MetricsEndpoint:
         collect: builds the role's families at each scrape (``families.family``).
 
     Raises:
-        OSError: the port cannot be bound (in use, or not allowed), naming the address.
+        MetricsBindError: the port cannot be bound (in use, or not allowed), naming the address.
     """
 
     def __init__(self, config: RunConfig, role: str, actor_id: str, collect: Callable[[], Iterable[Metric]]) -> None:
@@ -103,20 +161,21 @@ class MetricsEndpoint:
         server_class = _Server6 if ":" in host else _Server
         try:
             self._server: BaseServer = make_server(host, port, _app(self.registry, m.api_key),
-                                                   server_class=server_class, handler_class=_Quiet)
+                                                   server_class=server_class, handler_class=_Handler)
         except OSError as e:
-            raise OSError(e.errno, f"metrics endpoint of {actor_id}: cannot bind {m.host}:{port} ({e.strerror}); "
-                                   "set metrics.port to a free base port, or 0 for free ports") from None
+            raise MetricsBindError(e.errno, f"metrics endpoint of {actor_id}: cannot bind {m.host}:{port} "
+                                            f"({e.strerror}); set metrics.port to a free base port, or 0 for free "
+                                            "ports") from None
         self.port: int = self._server.server_address[1]  # type: ignore[attr-defined]
         shown = socket.gethostname() if host in ("0.0.0.0", "::") else (f"[{host}]" if ":" in host else host)
         self.url = f"http://{shown}:{self.port}/metrics"
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.5},
                                         name=f"metrics-{actor_id}", daemon=True)
         self._thread.start()
-        self.target = Path(config.run_dir) / TARGETS_DIR / f"{actor_id}.json"
+        self.target = Path(config.run_dir) / TARGETS_DIR / f"{re.sub(r'[^A-Za-z0-9._-]', '_', actor_id)}.json"
         try:
             self.target.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(self.target, json.dumps(
+            write_text_atomic(self.target, mode=0o644, text=json.dumps(
                 [{"targets": [f"{shown}:{self.port}"], "labels": {"run": run_label(config), "role": role,
                                                                   "actor": actor_id}}]) + "\n")
         except OSError as e:
@@ -142,6 +201,22 @@ def open_endpoint(config: RunConfig, role: str, actor_id: str,
     """:class:`MetricsEndpoint` when ``metrics.enabled``, else None.
 
     Raises:
-        OSError: the port cannot be bound.
+        MetricsBindError: the port cannot be bound.
     """
     return MetricsEndpoint(config, role, actor_id, collect) if config.metrics.enabled else None
+
+
+@contextlib.contextmanager
+def serving_metrics(config: RunConfig, role: str, actor_id: str,
+                    collect: Callable[[], Iterable[Metric]]) -> Iterator[MetricsEndpoint | None]:
+    """:func:`open_endpoint` for the block, closed (its target file removed) however the block ends.
+
+    Raises:
+        MetricsBindError: the port cannot be bound (before the block runs).
+    """
+    endpoint = open_endpoint(config, role, actor_id, collect)
+    try:
+        yield endpoint
+    finally:
+        if endpoint is not None:
+            endpoint.close()

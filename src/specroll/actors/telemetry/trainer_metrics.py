@@ -12,10 +12,12 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
+from specroll.actors.shared.restarts import read_restarts
 from specroll.actors.telemetry import catalogue as c
 from specroll.actors.telemetry.families import Buckets, family
 from specroll.actors.telemetry.server_metrics import collect_hub
@@ -45,10 +47,12 @@ class TrainerExport:
 
     Args:
         client: the trainer's client: the generators registered and dead, read at scrape time.
+        run_dir: the run directory: the launcher's restart counts (``restarts.json``), read at scrape
+            time — so a restarted trainer goes on from the launcher's totals, never from 0.
         step: the step the trainer starts at (a resumed run's checkpoint).
     """
 
-    def __init__(self, client: RolloutClient, step: int = 0) -> None:
+    def __init__(self, client: RolloutClient, run_dir: Path, step: int = 0) -> None:
         self.client = client
         self.last: dict[str, float] = {}
         """The last trained step's gauges, by record key."""
@@ -59,7 +63,7 @@ class TrainerExport:
         self.staleness = Buckets(c.STALENESS.buckets)
         self.step_seconds = Buckets(c.STEP_SECONDS.buckets)
         self.phase_s: Counter[str] = Counter()
-        self.restarts: dict[str, int] = {}
+        self.run_dir = run_dir
 
     def on_record(self, record: dict[str, Any]) -> None:
         """A ``metrics.jsonl`` record was appended: update the gauges and totals."""
@@ -70,9 +74,6 @@ class TrainerExport:
             return  # an evaluation's line of its own (the weights before the first step)
         self.masked_stale += int(record.get("tokens_masked_stale") or 0)
         self.dropped_stale += int(record.get("samples_dropped_stale") or 0)
-        by_role = record.get("restarts_by_role")
-        if isinstance(by_role, dict):
-            self.restarts = {str(k): int(v) for k, v in by_role.items() if isinstance(v, int)}
         if record.get("skipped"):
             self.skipped += 1
             return
@@ -113,7 +114,9 @@ class TrainerExport:
         yield family(c.PHASE_SECONDS, [((p,), phases.get(p, 0.0)) for p in (*PHASES, "other")])
         yield family(c.STEP_SECONDS, [((), self.step_seconds)])
         known = {"trainer": 0, **{actor: 0 for actor in list(self.client.coordinator.generators)}}
-        restarts = sorted({**known, **self.restarts}.items())  # every role seen, 0 included
+        by_role = read_restarts(self.run_dir)["restarts_by_role"]
+        counted = {str(k): v for k, v in by_role.items()} if isinstance(by_role, dict) else {}
+        restarts = sorted({**known, **counted}.items())  # every process seen, 0 included
         shown = restarts[:MAX_ROLES] + ([("other", sum(n for _, n in restarts[MAX_ROLES:]))]
                                         if len(restarts) > MAX_ROLES else [])
         yield family(c.RESTARTS, [((role,), n) for role, n in shown])

@@ -149,7 +149,8 @@ class RecordLog:
         Raises:
             ~specroll.actors.telemetry.sinks.MetricsSinkUnavailable: a sink's package is not installed.
         """
-        return cls(Path(config.run_dir), TrainerExport(client, step), RecordSinks.open(config, Path(config.run_dir)))
+        run_dir = Path(config.run_dir)
+        return cls(run_dir, TrainerExport(client, run_dir, step), RecordSinks.open(config, run_dir))
 
     def close(self) -> None:
         """Close the sinks (idempotent)."""
