@@ -111,13 +111,14 @@ def test_ray_launch_runs_three_steps_and_leaves_nothing(tmp_path: Path, tiny_che
     log = (run_dir / "logs" / "generator-0.log").read_text()
     assert "welcomed by" in log and "exits with code 0: received SIGTERM" in log, log
     assert f"CURVE security: made the run's keys in {run_dir / 'keys'}" in err
-    keys = {}
+    keys: dict[str, set[Path]] = {}
     for role in ("trainer", "generator-0"):
-        [line] = [x for x in (run_dir / "logs" / f"{role}.log").read_text().splitlines() if "CURVE security: " in x]
-        keys[role] = Path(line.rsplit(" from ", 1)[1])
-        assert keys[role].name.startswith("specroll-keys-"), line  # not RUN_DIR/keys: the private copy
-        assert not keys[role].exists()  # removed when the run ended
-    assert keys["trainer"] != keys["generator-0"]
+        # a line per start of the role: on a starved machine the launcher may have restarted it
+        lines = [x for x in (run_dir / "logs" / f"{role}.log").read_text().splitlines() if "CURVE security: " in x]
+        keys[role] = {Path(line.rsplit(" from ", 1)[1]) for line in lines}
+        assert lines and all(k.name.startswith("specroll-keys-") for k in keys[role]), lines  # not RUN_DIR/keys
+        assert not any(k.exists() for k in keys[role])  # removed when the run ended
+    assert not keys["trainer"] & keys["generator-0"]
     pids = set(started_pids(run_dir).values())
     poll_until_gone(pids, "the roles")  # the launcher ended: every role is stopped, before Ray is
     assert not members_of_groups(pids), "processes left in the roles' process groups"
