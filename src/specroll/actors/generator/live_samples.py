@@ -110,7 +110,8 @@ class LiveSamples:
         """Take one engine step's deltas: extend the streams, send what is due."""
         counter = self.drafter.counter
         drafted = counter.drafted if counter is not None else {}
-        latency, now = self.latency, time.monotonic()
+        latency = self.latency
+        now = time.monotonic() if latency is not None else 0.0  # metrics off: nothing more per step
         for out in outputs:
             stream = self.streams[out.request_id]
             if latency is not None and out.new_token_ids:
