@@ -10,7 +10,9 @@ tokens of pure decode steps over those steps' wall-clock time, after a warm-up r
 
 ``flashinfer-graphs`` is FlashInfer with decode and verify steps replayed as CUDA graphs
 (``cuda_graphs = "on"``); with both FlashInfer columns the ratio graphs / eager is printed, for
-decoding at each batch size and for speculative decoding at batch 1.
+decoding at each batch size and for speculative decoding at batch 1. ``flashinfer-compiled`` and
+``flashinfer-compiled-graphs`` add ``compile = "on"`` (the decoder as one ``torch.compile``d graph,
+captured inside the CUDA graphs); with ``flashinfer-graphs`` the ratio compiled + graphs / graphs is printed.
 
 Speculative decoding at batch 1 replays the greedy rollout of the prompt as drafts (k = 4,
 ``ReplayProposer``), iterated until the speculative run reproduces the rollout it replays: every
@@ -106,9 +108,13 @@ def main(argv: list[str] | None = None) -> int:
         tps = results["decode_tokens_per_s"]
         results["graphs_over_eager"] = {b: round(tps["flashinfer-graphs"][b] / tps["flashinfer"][b], 2)
                                         for b in args.batch_sizes}
+    if set(backends) >= {"flashinfer-graphs", "flashinfer-compiled-graphs"}:
+        tps = results["decode_tokens_per_s"]
+        results["compiled_graphs_over_graphs"] = {
+            b: round(tps["flashinfer-compiled-graphs"][b] / tps["flashinfer-graphs"][b], 2) for b in args.batch_sizes}
     fast = [b for b in backends if b.startswith("flashinfer")] or backends[:1]
     results["speculative_batch1"] = {b: _speculative(checkpoint, b, args) for b in fast}
-    if len(fast) == 2:
+    if {"flashinfer", "flashinfer-graphs"} <= set(fast):
         spec = results["speculative_batch1"]
         results["speculative_graphs_over_eager"] = round(
             spec["flashinfer-graphs"]["speculative_tokens_per_s"] / spec["flashinfer"]["speculative_tokens_per_s"], 2)
@@ -126,7 +132,7 @@ def _positive(text: str) -> int:
 
 def _backends(text: str) -> list[str]:
     names = text.split(",")
-    known = ("torch", "flashinfer", "flashinfer-graphs")
+    known = ("torch", "flashinfer", "flashinfer-graphs", "flashinfer-compiled", "flashinfer-compiled-graphs")
     if not names or any(n not in known for n in names) or len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"{text!r}: expected distinct names from {', '.join(known)} (comma-separated)")
     return names
@@ -136,10 +142,11 @@ def _engine(checkpoint, backend: str, device: str, max_num_seqs: int, kv_cache_g
     from specroll.engine.config import EngineConfig
     from specroll.engine.engine import Engine
 
-    graphs = backend == "flashinfer-graphs"
-    config = EngineConfig(model="random", backend="flashinfer" if graphs else backend, device=device,
+    graphs, compiled = backend.endswith("-graphs"), "-compiled" in backend  # flashinfer[-compiled][-graphs]
+    config = EngineConfig(model="random", backend=backend.split("-")[0], device=device,
                           dtype="bfloat16", kv_cache_memory_gb=kv_cache_gb, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=16384, cuda_graphs="on" if graphs else "off")
+                          max_num_batched_tokens=16384, cuda_graphs="on" if graphs else "off",
+                          compile="on" if compiled else "off")
     return Engine(config, checkpoint=checkpoint, proposer=proposer)
 
 

@@ -84,15 +84,15 @@ PY
 jit_rc=${PIPESTATUS[0]}
 
 stamp "tests (pytest -m gpu)"
-timeout 200 python3 -m pytest -q -m gpu tests/engine/test_flashinfer_gpu.py -p no:cacheprovider \
+timeout 360 python3 -m pytest -q -m gpu tests/engine/test_flashinfer_gpu.py -p no:cacheprovider \
     --junitxml "$out/gpu_tests.xml" 2>&1 | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 if grep -q "skipped" "$out/gpu_tests.log"; then  # a skipped GPU test here means the check did not check
     echo "gpu_check: some GPU tests were skipped" | tee -a "$out/gpu_tests.log"; tests_rc=1
 fi
 
-stamp "benchmark: FlashInfer eager vs CUDA graphs (decode B = 1/16/64, speculative B = 1)"
-(cd benchmarks && timeout 180 python3 bench_backends.py --backends flashinfer,flashinfer-graphs --repeats 2 \
+stamp "benchmark: FlashInfer eager vs CUDA graphs vs compiled + graphs (decode B = 1/16/64, speculative B = 1)"
+(cd benchmarks && timeout 300 python3 bench_backends.py --backends flashinfer,flashinfer-graphs,flashinfer-compiled-graphs --repeats 2 \
     --json "$out/gpu_bench.json" --profile "$out/gpu_profile.txt") 2>&1 | tee "$out/gpu_bench.log"
 bench_rc=${PIPESTATUS[0]}
 

@@ -277,8 +277,10 @@ def _assert_same_or_near_tie(engine: Engine, name: str, prompt: list[int], a: li
         assert float(top2.values[0] - top2.values[1]) < 0.1, f"{name} parts at {j} with a clear margin"
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("speculative", [False, True])
-def test_cuda_graph_steps_emit_what_eager_steps_emit(speculative: bool) -> None:
+def test_cuda_graph_steps_emit_what_eager_steps_emit(speculative: bool, compiled: bool, tmp_path) -> None:
+    # compiled: the graphs capture the compiled decoder (compile and graphs share the buckets)
     # 7 requests of different lengths: the live batch shrinks through the buckets 8, 4, 2, 1.
     from specroll.drafter.replay import ReplayProposer
 
@@ -292,7 +294,8 @@ def test_cuda_graph_steps_emit_what_eager_steps_emit(speculative: bool) -> None:
 
     eager = run(_engine("flashinfer", max_num_seqs=8))
     proposer = ReplayProposer({f"g{i}": p + eager[f"r{i}"] for i, p in enumerate(prompts)}) if speculative else None
-    engine = _engine("flashinfer", proposer, max_num_seqs=8, cuda_graphs="on")
+    engine = _engine("flashinfer", proposer, max_num_seqs=8, cuda_graphs="on", compile="on" if compiled else "off",
+                     compile_cache_dir=str(tmp_path / "compile"))
     graphed = run(engine)
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.num_replays > 0

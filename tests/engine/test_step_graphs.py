@@ -7,55 +7,15 @@ import functools
 import re
 
 import pytest
-import torch
 from helpers import engines
+from helpers.engines import PAGE, K, k_drafts, repetitive_prompts, run
 
-from specroll.drafter.suffix import SuffixProposer
 from specroll.engine.config import EngineConfig
-from specroll.engine.driver import run_to_completion
-from specroll.engine.engine import Engine
 from specroll.engine.step_graphs import bucket_sizes, pad_uniform_step, pick_bucket
 from specroll.protocol.sampling import SamplingParams
 
-PAGE, K = 8, 4
-
-
-class KDrafts(SuffixProposer):
-    """Suffix matching, every row topped up to k drafts with its last draft (or token): each verify
-    step is uniform, so it replays the k + 1 graph, and drafts are accepted now and then."""
-
-    def propose(self, batch, k):
-        proposal = super().propose(batch, k)
-        ids = proposal.token_ids.clone()
-        for row, n, seq in zip(ids, proposal.num_drafts.tolist(), batch, strict=True):
-            row[n:] = int(row[n - 1]) if n else seq.token_ids[-1]
-        return type(proposal)(ids, torch.full_like(proposal.num_drafts, k), None)
-
-
 make_engine = functools.partial(engines.make_engine, num_draft_tokens=K, max_num_seqs=8)  # each call sets cuda_graphs
 
-
-def k_drafts(speculative: bool) -> KDrafts | None:
-    return KDrafts(min_ngram=1, max_ngram=4) if speculative else None
-
-
-def repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
-    """Prompts of repeated motifs (so suffix matching drafts), of lengths around page boundaries."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        motif = torch.randint(3, 300, (3 + i % 3,), generator=g).tolist()
-        length = PAGE * (1 + i % 3) - i % 4
-        out.append((motif * (length // len(motif) + 1))[:length])
-    return out
-
-
-def run(engine: Engine, prompts: list[list[int]], temperature: float) -> dict[str, tuple[list[int], list[float]]]:
-    # different lengths: the live batch shrinks step by step through several buckets
-    for i, prompt in enumerate(prompts):
-        sampling = SamplingParams(temperature=temperature, max_tokens=6 + 3 * i, ignore_eos=True, seed=100 + i)
-        engine.add_request(prompt, sampling, f"r{i}")
-    return {r: (c.token_ids, c.logprobs) for r, c in run_to_completion(engine).items()}
 
 
 def test_bucket_sizes_default_to_powers_then_multiples_of_16() -> None:

@@ -1,5 +1,6 @@
 """The one engine builder of the engine, drafter and speculation tests (a small engine on a tiny
-checkpoint), and a stand-in for the parts of the proposer protocol a tree proposer needs."""
+checkpoint), a stand-in for the parts of the proposer protocol a tree proposer needs, and the
+step-path tests' prompts, drafter and run (graph steps, compiled steps against eager ones)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specroll.drafter.suffix import SuffixProposer
 from specroll.engine.config import EngineConfig
+from specroll.engine.driver import run_to_completion
 from specroll.engine.engine import Engine
 from specroll.engine.spec.proposer import Proposal, Proposer
+from specroll.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from specroll.engine.loaders.checkpoint import Checkpoint
@@ -48,3 +52,43 @@ class StandIn:
 
     def finish(self, request_id: str) -> None:
         pass
+
+
+K = 4
+"""Drafts per verify of :class:`KDrafts`."""
+
+
+class KDrafts(SuffixProposer):
+    """Suffix matching, every row topped up to k drafts with its last draft (or token): each verify
+    step is uniform, so it replays the k + 1 graph, and drafts are accepted now and then."""
+
+    def propose(self, batch, k):
+        proposal = super().propose(batch, k)
+        ids = proposal.token_ids.clone()
+        for row, n, seq in zip(ids, proposal.num_drafts.tolist(), batch, strict=True):
+            row[n:] = int(row[n - 1]) if n else seq.token_ids[-1]
+        return type(proposal)(ids, torch.full_like(proposal.num_drafts, k), None)
+
+
+def k_drafts(speculative: bool) -> KDrafts | None:
+    return KDrafts(min_ngram=1, max_ngram=4) if speculative else None
+
+
+def repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of repeated motifs (so suffix matching drafts), of lengths around page boundaries."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        motif = torch.randint(3, 300, (3 + i % 3,), generator=g).tolist()
+        length = PAGE * (1 + i % 3) - i % 4
+        out.append((motif * (length // len(motif) + 1))[:length])
+    return out
+
+
+def run(engine: Engine, prompts: list[list[int]], temperature: float) -> dict[str, tuple[list[int], list[float]]]:
+    """Each prompt with its own seed and length (so the live batch shrinks step by step), to completion:
+    request id → (tokens, logprobs)."""
+    for i, prompt in enumerate(prompts):
+        sampling = SamplingParams(temperature=temperature, max_tokens=6 + 3 * i, ignore_eos=True, seed=100 + i)
+        engine.add_request(prompt, sampling, f"r{i}")
+    return {r: (c.token_ids, c.logprobs) for r, c in run_to_completion(engine).items()}

@@ -14,6 +14,7 @@ BackendName = Literal["auto", "torch", "flashinfer"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 DraftLength = Literal["fixed", "adaptive", "tree"]
 CudaGraphs = Literal["off", "on", "emulate"]
+Compile = Literal["off", "on"]
 
 MAX_DRAFT_TOKENS = 32
 """Most draft tokens per sequence and step: each is a K/V slot, a target row and a head pass,
@@ -77,6 +78,17 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cuda_graph_batch_sizes: tuple[int, ...] = ()
     """Batch sizes graphs are captured for; ``()`` takes 1, 2, 4, 8 and every multiple of 16 up to
     ``max_num_seqs`` (always a bucket)."""
+    pack_weights: bool = True
+    """Give each matmul weight a copy packed for oneDNN (bfloat16 on a CPU only; ``cpu_linear.py``): 1.16x the
+    tokens/s of SmolLM2-135M at batch 1 (1.0x at 16), for the copy's memory (as much as the weights)."""
+    compile: Compile = "off"
+    """``on``: run the decoder layers as one ``torch.compile``d graph (``compiled_step.py``): two graphs
+    (one token, any other count), each compiled at the first step that needs it — tens of seconds on a
+    CPU, logged — or loaded from ``compile_cache_dir``; ``off``: eager (docs/generating.md, "Compiled
+    steps and packed weights", says where it pays)."""
+    compile_cache_dir: str | None = None
+    """Where compiled code is kept between runs; ``None``: ``$XDG_CACHE_HOME/specroll/compile``
+    (``~/.cache/specroll/compile``)."""
 
     @property
     def tree_shapes(self) -> tuple[TreeShape, ...]:
@@ -85,7 +97,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         for name, kind in (("backend", BackendName), ("dtype", DTypeName), ("draft_length", DraftLength),
-                           ("cuda_graphs", CudaGraphs)):
+                           ("cuda_graphs", CudaGraphs), ("compile", Compile)):
             allowed = typing.get_args(kind)
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}, expected one of {', '.join(map(repr, allowed))}")

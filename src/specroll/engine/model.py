@@ -11,19 +11,24 @@ through an :class:`~specroll.engine.attention.AttentionBackend` planned for that
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specroll.engine import cpu_linear
 from specroll.engine.attention import AttentionBackend
 from specroll.engine.head_logprobs import head_logprobs
 from specroll.engine.model_config import ModelConfig, expected_weight_shapes
-from specroll.engine.paged_forward import LayerWeights, paged_layer
+from specroll.engine.paged_forward import LayerWeights, paged_layer, paged_layers
 from specroll.engine.rope import RotaryEmbedding, apply_rope
 
 __all__ = ["CausalLM", "DecoderLayer", "RMSNorm", "RotaryEmbedding", "apply_rope"]
+
+PagedLayers = Callable[[torch.Tensor, list[LayerWeights], torch.Tensor, torch.Tensor, list[torch.Tensor],
+                        AttentionBackend, tuple[int, ...]], tuple[torch.Tensor, tuple[torch.Tensor, ...]]]
+"""The decoder layers over the paged KV cache: ``paged_forward.paged_layers`` or a compiled form of it."""
 
 
 class RMSNorm(nn.Module):
@@ -249,13 +254,28 @@ class CausalLM(nn.Module):
         validated (``checkpoint.check_weights``); an unknown name raises KeyError.
         """
         params = dict(self.named_parameters())
+        changed = set()
         for name, tensor in named_tensors.items():
             slot = _fused_slot(self.config, name)
             if slot is None:
                 params[name].copy_(tensor)
+                changed.add(name)
             else:
                 fused, start, rows = slot
                 params[fused][start : start + rows].copy_(tensor)
+                changed.add(fused)
+        for name in changed:  # a packed copy (``pack_matmul_weights``) follows its weight
+            cpu_linear.repack(params[name])
+
+    def matmul_weights(self) -> list[torch.Tensor]:
+        """The weights the paged path multiplies by: each layer's q/k/v, o, gate/up and down, and the LM head."""
+        return [*(t for w in self.layer_weights() for t in (w.qkv, w.o, w.gate_up, w.down)), self.lm_head_weight]
+
+    def pack_matmul_weights(self) -> int:
+        """Give each of :meth:`matmul_weights` a oneDNN-packed copy (``cpu_linear.py``; bf16 on a CPU
+        only: see ``cpu_linear.packing_problem``), which the paged path and :meth:`compute_logits`
+        then multiply by; :meth:`load_weights` packs what it changes again. Returns the packed bytes."""
+        return cpu_linear.pack_all(self.matmul_weights())
 
     def hf_weights(self) -> dict[str, torch.Tensor]:
         """The weights under their Hugging Face names: the inverse of :meth:`load_weights`.
@@ -285,6 +305,7 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         backend: AttentionBackend,
         feature_layers: tuple[int, ...] = (),
+        layers: PagedLayers = paged_layers,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the step's new tokens through the decoder, appending their K/V to the caches.
 
@@ -296,28 +317,27 @@ class CausalLM(nn.Module):
             feature_layers: hidden states to tap for a drafter (EAGLE): tap ``i < num_layers`` is
                 the residual stream entering layer ``i`` (EAGLE-3's taps, arXiv 2503.01840);
                 tap ``num_layers`` is the final normed hidden state the LM head reads (EAGLE-1's).
+            layers: runs the decoder layers (``paged_layers``, or its compiled form: ``compiled_step.py``).
 
         Returns:
             ``[T, hidden_size]`` final hidden states (after the last RMSNorm), and the taps
             concatenated in order, ``[T, len(feature_layers) * hidden_size]`` (None without taps).
         """
-        taps: dict[int, torch.Tensor] = {}
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for i, (weights, kv_cache) in enumerate(zip(self.layer_weights(), kv_caches, strict=True)):
-            if i in feature_layers:
-                taps[i] = x
-            x = paged_layer(x, weights, cos, sin, kv_cache, backend)
+        num_layers = len(self.model.layers)
+        inner = tuple(sorted({i for i in feature_layers if i < num_layers}))
+        x, inner_taps = layers(x, self.layer_weights(), cos, sin, kv_caches, backend, inner)
         hidden = self.model.norm(x)
         if not feature_layers:
             return hidden, None
-        taps[len(self.model.layers)] = hidden
+        taps = {**dict(zip(inner, inner_taps, strict=True)), num_layers: hidden}
         return hidden, torch.cat([taps[i] for i in feature_layers], dim=-1)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 ``[N, vocab_size]`` logits for hidden states ``[N, hidden_size]``."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return cpu_linear.linear(hidden, self.lm_head_weight, None).float()
 
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Differentiable dense forward for training: float32 logits ``[B, T, vocab_size]``.

@@ -12,16 +12,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from specroll.engine import cpu_linear
 from specroll.engine.attention import allocate_kv_cache, flashinfer_problem, kv_bytes_per_page, select_backend
 from specroll.engine.batch import build_metadata
+from specroll.engine.compiled_step import ATTENTION, CompiledLayers, default_cache_dir
 from specroll.engine.config import EngineConfig
 from specroll.engine.flashinfer_attention import FlashInferAttention
 from specroll.engine.loaders.checkpoint import Checkpoint
-from specroll.engine.model import CausalLM
+from specroll.engine.model import CausalLM, PagedLayers
 from specroll.engine.model_config import expected_weight_shapes
+from specroll.engine.paged_forward import paged_layers
 from specroll.engine.scheduler import ScheduledSequence
 from specroll.engine.sequence import Sequence
 from specroll.engine.spec.tree import DraftTree
@@ -65,6 +69,9 @@ class ModelRunner:
             model = CausalLM(model_config).to(dtype=dtype)
         self.model = model.to_empty(device=device).eval()
         self.model.load_weights(checkpoint.weights)
+        pack = config.pack_weights and cpu_linear.packing_problem(device, dtype) is None
+        self.packed_bytes = self.model.pack_matmul_weights() if pack else 0
+        """Bytes of the oneDNN-packed weight copies (``cpu_linear.py``; 0: none, not a bf16 CPU engine)."""
         self._weight_shapes = expected_weight_shapes(model_config)
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
@@ -95,6 +102,13 @@ class ModelRunner:
                 why = flashinfer_problem(device, dtype, model_config.head_dim)
                 raise ValueError(f"cuda_graphs='on' needs the flashinfer backend, which {why}")
             self.backend.enable_graphs(max_pages_per_seq=-(-self.max_model_len // config.page_size))
+        self.layers: PagedLayers = paged_layers
+        """How the decoder layers run: eager, or compiled (``compile = "on"``)."""
+        if config.compile == "on":
+            for cache in self.kv_caches:  # the compiled layer's attention op finds the planned backend here
+                setattr(cache, ATTENTION, self.backend)
+            cache_dir = Path(config.compile_cache_dir) if config.compile_cache_dir else default_cache_dir()
+            self.layers = CompiledLayers(cache_dir, opaque_matmuls=self.packed_bytes > 0)
         self.feature_layers: tuple[int, ...] = ()
         """Layers whose features each forward taps for the proposer (``CausalLM.forward``); ``()``: none."""
 
@@ -227,7 +241,7 @@ class ModelRunner:
         """
         if inputs.graph is None:
             hidden, features = self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.backend,
-                                          self.feature_layers)
+                                          self.feature_layers, self.layers)
             if hidden_only:
                 return hidden[inputs.logits_rows], features
             logits = self.model.compute_logits(hidden[inputs.logits_rows])
@@ -240,7 +254,8 @@ class ModelRunner:
 
     def _graph_step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The graphed computation: the forward and the LM head over every (padded) row."""
-        hidden, features = self.model(input_ids, positions, self.kv_caches, self.backend, self.feature_layers)
+        hidden, features = self.model(input_ids, positions, self.kv_caches, self.backend, self.feature_layers,
+                                      self.layers)
         return self.model.compute_logits(hidden), features
 
     def _prepare(

@@ -11,13 +11,18 @@ norms them per head first (Qwen3).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from specroll.engine import cpu_linear
 from specroll.engine.attention import AttentionBackend
 from specroll.engine.rope import apply_rope
+
+Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+"""``linear(x, weight, bias)``: ``x @ weight.T + bias``, ``[..., in]`` → ``[..., out]``."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ def paged_layer(
     sin: torch.Tensor,
     kv_cache: torch.Tensor,
     backend: AttentionBackend,
+    linear: Linear = cpu_linear.linear,
 ) -> torch.Tensor:
     """One decoder layer for the step's new tokens, appending their K/V to ``kv_cache``.
 
@@ -63,13 +69,15 @@ def paged_layer(
         cos, sin: ``[T, 1, D]`` from ``RotaryEmbedding.cos_sin``.
         kv_cache: the layer's cache ``[num_pages, 2, page_size, H_kv, D]``.
         backend: attention backend planned for this step.
+        linear: the matmuls' implementation (a packed weight's oneDNN path by default,
+            ``cpu_linear.py``; the compiled step's opaque op, ``compiled_step.py``).
 
     Returns:
         ``[T, hidden]`` the residual stream leaving the layer.
     """
     t, heads, kv_heads, d = x.shape[0], w.num_heads, w.num_kv_heads, w.head_dim
     hidden = x.shape[-1]
-    qkv = F.linear(F.rms_norm(x, (hidden,), w.input_norm, w.eps), w.qkv, w.qkv_bias)  # [T, (H + 2 H_kv) D]
+    qkv = linear(F.rms_norm(x, (hidden,), w.input_norm, w.eps), w.qkv, w.qkv_bias)  # [T, (H + 2 H_kv) D]
     heads_qk = heads + kv_heads
     qkv = qkv.view(t, heads_qk + kv_heads, d)  # [T, H + 2 H_kv, D]: q heads, k heads, v heads
     if w.q_norm is None or w.k_norm is None:
@@ -80,7 +88,37 @@ def paged_layer(
         k = apply_rope(F.rms_norm(qkv[:, heads:heads_qk], (d,), w.k_norm, w.eps), cos, sin)
     v = qkv[:, heads_qk:]  # [T, H_kv, D]
     o = backend.forward(q, k, v, kv_cache)  # [T, H, D]
-    x = x + F.linear(o.view(t, heads * d) if o.is_contiguous() else o.reshape(t, heads * d), w.o)
-    gate_up = F.linear(F.rms_norm(x, (hidden,), w.post_norm, w.eps), w.gate_up)  # [T, 2 I]
+    x = x + linear(o.view(t, heads * d) if o.is_contiguous() else o.reshape(t, heads * d), w.o, None)
+    gate_up = linear(F.rms_norm(x, (hidden,), w.post_norm, w.eps), w.gate_up, None)  # [T, 2 I]
     i = w.intermediate_size
-    return x + F.linear(F.silu(gate_up[:, :i]) * gate_up[:, i:], w.down)
+    return x + linear(F.silu(gate_up[:, :i]) * gate_up[:, i:], w.down, None)
+
+
+def paged_layers(
+    x: torch.Tensor,
+    weights: Sequence[LayerWeights],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_caches: Sequence[torch.Tensor],
+    backend: AttentionBackend,
+    tap_layers: tuple[int, ...] = (),
+    linear: Linear = cpu_linear.linear,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Every decoder layer in turn (:func:`paged_layer`), tapping the residual stream on the way.
+
+    Args:
+        x: ``[T, hidden]`` the embedded tokens.
+        weights, kv_caches: each layer's weights and cache, in layer order.
+        tap_layers: layers (ascending, each below ``len(weights)``) whose input residual stream is
+            returned.
+
+    Returns:
+        ``[T, hidden]`` the residual stream leaving the last layer (before the final norm), and the
+        taps ``[T, hidden]`` in ``tap_layers``' order.
+    """
+    taps = []
+    for i, (w, kv_cache) in enumerate(zip(weights, kv_caches, strict=True)):
+        if i in tap_layers:
+            taps.append(x)
+        x = paged_layer(x, w, cos, sin, kv_cache, backend, linear)
+    return x, tuple(taps)
