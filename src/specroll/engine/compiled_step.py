@@ -117,6 +117,29 @@ def _layers_traced_matmuls(x: torch.Tensor, weights: Sequence[LayerWeights], cos
     return paged_layers(x, weights, cos, sin, kv_caches, _CACHE_ATTENTION, tap_layers, torch.nn.functional.linear)
 
 
+class CompileCacheError(ValueError):
+    """``compile_cache_dir`` is not a folder the engine can write compiled code to."""
+
+
+def usable_cache_dir(configured: str | None) -> Path:
+    """The compile cache folder of ``compile_cache_dir`` (None: :func:`default_cache_dir`), created
+    if missing and checked writable — before any model is loaded.
+
+    Raises:
+        CompileCacheError: it is not a directory the engine can create and write, naming it and why.
+    """
+    path = Path(configured).expanduser() if configured else default_cache_dir()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CompileCacheError(f"compile_cache_dir={str(path)!r} cannot be created ({e.strerror or e}); "
+                         "expected a directory the engine can create and write") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise CompileCacheError(f"compile_cache_dir={str(path)!r} is not writable; expected a directory the engine "
+                         "can write compiled code to")
+    return path
+
+
 @dataclass
 class CompileCounters:
     """What compiling has done in this process so far (Dynamo's and Inductor's counters)."""
@@ -143,17 +166,16 @@ class CompiledLayers:
     backend (:data:`ATTENTION`), which the model runner sets when it allocates the caches.
 
     Args:
-        cache_dir: where Inductor keeps its compiled code (created); a second process with the same
-            directory, torch and model shapes loads it instead of compiling.
+        cache_dir: where Inductor keeps its compiled code (:func:`usable_cache_dir`); a second process
+            with the same directory, torch and model shapes loads it instead of compiling. Inductor
+            reads it from the process's ``TORCHINDUCTOR_CACHE_DIR``, which this sets: the last engine
+            built in a process names the folder every compile of the process uses.
         opaque_matmuls: run the matmuls through the ``specroll::linear`` op (weights packed for
             oneDNN, ``cpu_linear.py``); False lets Inductor emit them (a float32 or CUDA engine).
 
-    Raises:
-        OSError: ``cache_dir`` cannot be created.
     """
 
     def __init__(self, cache_dir: Path, opaque_matmuls: bool) -> None:
-        cache_dir.mkdir(parents=True, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)  # read by Inductor at each cache lookup
         self.cache_dir = cache_dir
         body = _layers_opaque_matmuls if opaque_matmuls else _layers_traced_matmuls

@@ -133,5 +133,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"cuda_graphs='on' needs device 'cuda' and the flashinfer backend; got device "
                              f"{self.device!r}, backend {self.backend!r} ('emulate' runs the graph path "
                              "eagerly on any device)")
+        if type(self.pack_weights) is not bool:
+            raise ValueError(f"pack_weights={self.pack_weights!r}, expected true or false")
+        if self.compile_cache_dir is not None and (not isinstance(self.compile_cache_dir, str)
+                                                   or not self.compile_cache_dir.strip()):
+            raise ValueError(f"compile_cache_dir={self.compile_cache_dir!r}, expected a directory path or None "
+                             "(None: ~/.cache/specroll/compile)")
         if self.num_threads is not None and not 0 < self.num_threads <= MAX_NUM_THREADS:
             raise ValueError(f"num_threads={self.num_threads}, expected an integer in [1, {MAX_NUM_THREADS}] or None")

@@ -3,12 +3,12 @@
 ``F.linear`` on a bf16 CPU tensor reaches oneDNN's matmul too, but hands it the plain row-major
 weight every call, which oneDNN reorders into its blocked layout before it multiplies: at batch 1 a
 layer's matmuls then stream ~7 GB/s where the packed weight streams ~19 (the LM head
-``[49152, 576]``: 8.9 ms against 3.0 ms on one core of this project's CPU, measured by
-``benchmarks/bench_vs_vllm.py --ops``). Packing each weight once into that layout
-(``torch.ops.mkldnn._reorder_linear_weight``, what Inductor's freezing pass does for the weights it
-folds; vLLM's CPU backend does the same with its own oneDNN handles, ``dispatch_cpu_unquantized_gemm``)
-and calling ``torch.ops.mkldnn._linear_pointwise`` on it gives the same products (oneDNN computes
-both) at the packed speed.
+``[49152, 576]``: 8.9 ms against 3.0 ms on one core of this project's CPU, docs/benchmarks.md). Packing
+each weight once into that layout (``torch.ops.mkldnn._reorder_linear_weight``, what Inductor's freezing
+pass does for the weights it folds; vLLM's CPU backend does the same with its own oneDNN handles,
+``dispatch_cpu_unquantized_gemm``) and calling ``torch.ops.mkldnn._linear_pointwise`` on it computes the
+same products at the packed speed: bit for bit up to 32 rows, within one bf16 rounding above (oneDNN
+blocks the sums of larger batches differently).
 
 The packed copy hangs off the parameter itself (attribute :data:`PACKED`), so whoever holds the
 parameter — the eager layer, a compiled graph's opaque op (``compiled_step.py``) — finds it without a

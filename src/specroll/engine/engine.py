@@ -21,6 +21,7 @@ import torch
 
 from specroll.engine.attention import AttentionBackend, flashinfer_problem
 from specroll.engine.block_manager import BlockManager
+from specroll.engine.compiled_step import usable_cache_dir
 from specroll.engine.config import EngineConfig
 from specroll.engine.device import check_device, resolve_dtype
 from specroll.engine.flashinfer_attention import FlashInferAttention
@@ -83,6 +84,8 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.device = check_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.compile == "on":  # fail before spending time loading the model
+            usable_cache_dir(config.compile_cache_dir)
         if config.backend == "flashinfer":  # fail before spending time loading the model
             problem = flashinfer_problem(self.device, self.dtype, head_dim=None)
             if problem is not None:

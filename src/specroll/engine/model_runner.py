@@ -12,14 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from specroll.engine import cpu_linear
 from specroll.engine.attention import allocate_kv_cache, flashinfer_problem, kv_bytes_per_page, select_backend
 from specroll.engine.batch import build_metadata
-from specroll.engine.compiled_step import ATTENTION, CompiledLayers, default_cache_dir
+from specroll.engine.compiled_step import ATTENTION, CompiledLayers, usable_cache_dir
 from specroll.engine.config import EngineConfig
 from specroll.engine.flashinfer_attention import FlashInferAttention
 from specroll.engine.loaders.checkpoint import Checkpoint
@@ -107,7 +106,7 @@ class ModelRunner:
         if config.compile == "on":
             for cache in self.kv_caches:  # the compiled layer's attention op finds the planned backend here
                 setattr(cache, ATTENTION, self.backend)
-            cache_dir = Path(config.compile_cache_dir) if config.compile_cache_dir else default_cache_dir()
+            cache_dir = usable_cache_dir(config.compile_cache_dir)
             self.layers = CompiledLayers(cache_dir, opaque_matmuls=self.packed_bytes > 0)
         self.feature_layers: tuple[int, ...] = ()
         """Layers whose features each forward taps for the proposer (``CausalLM.forward``); ``()``: none."""

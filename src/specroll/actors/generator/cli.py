@@ -26,6 +26,7 @@ from specroll.actors.shared.keys_flag import add_keys_argument
 from specroll.actors.shared.security import keys_overrides, keys_usable
 from specroll.actors.telemetry.endpoint import MetricsBindError
 from specroll.drafter.eagle_config import DrafterError
+from specroll.engine.compiled_step import CompileCacheError
 from specroll.engine.loaders.errors import CheckpointError
 
 FLAG_KEYS: dict[str, str] = {
@@ -160,7 +161,8 @@ def serve(start: GeneratorStart) -> int:
         return run_stoppable(
             lambda: anyio.run(run_generator, start.config, start.connect, start.actor_id, backend="asyncio"),
             logging.getLogger("specroll.generator"), "generator", start.actor_id)
-    except (CheckpointError, DrafterError, MetricsBindError) as e:  # the model or drafter does not load, a port
+    except (CheckpointError, DrafterError, MetricsBindError, CompileCacheError) as e:  # the model or drafter does
+        # not load, a port is taken, the compile cache folder is unusable
         print(f"specroll generator: error: {e}", file=sys.stderr)
         return EXIT_REFUSED
 

@@ -155,7 +155,7 @@ def _build_engine(args: argparse.Namespace) -> Engine:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             seed=args.seed, num_threads=args.threads, num_draft_tokens=args.num_draft_tokens,
             draft_length={"auto": "adaptive", "tree": "tree"}.get(args.speculative, "fixed"),
-            draft_trees=args.draft_trees,
+            draft_trees=args.draft_trees, compile=args.compile, compile_cache_dir=args.compile_cache_dir,
         )
         return Engine(config, proposer=_build_proposer(args, config.page_size))
     except (CheckpointError, ValueError) as exc:

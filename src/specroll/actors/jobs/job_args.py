@@ -56,6 +56,10 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="weights and KV cache (default: %(default)s, see Precision in docs/generating.md)")
     p.add_argument("--backend", choices=["auto", "torch", "flashinfer"], default="auto")
+    p.add_argument("--compile", choices=["off", "on"], default="off",
+                   help="run the decoder compiled (see Compiled steps in docs/generating.md; default: %(default)s)")
+    p.add_argument("--compile-cache-dir", default=None,
+                   help="where compiled code is kept between runs (default: ~/.cache/specroll/compile)")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
