@@ -76,17 +76,15 @@ class Engine:
             proposer that drafts chains only.
     """
 
-    def __init__(
-        self, config: EngineConfig, checkpoint: Checkpoint | None = None, proposer: Proposer | None = None
-    ) -> None:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None, proposer: Proposer | None = None):
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = check_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if config.compile == "on":  # fail before spending time loading the model
+        if config.compile == "on":  # fail before spending time loading the model (as for flashinfer below)
             usable_cache_dir(config.compile_cache_dir)
-        if config.backend == "flashinfer":  # fail before spending time loading the model
+        if config.backend == "flashinfer":
             problem = flashinfer_problem(self.device, self.dtype, head_dim=None)
             if problem is not None:
                 raise ValueError(f"attention backend 'flashinfer' {problem}")
@@ -98,9 +96,8 @@ class Engine:
         self.block_manager = BlockManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         # With FlashInfer attention, sampling and verification run on the GPU through FlashInfer too.
-        self._gpu_sampler = (
-            FlashInferSampler(self.device, config.seed) if isinstance(self.backend, FlashInferAttention) else None
-        )
+        flashinfer = isinstance(self.backend, FlashInferAttention)
+        self._gpu_sampler = FlashInferSampler(self.device, config.seed) if flashinfer else None
         self.eos_token_ids = frozenset(ckpt.tokenizer.eos_token_ids) | frozenset(ckpt.config.eos_token_ids)
         self.weight_version = 0
         self._requests: dict[str, Sequence] = {}
