@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-from vllm_offline_arm import Protocol, Request, serve
+from vllm_offline_arm import Protocol, Request, serve, timed_build
 
 DECODE_PROBE_STEPS = 30
 
@@ -110,12 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     from specroll.engine.compiled_step import CompileCounters
 
     start = time.perf_counter()
-    try:
-        engine = build(args)
-    except Exception as exc:
-        protocol.send({"ready": False, "error": f"{type(exc).__name__}: {exc}"})
+    started = timed_build(protocol, lambda: build(args))
+    if started is None:
         return 1
-    build_s = time.perf_counter() - start
+    engine, build_s = started
     prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "What is 12 times 7? Think step by step."}])
     run_request(engine, Request([prompt], 8, 1.0, 0, True, False))  # prefill (T > 1), batch-1 decode (T = 1)
     start_s = time.perf_counter() - start

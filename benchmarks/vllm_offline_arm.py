@@ -47,12 +47,13 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from vllm import LLM
 
 GIB = 1 << 30
+T = TypeVar("T")
 
 
 class Protocol:
@@ -175,6 +176,17 @@ def serve(run: Callable[[Request], dict[str, Any]], protocol: Protocol, lines: I
         protocol.send(reply)
 
 
+def timed_build(protocol: Protocol, build: Callable[[], T]) -> tuple[T, float] | None:
+    """``build()`` and its wall seconds; None (after sending ``{"ready": false, "error": ...}``) when it raises."""
+    start = time.perf_counter()
+    try:
+        built = build()
+    except Exception as exc:  # reported to the orchestrator, which prints it with the log's tail
+        protocol.send({"ready": False, "error": f"{type(exc).__name__}: {exc}"})
+        return None
+    return built, time.perf_counter() - start
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--model-dir", required=True, help="Hugging Face model folder (vllm_serve_arm.hf_model_dir)")
@@ -189,13 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     protocol = Protocol()
     default_env(args.threads)
-    start = time.perf_counter()
-    try:
-        llm = build_llm(args)
-    except Exception as exc:
-        protocol.send({"ready": False, "error": f"{type(exc).__name__}: {exc}"})
+    started = timed_build(protocol, lambda: build_llm(args))
+    if started is None:
         return 1
-    start_s = time.perf_counter() - start
+    llm, start_s = started
     import vllm
 
     protocol.send({"ready": True, "start_s": start_s, "vllm": vllm.__version__})
