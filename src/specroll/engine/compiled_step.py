@@ -30,6 +30,7 @@ where CUDA graphs need one per batch-size bucket (``step_graphs.py``, whose buck
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -41,7 +42,7 @@ import torch
 
 from specroll.engine import cpu_linear
 from specroll.engine.batch import AttentionMetadata
-from specroll.engine.paged_forward import LayerWeights, paged_layers
+from specroll.engine.paged_forward import LayerWeights, Linear, paged_layers
 
 log = logging.getLogger(__name__)
 
@@ -105,16 +106,10 @@ def _opaque_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.specroll.linear(x, weight, bias)
 
 
-def _layers_opaque_matmuls(x: torch.Tensor, weights: Sequence[LayerWeights], cos: torch.Tensor, sin: torch.Tensor,
-                           kv_caches: Sequence[torch.Tensor], tap_layers: tuple[int, ...],
-                           ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    return paged_layers(x, weights, cos, sin, kv_caches, _CACHE_ATTENTION, tap_layers, _opaque_linear)
-
-
-def _layers_traced_matmuls(x: torch.Tensor, weights: Sequence[LayerWeights], cos: torch.Tensor, sin: torch.Tensor,
-                           kv_caches: Sequence[torch.Tensor], tap_layers: tuple[int, ...],
-                           ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    return paged_layers(x, weights, cos, sin, kv_caches, _CACHE_ATTENTION, tap_layers, torch.nn.functional.linear)
+def _layers(x: torch.Tensor, weights: Sequence[LayerWeights], cos: torch.Tensor, sin: torch.Tensor,
+            kv_caches: Sequence[torch.Tensor], tap_layers: tuple[int, ...], linear: Linear,
+            ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    return paged_layers(x, weights, cos, sin, kv_caches, _CACHE_ATTENTION, tap_layers, linear)
 
 
 class CompileCacheError(ValueError):
@@ -178,8 +173,8 @@ class CompiledLayers:
     def __init__(self, cache_dir: Path, opaque_matmuls: bool) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)  # read by Inductor at each cache lookup
         self.cache_dir = cache_dir
-        body = _layers_opaque_matmuls if opaque_matmuls else _layers_traced_matmuls
-        self._compiled = torch.compile(body, fullgraph=True)
+        linear = _opaque_linear if opaque_matmuls else torch.nn.functional.linear
+        self._compiled = torch.compile(functools.partial(_layers, linear=linear), fullgraph=True)
         self.compile_seconds = 0.0
         """Wall time of the calls that compiled (or loaded) a graph, in seconds."""
         self._seen: set[tuple[int, tuple[int, ...]]] = set()  # (T = 1 or more, taps): each compiles once
