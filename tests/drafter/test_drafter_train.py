@@ -260,6 +260,33 @@ def test_optional_hidden_regression_adds_smooth_l1_to_the_final_hidden_state(set
         ttt_loss(head, target, ids, mask, prompt_lens, features, teacher, steps=2, hidden_weight=0.5)
 
 
+def test_tv_objective_is_one_minus_the_acceptance_of_a_sampled_draft(setup):
+    """``tv_i`` is 1 − Σ min(p, q) over step i's rows (the probability that a draft sampled from q is
+    rejected against p), the ``tv`` loss is their 0.8-weighted sum and ``kl+tv`` adds the soft CE."""
+    from specroll.drafter.ttt import response_mask, shift, unroll
+
+    target, head = setup["target"], setup["untrained"]
+    ids = torch.tensor([r.token_ids for r in setup["held"][:2]])
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    features, teacher, _ = target_features(target, ids, mask, head.config.feature_layers, head.draft_to_target)
+    prompt_lens = torch.tensor([PROMPT_LEN, PROMPT_LEN])
+    kl, _ = ttt_loss(head, target, ids, mask, prompt_lens, features, teacher, steps=2)
+    tv, metrics = ttt_loss(head, target, ids, mask, prompt_lens, features, teacher, steps=2, objective="tv")
+    both, _ = ttt_loss(head, target, ids, mask, prompt_lens, features, teacher, steps=2, objective="kl+tv")
+    with torch.no_grad():
+        logits = unroll(head, target, ids, features, 2)
+    for i, q in enumerate(logits):
+        rows = response_mask(mask, prompt_lens, i)
+        accept = torch.minimum(shift(teacher, i + 1).exp(), q.softmax(-1)).sum(-1)  # [B, T]
+        assert metrics[f"tv_{i}"] == pytest.approx(1 - accept[rows].mean().item(), abs=1e-5)
+    torch.testing.assert_close(tv, torch.tensor(metrics["tv_0"] + 0.8 * metrics["tv_1"]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(both, kl + tv, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="objective='js'"):
+        ttt_loss(head, target, ids, mask, prompt_lens, features, teacher, steps=2, objective="js")
+    with pytest.raises(ValueError, match="objective='js'"):
+        LearnerConfig(objective="js")
+
+
 def write_rollouts(path: Path, rollouts: list[Rollout]) -> None:
     with path.open("w") as f:
         for r in rollouts:

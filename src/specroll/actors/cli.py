@@ -50,6 +50,9 @@ def _add_drafter(sub: argparse._SubParsersAction) -> None:
                    help="tokens per training window, at least --ttt-steps + 2 (default: %(default)s)")
     t.add_argument("--ttt-steps", type=positive_int, default=3,
                    help="unrolled draft steps of the training-time test (default: %(default)s)")
+    t.add_argument("--objective", choices=["kl", "tv", "kl+tv"], default="kl",
+                   help="each unrolled step's training term: soft cross-entropy (EAGLE-3), total variation "
+                   "(one minus a sampled draft's acceptance probability) or both (default: %(default)s)")
     t.add_argument("--features", choices=["last", "eagle3"], default=None,
                    help="taps of a fresh head, as in init-drafter (default: eagle3; with --init: the head's "
                         "own, and another value is an error)")

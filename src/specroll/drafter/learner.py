@@ -171,7 +171,8 @@ class DrafterLearner:
         token_ids, mask, prompt_lens, features, final, teacher = self._batch(entries, head)
         head.train()
         loss, metrics = ttt_loss(head, self.target, token_ids, mask, prompt_lens, features, teacher,
-                                 self.config.ttt_steps, final_hidden=final, hidden_weight=self.config.hidden_weight)
+                                 self.config.ttt_steps, final_hidden=final, hidden_weight=self.config.hidden_weight,
+                                 objective=self.config.objective)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)

@@ -25,6 +25,9 @@ class LearnerConfig:
     """Unrolled draft steps of the training-time-test loss."""
     hidden_weight: float = 0.0
     """Weight of the optional hidden-state regression (:func:`ttt_loss`); 0: soft CE only."""
+    objective: str = "kl"
+    """Each unrolled step's distribution term (:func:`ttt_loss`): ``kl`` (soft cross-entropy, as
+    EAGLE-3), ``tv`` (total variation: one minus a sampled draft's acceptance probability) or ``kl+tv``."""
     buffer_rollouts: int = 512
     """Replay buffer capacity in rollouts (oldest dropped first): the recent RL steps."""
     min_rollouts: int = 8
@@ -53,6 +56,8 @@ class LearnerConfig:
         if not self.lr > 0 or self.weight_decay < 0:
             raise ValueError(f"drafter lr={self.lr}, weight_decay={self.weight_decay}: expected lr > 0 and "
                              "weight_decay >= 0")
+        if self.objective not in ("kl", "tv", "kl+tv"):
+            raise ValueError(f"drafter objective={self.objective!r}, expected 'kl', 'tv' or 'kl+tv'")
         if self.features not in ("eagle3", "last"):
             raise ValueError(f"drafter features={self.features!r}, expected 'eagle3' or 'last'")
         if self.architecture not in ("eagle3", "eagle"):

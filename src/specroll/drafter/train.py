@@ -21,7 +21,7 @@ from specroll.engine.model import CausalLM
 def train_drafter(
     head: EagleHead, target_model: CausalLM, rollouts: Sequence[Rollout], *, steps: int,
     lr: float = 1e-3, batch: int = 8, window: int = 256, ttt_steps: int = 3, seed: int = 0,
-    weight_decay: float = 0.0, log_every: int = 1,
+    weight_decay: float = 0.0, log_every: int = 1, objective: str = "kl",
 ) -> list[dict[str, float]]:
     """Train ``head`` in place for ``steps`` AdamW steps on windows of ``rollouts``: the online
     drafter trainer's own loop (:class:`specroll.drafter.learner.DrafterLearner`) over a fixed set.
@@ -39,7 +39,8 @@ def train_drafter(
     if not rollouts:
         raise ValueError("train_drafter: no rollouts to train on")
     config = LearnerConfig(lr=lr, weight_decay=weight_decay, batch=batch, window=window, ttt_steps=ttt_steps,
-                           buffer_rollouts=len(rollouts), min_rollouts=1, max_context=max(1024, window), seed=seed)
+                           buffer_rollouts=len(rollouts), min_rollouts=1, max_context=max(1024, window), seed=seed,
+                           objective=objective)
     learner = DrafterLearner(target_model, config, head=head)
     for r in rollouts:
         learner.add_rollout(r.token_ids, r.prompt_len, r.policy_version)

@@ -12,7 +12,9 @@ so step i trains the head on its own features, as it drafts at test time (either
 ``eagle_head.py``; an ``eagle3`` head's own LM head is trained with the rest, an ``eagle`` head reads
 the target's frozen one); the loss is
 ``Σ_i 0.8^i · softCE(p_{t+1+i}, q_i(t))`` averaged over rows whose predicted token is a response
-token (TLT, arXiv 2511.16665, trains on response tokens only). There is no hidden-state regression
+token (TLT, arXiv 2511.16665, trains on response tokens only); ``objective="tv"`` puts the total
+variation ``½Σ|p − q|`` (one minus a sampled draft's acceptance probability) in place of the soft CE.
+There is no hidden-state regression
 term (EAGLE-3 has none; TLT's EAGLE-1 heads add a SmoothL1 one). Unlike EAGLE-3, rows whose target
 argmax lies outside the draft vocabulary are not masked: the teacher is the renormalised restriction.
 
@@ -35,6 +37,9 @@ from specroll.engine.model import CausalLM
 
 STEP_WEIGHT = 0.8
 """Weight ratio of successive unrolled steps (EAGLE-3 ``main.py``: ``ploss_weight = 0.8**i``)."""
+
+OBJECTIVES = ("kl", "tv", "kl+tv")
+"""The distribution terms :func:`ttt_loss` can train on."""
 
 
 @torch.no_grad()
@@ -126,7 +131,7 @@ def response_mask(mask: torch.Tensor, prompt_lens: torch.Tensor, step: int) -> t
 def ttt_loss(
     head: EagleHead, target_model: CausalLM, token_ids: torch.Tensor, mask: torch.Tensor, prompt_lens: torch.Tensor,
     features: torch.Tensor, teacher: torch.Tensor, steps: int = 3, *, final_hidden: torch.Tensor | None = None,
-    hidden_weight: float = 0.0,
+    hidden_weight: float = 0.0, objective: str = "kl",
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """EAGLE-3's training-time-test loss (module docstring) over a right-padded batch.
 
@@ -141,18 +146,27 @@ def ttt_loss(
             normed output and the target's final hidden state at ``t + 1 + i`` (the state whose LM
             head gives ``p_{t+1+i}``), as TLT's EAGLE heads add it (``0.5·SmoothL1 + 0.5·softCE``);
             0 (EAGLE-3) leaves it out.
+        objective: what each step's distribution term is: ``"kl"`` the soft cross-entropy
+            ``−Σ p log q`` (KL(p ‖ q) plus the teacher's entropy; EAGLE-3's loss); ``"tv"`` the total
+            variation ``½ Σ |p − q|``, which is exactly one minus the probability that a draft
+            sampled from q is accepted against p (Leviathan et al. 2023, arXiv 2211.17192 §3.5;
+            DistillSpec, Zhou et al. 2024, arXiv 2310.08461 §4 trains drafters on it); ``"kl+tv"``
+            their sum (KL's gradient everywhere, TV's aim at acceptance).
 
     Returns:
-        The scalar loss (``Σ_i 0.8^i · (mean soft CE + hidden_weight · mean SmoothL1) of step i``),
+        The scalar loss (``Σ_i 0.8^i · (mean objective term + hidden_weight · mean SmoothL1) of step i``),
         and metrics ``loss``, ``ce_i``, ``kl_i`` (``ce_i`` less the teacher's entropy: KL(p ‖ q), 0
         at a perfect head), ``top1_i`` (the head's argmax equals the teacher's on step i's rows: an
-        acceptance proxy) and, with the regression, ``hidden_i``.
+        acceptance proxy), ``tv_i`` (``1 − tv_i`` is step i's acceptance probability of a sampled
+        draft against the teacher) and, with the regression, ``hidden_i``.
 
     Raises:
-        ValueError: ``hidden_weight > 0`` without ``final_hidden``.
+        ValueError: ``hidden_weight > 0`` without ``final_hidden``, or an unknown ``objective``.
     """
     if hidden_weight > 0 and final_hidden is None:
         raise ValueError("ttt_loss: hidden_weight > 0 needs final_hidden")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"ttt_loss: objective={objective!r}, expected one of {', '.join(OBJECTIVES)}")
     hiddens: list[torch.Tensor] = []
     logits = unroll(head, target_model, token_ids, features, steps, hiddens if hidden_weight > 0 else None)
     loss = torch.zeros((), device=token_ids.device)
@@ -160,10 +174,14 @@ def ttt_loss(
     for i, q in enumerate(logits):
         rows = response_mask(mask, prompt_lens, i)  # [B, T]
         p = shift(teacher, i + 1)  # [B, T, Vd] teacher p_{t+1+i}
-        ce = -(p.exp() * q.log_softmax(-1)).sum(-1)  # [B, T]
+        log_q = q.log_softmax(-1)  # [B, T, Vd]
+        ce = -(p.exp() * log_q).sum(-1)  # [B, T]
+        tv = 0.5 * (p.exp() - log_q.exp()).abs().sum(-1)  # [B, T]
         n = rows.sum().clamp(min=1)
         ce_i = (ce * rows).sum() / n
-        loss = loss + STEP_WEIGHT**i * ce_i
+        tv_i = (tv * rows).sum() / n
+        term = {"kl": ce_i, "tv": tv_i, "kl+tv": ce_i + tv_i}[objective]
+        loss = loss + STEP_WEIGHT**i * term
         if hidden_weight > 0:
             assert final_hidden is not None
             want = shift(final_hidden, i + 1).to(hiddens[i].dtype)  # [B, T, H]
@@ -172,6 +190,7 @@ def ttt_loss(
             loss = loss + STEP_WEIGHT**i * hidden_weight * hidden_i
             metrics[f"hidden_{i}"] = hidden_i.item()
         metrics[f"ce_{i}"] = ce_i.item()
+        metrics[f"tv_{i}"] = tv_i.item()
         entropy = -(p.exp() * p).sum(-1)  # [B, T]: the CE floor, so ce − entropy = KL(p ‖ q)
         metrics[f"kl_{i}"] = ce_i.item() - ((entropy * rows).sum() / n).item()
         metrics[f"top1_{i}"] = (((q.argmax(-1) == p.argmax(-1)) & rows).sum() / n).item()

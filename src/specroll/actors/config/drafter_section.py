@@ -45,6 +45,9 @@ class DrafterConfig(_Section):
     hidden_weight: float = 0.0
     """Weight of the optional hidden-state regression (SmoothL1 to the target's final hidden state,
     as TLT adds it); 0 (default, as EAGLE-3) trains on the soft cross-entropy only."""
+    objective: Literal["kl", "tv", "kl+tv"] = "kl"
+    """Each unrolled step's training term: ``kl`` (soft cross-entropy, as EAGLE-3; default), ``tv``
+    (total variation, one minus a sampled draft's acceptance probability; DistillSpec) or ``kl+tv``."""
     min_rollouts: int = 8
     """Rollouts needed before a cold start's first step. Default 8."""
     draft_vocab_size: int = 4096
@@ -115,6 +118,7 @@ class DrafterConfig(_Section):
         """
         return LearnerConfig(lr=self.learning_rate, batch=self.batch, window=self.window_tokens,
                              ttt_steps=self.ttt_steps, hidden_weight=self.hidden_weight,
-                             buffer_rollouts=self.window_rollouts, min_rollouts=self.min_rollouts,
+                             objective=self.objective, buffer_rollouts=self.window_rollouts,
+                             min_rollouts=self.min_rollouts,
                              draft_vocab_size=self.draft_vocab_size, features=self.features, seed=seed,
                              architecture=self.architecture)

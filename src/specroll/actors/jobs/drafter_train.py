@@ -144,6 +144,7 @@ def run_drafter_train(args: argparse.Namespace) -> None:
     try:
         learner_config = LearnerConfig(
             lr=args.lr, batch=args.batch, window=args.window, ttt_steps=args.ttt_steps, seed=args.seed,
+            objective=args.objective,
             buffer_rollouts=len(rows), min_rollouts=1, max_context=max(1024, args.window), features=features,
             draft_vocab_size=args.draft_vocab_size if args.draft_vocab_size is not None else 8192,
             architecture=args.architecture if args.architecture is not None else "eagle3",
