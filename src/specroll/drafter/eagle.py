@@ -214,7 +214,9 @@ class EagleProposer:
         over the ``width`` likeliest nodes of the depth before (by the product of q along their
         path), each attending to the head's K/V and its own ancestors (tree attention); every
         expanded node gets its ``width`` likeliest children; the ``nodes`` likeliest nodes overall
-        form the tree (ancestor-closed: a child is never likelier than its parent).
+        form the tree (ancestor-closed: a child is never likelier than its parent). A ``sampled``
+        shape draws a sampling request's children from q instead (``eagle_tree.py``) and hands q
+        to the verifier with the tree (``DraftTree.q``) when the proposer samples its drafts.
 
         q is processed as the request samples (temperature → top-k → top-p), so no node is a token
         the target could not emit; greedy requests rank by the head's own logits. A sequence whose
@@ -233,7 +235,9 @@ class EagleProposer:
         clock.lap("catch_up")
         logq = self._draft_logprobs(last, params)  # [R, Vd]
         clock.lap("draft_q")
-        search = TreeSearch(logq, last, [s.num_computed_tokens for s in states], width, depth)
+        samplers = [state.generator if shape.sampled and self.sample_drafts and not p.greedy else None
+                    for state, p in zip(states, params, strict=True)]
+        search = TreeSearch(logq, last, [s.num_computed_tokens for s in states], width, depth, samplers, shape.nodes)
         for d in range(1, depth):
             level = search.level(d)
             if level is None:
@@ -256,7 +260,7 @@ class EagleProposer:
             self.block_manager.truncate(state, state.num_computed_tokens)  # type: ignore[arg-type]
         d2t = self._d2t.tolist()
         for r, b in enumerate(rows):
-            trees[b] = search.tree(r, d2t, shape.nodes)
+            trees[b] = search.tree(r, d2t, shape.nodes, self._d2t)
         clock.lap("build")
         return trees
 

@@ -69,7 +69,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     draft_trees: tuple[str, ...] = ("2x4:6", "4x4:12")
     """Draft-tree shapes ``DEPTHxWIDTH:NODES`` (:class:`~specroll.engine.spec.tree.TreeShape`): the
     drafter expands the WIDTH likeliest nodes of each depth by their WIDTH likeliest children, DEPTH
-    levels deep, and keeps the NODES likeliest (at most 64)."""
+    levels deep, and keeps the NODES likeliest (at most 64). ``DEPTHxWIDTH:NODES:sampled``: a sampling
+    request's children are drawn from the drafter's q instead and verified by recursive rejection
+    sampling over q (``spec/tree.py``), at most NODES in all."""
     cuda_graphs: CudaGraphs = "off"
     """``on``: replay decode steps and K-draft verify steps as CUDA graphs, one per batch-size bucket,
     captured on first use (``step_graphs.py``; needs ``device`` cuda and the flashinfer backend);

@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import engines
 from helpers.checkpoints import teacher_forced_logits
+from helpers.trees import run
 
 from specroll.drafter.suffix import SuffixProposer
 from specroll.engine.driver import run_to_completion
@@ -34,12 +35,6 @@ def repetitive_prompts(lengths: list[int]) -> list[list[int]]:
         motif = torch.randint(3, 300, (5,), generator=g).tolist()
         out.append((motif * (n // 5 + 1))[:n])
     return out
-
-
-def run(engine: Engine, prompts: list[list[int]], sampling: SamplingParams, groups: bool = False):
-    for i, p in enumerate(prompts):
-        engine.add_request(p, sampling, f"r{i}", group_id=f"g{i // 2}" if groups else None)
-    return run_to_completion(engine)
 
 
 @pytest.mark.parametrize("groups", [False, True])

@@ -11,6 +11,7 @@ import torch
 from helpers import engines
 from helpers.checkpoints import teacher_forced_logits
 from helpers.engines import StandIn
+from helpers.trees import chi_square_p_value
 
 import specroll.engine.spec.modes as engine_module
 from specroll.engine.driver import run_to_completion
@@ -63,16 +64,6 @@ def biased_verify_trees(logits, seqs, trees, num_rows=None):
             node = i
         out.append(TreeVerdict(tokens, lps, path))
     return out
-
-
-def chi_square_p_value(observed: list[int], expected: list[float]) -> float:
-    """Pearson's chi-square test of counts against probabilities: the upper tail
-    Q(dof/2, x/2) of the chi-square distribution with len − 1 degrees of freedom."""
-    n = sum(observed)
-    x = sum((o - n * e) ** 2 / (n * e) for o, e in zip(observed, expected, strict=True))
-    dof = len(observed) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(x / 2, dtype=torch.float64)))
 
 
 SAMPLINGS = {

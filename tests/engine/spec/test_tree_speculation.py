@@ -18,15 +18,12 @@ import torch
 from helpers import engines
 from helpers.checkpoints import teacher_forced_logits
 from helpers.engines import StandIn
+from helpers.trees import PAGE, eagle_engine, prompts, run
 
 from specroll.engine.config import EngineConfig
-from specroll.engine.driver import run_to_completion
-from specroll.engine.engine import Engine
 from specroll.engine.sampler import processed_logprobs
 from specroll.engine.spec.tree import DraftTree, TreeShape, cap_tree, valid_tree
 from specroll.protocol.sampling import SamplingParams
-
-PAGE = 8
 
 
 class Oracle(StandIn):
@@ -52,17 +49,6 @@ class Oracle(StandIn):
 
 
 make_engine = functools.partial(engines.make_engine, **engines.TREE_SPECULATION)
-
-
-def prompts(lengths: list[int]) -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
-
-
-def run(engine: Engine, batch: list[list[int]], sampling: SamplingParams, groups: bool = False):
-    for i, p in enumerate(batch):
-        engine.add_request(p, sampling, f"r{i}", group_id=f"g{i // 2}" if groups else None)
-    return run_to_completion(engine)
 
 
 @pytest.mark.parametrize("sampling", [
@@ -185,17 +171,6 @@ def test_adaptive_speculation_tries_tree_shapes_and_keeps_greedy_output(tiny_che
 
 
 # ---- the EAGLE head's trees --------------------------------------------------------------------
-
-def eagle_engine(path, shape: str, **kw):
-    from helpers.drafters import make_head
-
-    from specroll.drafter.eagle import EagleProposer
-    from specroll.engine.loaders.checkpoint import load_checkpoint
-
-    head = make_head(load_checkpoint(str(path)).config, taps="eagle3")
-    proposer = EagleProposer(head, page_size=PAGE, kv_cache_memory_gb=0.01, sample_drafts=False)
-    return make_engine(path, proposer, draft_trees=(shape,), **kw), proposer
-
 
 @pytest.mark.parametrize("shape", ["4x1:4", "3x3:12", "5x4:16"])
 def test_eagle_trees_are_well_formed_and_lossless(tiny_checkpoint, shape):

@@ -25,6 +25,22 @@ request's own generator, draws exactly what plain sampling would). Acceptance at
 target mass on its children, ``Σ_i p(c_i)``, which is why several candidates pay at T = 1 where a
 single draft is accepted only with ``1 − TV(p, q)``. Greedy requests follow the argmax path.
 
+**Sampled trees.** A drafter may instead draw a node's children from its own distribution q
+(processed like the request's), ``c_1, c_2, ..`` in order *without replacement* (``c_i`` from q
+with ``c_1..c_{i-1}`` removed and renormalised), and hand q over with the tree
+(``DraftTree.q``). Such a node is verified by recursive rejection sampling over q (SpecInfer,
+Miao et al. 2024, Algorithm 2 "multi-step speculative sampling", in the without-replacement form
+of Jeon et al. 2024, "Recursive Speculative Decoding", arXiv 2402.14160 §3): with ``p_1 = p`` and
+``q_1 = q``, child ``c_i`` is accepted when ``u_i · q_i(c_i) < p_i(c_i)`` (probability
+``min(1, p_i/q_i)``); on rejection ``p_{i+1} = norm(max(0, p_i − q_i))`` and ``q_{i+1} = q_i``
+without ``c_i``, renormalised; after the last child the token is drawn from ``p_{m+1}``. Each
+step's output is ``min(p_i, q_i) + max(0, p_i − q_i) = p_i`` in distribution, so the node emits a
+draw from p exactly — provided how many children a node has is fixed before they are drawn (a
+drafter that kept or dropped a child by its value would bias it). Acceptance at such a node is at
+least ``1 − TV(p, q)``, and 1 when q = p, where a top-k node covers only ``Σ_i p(c_i)``.
+Greedy requests and nodes without a usable q row are walked as above (which is lossless for any
+children at all, only less often accepted for sampled ones).
+
 Behavior logprobs are the target's processed logprobs of each emitted token, as everywhere.
 
 After verification only the accepted path's K/V stays: the path's nodes are moved to the slots
@@ -58,12 +74,17 @@ class TreeShape:
     """Nodes expanded per depth, and children per expanded node."""
     nodes: int
     """Most nodes in the tree (the K/V slots and target rows it costs per sequence)."""
+    sampled: bool = False
+    """Children drawn from the drafter's q without replacement and verified by recursive rejection
+    sampling (module docstring), for sampling requests; False: the ``width`` likeliest children."""
 
     def __post_init__(self) -> None:
         for name in ("depth", "width", "nodes"):
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ValueError(f"tree shape {name}={value!r}, expected a positive integer")
+        if type(self.sampled) is not bool:
+            raise ValueError(f"tree shape sampled={self.sampled!r}, expected true or false")
         if self.nodes > MAX_TREE_NODES:
             raise ValueError(f"tree shape nodes={self.nodes}, expected at most {MAX_TREE_NODES}")
         if self.depth > self.nodes:
@@ -75,23 +96,33 @@ class TreeShape:
                              f"width={self.width} can grow (width + (depth - 1) * width²)")
 
     def __str__(self) -> str:
-        return f"tree(depth={self.depth}, width={self.width}, nodes={self.nodes})"
+        sampled = ", sampled" if self.sampled else ""
+        return f"tree(depth={self.depth}, width={self.width}, nodes={self.nodes}{sampled})"
+
+    @property
+    def text(self) -> str:
+        """The shape as :meth:`parse` reads it, e.g. ``"5x4:16"`` or ``"5x4:16:sampled"``."""
+        return f"{self.depth}x{self.width}:{self.nodes}" + (":sampled" if self.sampled else "")
 
     @classmethod
     def parse(cls, text: str) -> TreeShape:
-        """``"DEPTHxWIDTH:NODES"``, e.g. ``"5x4:16"``.
+        """``"DEPTHxWIDTH:NODES"`` (top-k children), e.g. ``"5x4:16"``, or ``"DEPTHxWIDTH:NODES:sampled"``
+        (children sampled from q).
 
         Raises:
             ValueError: the text is not in that form or a number is out of range.
         """
         try:
-            dims, nodes = text.split(":")
+            dims, nodes, *kind = text.split(":")
+            if kind not in ([], ["sampled"]):
+                raise ValueError
             depth, width = dims.lower().split("x")
-            return cls(int(depth), int(width), int(nodes))
+            return cls(int(depth), int(width), int(nodes), sampled=bool(kind))
         except ValueError as exc:
             if "tree shape" in str(exc):
                 raise
-            raise ValueError(f"tree shape {text!r}: expected DEPTHxWIDTH:NODES, e.g. '5x4:16'") from None
+            raise ValueError(f"tree shape {text!r}: expected DEPTHxWIDTH:NODES or DEPTHxWIDTH:NODES:sampled, "
+                             "e.g. '5x4:16'") from None
 
 
 MAX_TREE_NODES = 64
@@ -112,9 +143,25 @@ class DraftTree:
     draft_probs: list[float] | None = None
     """The drafter's probability of each node's token at its parent (diagnostics and tests; the
     verification never reads it)."""
+    q_support: torch.Tensor | None = None
+    """Sampled trees: int64 ``[S]`` ascending target ids, the support of every row of :attr:`q`."""
+    q: dict[int, torch.Tensor] | None = None
+    """Sampled trees: by parent (a node index, -1 for the root), float ``[S]`` the distribution over
+    :attr:`q_support` its children were drawn from, in node order and without replacement (module
+    docstring); a parent without a row has its children walked as top-k children."""
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def _with_nodes(self, keep: list[int]) -> DraftTree:
+        """The tree of nodes ``keep`` (ascending, ancestor-closed), re-indexed, with their q rows."""
+        new_index = {old: new for new, old in enumerate(keep)}
+        probs = None if self.draft_probs is None else [self.draft_probs[i] for i in keep]
+        q = None
+        if self.q is not None:
+            q = {(-1 if p < 0 else new_index[p]): row for p, row in self.q.items() if p < 0 or p in new_index}
+        return DraftTree([self.tokens[i] for i in keep], [new_index.get(self.parents[i], -1) for i in keep], probs,
+                         self.q_support, q)
 
     def depths(self) -> list[int]:
         """Depth of each node (children of the root: 1)."""
@@ -125,8 +172,7 @@ class DraftTree:
 
     def prefix(self, n: int) -> DraftTree:
         """The first ``n`` nodes (an ancestor-closed tree: parents come first)."""
-        probs = None if self.draft_probs is None else self.draft_probs[:n]
-        return DraftTree(self.tokens[:n], self.parents[:n], probs)
+        return self._with_nodes(list(range(min(n, len(self.tokens)))))
 
     def ancestor_mask(self) -> torch.Tensor:
         """bool ``[N+1, N+1]`` over (root, nodes): row i sees column j iff j is i or an ancestor of i."""
@@ -170,9 +216,7 @@ def cap_tree(tree: DraftTree, max_depth: int, max_nodes: int) -> DraftTree:
             keep.append(i)
     if len(keep) == len(tree.tokens):
         return tree
-    new_index = {old: new for new, old in enumerate(keep)}
-    probs = None if tree.draft_probs is None else [tree.draft_probs[i] for i in keep]
-    return DraftTree([tree.tokens[i] for i in keep], [new_index.get(tree.parents[i], -1) for i in keep], probs)
+    return tree._with_nodes(keep)
 
 
 @dataclass(frozen=True)
@@ -206,8 +250,9 @@ def verify_trees(
         trees: each sequence's tree (may have no nodes: plain sampling).
 
     Returns:
-        A :class:`TreeVerdict` per sequence. Each sampled sequence draws one uniform per emitted
-        token from its own generator (as plain sampling); greedy ones draw none.
+        A :class:`TreeVerdict` per sequence. Each sampled sequence draws from its own generator one
+        uniform per emitted token at a top-k node (as plain sampling), and at a node with a usable
+        q row one per child tested plus one when all are rejected; greedy ones draw none.
 
     Raises:
         ValueError: ``logits`` does not have one row per root and node.
@@ -224,6 +269,7 @@ def verify_trees(
     if have != row or len(seqs) != len(trees):
         raise ValueError(f"logits has {have} rows for {len(trees)} trees of {row} rows and {len(seqs)} sequences")
     children = [{(p, t): i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens, strict=True))} for tree in trees]
+    supports: list[torch.Tensor | None] | None = None
     node = [-1] * len(trees)
     verdicts = [TreeVerdict([], [], []) for _ in trees]
     active = list(range(len(trees)))
@@ -232,20 +278,93 @@ def verify_trees(
         params = [seqs[b].sampling for b in active]
         logprobs = processed_logprobs(logits_of(rows), params).cpu()  # [A, V]
         tokens = logprobs.argmax(-1)
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled:  # exp in float32, the CDF in float64: as plain sampling draws
-            u = torch.cat([torch.rand(1, dtype=torch.float64, generator=seqs[active[i]].generator) for i in sampled])
-            tokens[sampled] = draw_inverse_cdf(logprobs[sampled].exp().double(), u)
+        if supports is None:
+            supports = [usable_support(tree, logprobs.shape[-1]) for tree in trees]
+        # sampling rows standing on a node whose children were drawn from a usable q: recursive rejection
+        rrs = {i: q_row for i, b in enumerate(active) if not params[i].greedy
+               and (q_row := node_q(trees[b], supports[b], node[b])) is not None}
+        walked = [i for i, p in enumerate(params) if not p.greedy and i not in rrs]
+        if walked:  # exp in float32, the CDF in float64: as plain sampling draws
+            u = torch.cat([torch.rand(1, dtype=torch.float64, generator=seqs[active[i]].generator) for i in walked])
+            tokens[walked] = draw_inverse_cdf(logprobs[walked].exp().double(), u)
+        accepted: dict[int, int | None] = {}
+        for i, q_row in rrs.items():
+            b = active[i]
+            kids = [c for c in range(len(trees[b])) if trees[b].parents[c] == node[b]]
+            accepted[i], tokens[i] = rejection_walk(logprobs[i].exp().double(), supports[b], q_row, kids,
+                                                    trees[b].tokens, seqs[b].generator)
         chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
         still = []
-        for b, token, logprob in zip(active, tokens.tolist(), chosen, strict=True):
+        for i, (b, token, logprob) in enumerate(zip(active, tokens.tolist(), chosen, strict=True)):
             verdict = verdicts[b]
             verdict.token_ids.append(token)
             verdict.logprobs.append(logprob)
-            child = children[b].get((node[b], token))
+            child = accepted[i] if i in accepted else children[b].get((node[b], token))
             if child is not None:
                 verdict.path.append(child)
                 node[b] = child
                 still.append(b)
         active = still
     return verdicts
+
+
+def usable_support(tree: DraftTree, vocab_size: int) -> torch.Tensor | None:
+    """``tree.q_support`` when verification can trust it (int64 ascending ids in ``[0, vocab_size)``), else None."""
+    support = tree.q_support
+    if tree.q is None or support is None or support.dim() != 1 or support.dtype != torch.long or not len(support):
+        return None
+    support = support.cpu()
+    if int(support[0]) < 0 or int(support[-1]) >= vocab_size or not bool((support[1:] > support[:-1]).all()):
+        return None
+    return support
+
+
+def node_q(tree: DraftTree, support: torch.Tensor | None, node: int) -> torch.Tensor | None:
+    """float64 ``[S]`` the q node ``node``'s children were drawn from, when verification can trust it:
+    a distribution over ``support`` (finite, non-negative, summing to 1) giving each child's token
+    positive mass. None: walk the node as top-k children (lossless for any children)."""
+    if support is None or tree.q is None or (row := tree.q.get(node)) is None or row.shape != support.shape:
+        return None
+    q = row.detach().double().cpu()
+    if not (bool(torch.isfinite(q).all()) and bool((q >= 0).all()) and abs(float(q.sum()) - 1) < 1e-3):
+        return None
+    kids = torch.tensor([t for t, p in zip(tree.tokens, tree.parents, strict=True) if p == node], dtype=torch.long)
+    if not len(kids):
+        return None  # a leaf: its one draw is plain sampling either way
+    at = torch.searchsorted(support, kids).clamp(max=len(support) - 1)
+    if not (bool((support[at] == kids).all()) and bool((q[at] > 0).all())):
+        return None
+    return q / q.sum()
+
+
+def rejection_walk(p: torch.Tensor, support: torch.Tensor, q: torch.Tensor, kids: list[int], tokens: list[int],
+                   generator: torch.Generator | None) -> tuple[int | None, int]:
+    """Recursive rejection sampling without replacement at one node (module docstring; Jeon et al.
+    2024, arXiv 2402.14160, Algorithm 1).
+
+    Args:
+        p: float64 ``[V]`` the target's processed distribution at the node.
+        support, q: int64 ``[S]`` ascending ids and float64 ``[S]`` the draft distribution there.
+        kids: the node's children (node indices), in the order they were drawn; ``tokens``: every node's token.
+        generator: the request's generator: one uniform per child tested, one more when all are rejected.
+
+    Returns:
+        ``(accepted child or None, emitted token)``.
+    """
+    p, q = p.clone(), q.clone()
+    for c in kids:
+        token = tokens[c]
+        j = int(torch.searchsorted(support, torch.tensor(token)))
+        u = float(torch.rand(1, dtype=torch.float64, generator=generator))
+        if u * float(q[j]) < float(p[token]):
+            return c, token
+        residual = (p[support] - q).clamp_(min=0)  # max(0, p − q) on q's support; p elsewhere
+        rest = p.clone()
+        rest[support] = residual
+        if float(rest.sum()) > 0:  # p ≤ q everywhere: rejection had probability 0, keep p
+            p = rest / rest.sum()
+        q[j] = 0.0
+        if float(q.sum()) > 0:
+            q = q / q.sum()
+    u = torch.rand(1, dtype=torch.float64, generator=generator)
+    return None, int(draw_inverse_cdf(p[None], u)[0])
