@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from specroll.actors.jobs.job_args import add_generate, add_init_drafter
+from specroll.actors.jobs.job_args import add_drafter_init, add_generate, add_init_drafter
 from specroll.actors.shared.arg_types import positive_float, positive_int
 from specroll.actors.shared.exit_codes import EXIT_REFUSED
 from specroll.actors.shared.keys_flag import add_keys_argument
@@ -17,10 +17,12 @@ if TYPE_CHECKING:
 
 
 def _add_drafter(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("drafter", help="EAGLE drafters: 'drafter train' (offline), 'drafter serve' (online), "
-                       "'drafter export' / 'drafter import' (the EAGLE-3 checkpoint vLLM and SGLang load)",
-                       description="Train EAGLE drafters offline, run the online drafter trainer, or convert an "
-                       "eagle3 drafter to and from the EAGLE-3 checkpoint vLLM and SGLang load.")
+    p = sub.add_parser("drafter", help="EAGLE drafters: 'drafter init' (a cached warm start for a run), 'drafter "
+                       "train' (offline), 'drafter serve' (online), 'drafter export' / 'drafter import' (the EAGLE-3 "
+                       "checkpoint vLLM and SGLang load)",
+                       description="Make a run's warm-start drafter, train EAGLE drafters offline, run the online "
+                       "drafter trainer, or convert an eagle3 drafter to and from the EAGLE-3 checkpoint vLLM and "
+                       "SGLang load.")
     dsub = p.add_subparsers(dest="drafter_command", required=True, metavar="SUBCOMMAND")
     from specroll.actors.drafter_trainer.args import add_arguments
 
@@ -30,6 +32,7 @@ def _add_drafter(sub: argparse._SubParsersAction) -> None:
         "idle capacity and publish drafter versions to them (the generators need generator.speculative = "
         "'eagle' or 'auto').",
     ))
+    add_drafter_init(dsub)
     t = dsub.add_parser(
         "train",
         help="train an EAGLE drafter offline from saved rollouts",
@@ -292,6 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from specroll.actors.jobs.drafter_export import run_drafter_export as run
     elif args.command == "drafter" and args.drafter_command == "import":
         from specroll.actors.jobs.drafter_export import run_drafter_import as run
+    elif args.command == "drafter" and args.drafter_command == "init":
+        from specroll.actors.jobs.drafter_init import run_drafter_init as run
     elif args.command == "drafter":
         from specroll.actors.jobs.drafter_train import run_drafter_train as run
     else:

@@ -81,6 +81,23 @@ class DrafterConfig(_Section):
     """On shutdown: seconds the drafter trainer's ``Dead`` may take to be delivered. Default 1.0."""
     device: str = "cpu"
     """Torch device the drafter trainer trains on. Default ``cpu``."""
+    warm_start_minutes: float = 0.0
+    """A warm start made before the run, in CPU-minutes of training (``time.process_time()``, every
+    thread counted): when the drafter trainer runs and ``path`` is unset, ``specroll launch`` first
+    finds in ``warm_start_cache_dir`` — or makes, as ``specroll drafter init --config RUN_DIR/config.toml``
+    does — a head trained on ``warm_start_rollouts`` responses to the task's training prompts at
+    ``generator.sampling``'s settings, and starts the generators and the drafter trainer with it as
+    ``path``; the drafter trainer then follows the policy from there. A resumed run (a drafter in
+    ``RUN_DIR/drafter``) keeps its own. Needs a single-turn task (no ``task.environment``) and
+    ``cluster.backend = "local"`` (the head is cached on the launcher's host). 0 (default): off."""
+    warm_start_rollouts: int = 128
+    """Responses the warm start generates (one per training prompt, in a seeded order, and round
+    again when there are fewer prompts). Default 128."""
+    warm_start_cache_dir: str | None = None
+    """The warm-start cache: one folder per key of what determines the head (the model's files, the
+    task, the sampling and head settings, the budget, the rollout count, the seed), each holding the
+    head and ``warm_start.json``. ``None`` (default): ``$XDG_CACHE_HOME/specroll/drafters``
+    (``~/.cache/specroll/drafters``)."""
 
     def __post_init__(self) -> None:
         _check_literals(self)
@@ -106,6 +123,11 @@ class DrafterConfig(_Section):
         _require(self.linger_s > 0 and math.isfinite(self.linger_s), "linger_s", self.linger_s,
                  "a positive number of seconds")
         _require(bool(self.device), "device", self.device, "a torch device, e.g. 'cpu'")
+        _require(0 <= self.warm_start_minutes <= 10080 and math.isfinite(self.warm_start_minutes),
+                 "warm_start_minutes", self.warm_start_minutes, "CPU-minutes in [0, 10080] (0: no warm start)")
+        _require(self.warm_start_rollouts >= 1, "warm_start_rollouts", self.warm_start_rollouts, "a positive integer")
+        _require(self.warm_start_cache_dir is None or bool(self.warm_start_cache_dir.strip()), "warm_start_cache_dir",
+                 self.warm_start_cache_dir, "a directory path or unset (~/.cache/specroll/drafters)")
 
     def learner_config(self, seed: int) -> LearnerConfig:
         """The drafter learner's settings (``drafter/`` is a layer below the actors and keeps its own

@@ -115,6 +115,13 @@ class RunConfig(_Section):
         _require(self.drafter.acceptance_floor <= k + 1, "drafter.acceptance_floor", self.drafter.acceptance_floor,
                  f"at most generator.engine.num_draft_tokens + 1 = {k + 1} (the acceptance length never exceeds "
                  f"k + 1 with k = {k} drafts per step), or 0 to never warn")
+        minutes = self.drafter.warm_start_minutes
+        _require(not minutes or self.task.environment is None, "drafter.warm_start_minutes", minutes,
+                 f"0 with task.environment = {self.task.environment!r} (a warm start samples single-turn responses "
+                 "to the task's prompts; an episode's turns come from its environment)")
+        _require(not minutes or self.cluster.backend == "local", "drafter.warm_start_minutes", minutes,
+                 "0 with cluster.backend = 'ray' (the warm start is cached on the launcher's host; make one with "
+                 "'specroll drafter init' on storage every node reads and set drafter.path)")
 
     def speculative(self) -> Literal["off", "suffix", "eagle"]:
         """``generator.speculative`` with ``auto`` resolved: ``eagle`` when a drafter is configured

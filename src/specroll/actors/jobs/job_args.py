@@ -1,11 +1,11 @@
-"""The parsers of the offline jobs ``specroll generate`` and ``specroll init-drafter``
-(parsed before any heavy import, as the rest of the command)."""
+"""The parsers of the offline jobs ``specroll generate``, ``specroll init-drafter`` and ``specroll
+drafter init`` (parsed before any heavy import, as the rest of the command)."""
 
 from __future__ import annotations
 
 import argparse
 
-from specroll.actors.shared.arg_types import positive_int
+from specroll.actors.shared.arg_types import positive_float, positive_int
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
@@ -90,3 +90,35 @@ def add_init_drafter(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-builtin", type=positive_int, default=256,
                    help="built-in prompts when --prompts is not given (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="initialisation seed")
+
+
+def add_drafter_init(dsub: argparse._SubParsersAction) -> None:
+    """``specroll drafter init`` (a subcommand of ``specroll drafter``)."""
+    p = dsub.add_parser(
+        "init",
+        help="make (or find cached) a warm-start drafter for a run: rollouts of its task, trained within a "
+             "CPU-minute budget",
+        description="Generate --rollouts responses to the training prompts of a run config's task at its sampling "
+        "settings (generator.sampling; temperature 1 by default, as RL samples), train a fresh drafter of its "
+        "[drafter] settings on them for --budget-minutes CPU-minutes, and save it in the cache folder under a key "
+        "of everything that determines it (the model's files, the task, the sampling and head settings, the "
+        "budget, the rollout count, the seed), with warm_start.json beside it. The same inputs again are a cache "
+        "hit: no generation, no training. Prints the drafter's folder (use it as drafter.path); 'specroll launch' "
+        "runs this itself with drafter.warm_start_minutes > 0.",
+    )
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="run config TOML (default: the built-in defaults)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set drafter.draft_vocab_size=2048 (repeatable)")
+    p.add_argument("--model", default=None, help="the model, as --set model.name (default: the config's)")
+    p.add_argument("--prompts", default=None,
+                   help="JSONL training prompts, as --set task.prompts (default: the config's task)")
+    p.add_argument("--seed", type=int, default=None, help="the run seed, as --set seed (default: the config's)")
+    p.add_argument("--budget-minutes", type=positive_float, default=None, metavar="M",
+                   help="CPU-minutes of training, measured with time.process_time() (every thread counted) "
+                        "(default: drafter.warm_start_minutes)")
+    p.add_argument("--rollouts", type=positive_int, default=None,
+                   help="responses to generate (default: drafter.warm_start_rollouts)")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="cache folder (default: drafter.warm_start_cache_dir, else ~/.cache/specroll/drafters)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")

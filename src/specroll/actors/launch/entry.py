@@ -81,7 +81,7 @@ def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = 
             print(f"specroll launch: error: {e}", file=sys.stderr)
             return EXIT_REFUSED
         launcher = Launcher(config, trainer_module=trainer_module, startup_timeout_s=startup_timeout_s,
-                            grace_s=grace_s, forker=forker)
+                            grace_s=grace_s, forker=forker, warm_start=not serving)
         if on_ray:
             launcher.cluster = RayCluster(config, launcher.say, Path(config.run_dir) / ENDPOINT_FILENAME)
         launcher.say(resources_line(config) if on_ray else budget_line(config, cores))

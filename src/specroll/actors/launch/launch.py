@@ -6,7 +6,9 @@ Lifecycle:
 1. The config is loaded and validated (a ``ConfigError`` is one line, exit 2, nothing started), the
    model, prompts, port and checkpoint are checked and the run directory is locked
    (``preflight.py``), and the config is written resolved to ``RUN_DIR/config.toml``; every
-   role reads that file.
+   role reads that file. With ``drafter.warm_start_minutes`` the drafter's warm start is found in
+   its cache or made by a child process first (``warm_start.py``), and the file names it as
+   ``drafter.path``.
 2. The trainer starts (``python -m specroll.actors.trainer --config RUN_DIR/config.toml``) after a
    stale ``RUN_DIR/trainer.endpoint`` is removed; once bound it writes its endpoint there, which the
    launcher waits for (``startup_timeout_s``; the trainer dying first ends the launch). With
@@ -51,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from specroll.actors.launch.cpu_budget import available_cores
 from specroll.actors.launch.errors import LaunchError
 from specroll.actors.launch.gpu_plan import gpu_env
 from specroll.actors.launch.metrics_tail import MetricsTail, format_metrics, record_warnings
@@ -67,6 +70,7 @@ from specroll.actors.launch.role_starts import (
 )
 from specroll.actors.launch.supervision import DRAFTER_ROLE, Supervisor
 from specroll.actors.launch.trainer_endpoint import ENDPOINT_FILENAME, local_endpoint, port_pin, wait_endpoint
+from specroll.actors.launch.warm_start import WARM_START_ROLE, make_in_child, resolve_warm_start
 from specroll.actors.shared.exit_codes import EXIT_OK, EXIT_REFUSED
 
 if TYPE_CHECKING:
@@ -100,6 +104,8 @@ class Launcher:
             None: each role is a fresh interpreter.
         cluster: start each role on a Ray node through its actor (``[cluster] backend = "ray"``,
             ``ray_cluster.py``); None: on this host.
+        warm_start: make or find the drafter's warm start before the trainer starts
+            (``drafter.warm_start_minutes``, ``warm_start.py``); ``specroll serve`` makes none.
     """
 
     config: RunConfig
@@ -111,6 +117,7 @@ class Launcher:
     metrics_out: IO[str] = field(default_factory=lambda: sys.stdout)
     forker: Forker | None = None
     cluster: RayCluster | None = None
+    warm_start: bool = True
     _signal: int | None = field(default=None, init=False, repr=False)
     _hurry: bool = field(default=False, init=False, repr=False)
     metrics_tail: MetricsTail = field(init=False, repr=False)
@@ -141,6 +148,8 @@ class Launcher:
             try:
                 config_path = write_resolved(self.config)
                 (self.run_dir / LOGS_DIRNAME).mkdir(exist_ok=True)
+                if self.warm_start:
+                    config_path = self._warm_start(config_path, starts.processes)
             except OSError as e:
                 raise LaunchError(f"run_dir={self.config.run_dir!r}: cannot write the run directory "
                                   f"({e.strerror or e}), expected a writable directory", code=EXIT_REFUSED) from e
@@ -177,6 +186,19 @@ class Launcher:
                     signal.signal(s, handler)
                 if (self.run_dir / METRICS_FILENAME).exists():  # a step (or the evaluation before one) to draw
                     self.say(f"report: {shlex.quote(_specroll_command())} report {shlex.quote(str(self.run_dir))}")
+
+    def _warm_start(self, config_path: Path, processes: list[RoleProcess]) -> Path:
+        """The drafter's warm start before any role starts (``warm_start.py``): the resolved config's
+        path, written again when it names the warm-start head as ``drafter.path``."""
+        from specroll.actors.config import write_resolved
+
+        log = self.run_dir / LOGS_DIRNAME / f"{WARM_START_ROLE}.log"
+        config = resolve_warm_start(self.config, lambda: make_in_child(
+            config_path, log, available_cores(), processes, self._check_signal, self.poll_s), self.say)
+        if config is self.config:
+            return config_path
+        self.config = config
+        return write_resolved(config)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         if self._signal is not None:
