@@ -3,6 +3,10 @@ versions from it to the generators through the trainer (see ``messages.py`` for 
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import msgspec
+
 from specroll.protocol.weights_messages import TensorRef
 from specroll.protocol.wire import NonNegative, Positive, TokenIds, WireMessage, WireStruct
 
@@ -50,6 +54,8 @@ class PublishDrafter(WireMessage, tag="publish_drafter"):
     tensors: tuple[TensorRef, ...]
     train_steps: NonNegative = 0
     """Optimizer steps the drafter trainer had taken."""
+    train_s: Annotated[float, msgspec.Meta(ge=0, le=1e9)] = 0.0
+    """Seconds the drafter trainer had spent in those steps (its measured share of idle capacity)."""
 
 
 class DrafterAvailable(WireMessage, tag="drafter_available"):

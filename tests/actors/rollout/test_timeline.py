@@ -54,14 +54,16 @@ def test_the_drafter_relay_records_versions_published_and_served(tmp_path: Path)
 
     def publish(version: int) -> None:
         relay.on_publish("drafter-0", PublishDrafter(version=version, policy_version=1, config="{}", checksum="c",
-                                                     tensors=()), {})
+                                                     tensors=(), train_steps=20 * version, train_s=3.5), {})
 
     publish(1)
     publish(1)  # not above the current one: refused, not recorded
     relay.on_ack("gen-0", AckDrafter(version=1, checksum="c", refused="made for another vocabulary"))
     relay.on_ack("gen-1", AckDrafter(version=1, checksum="c"))
     timeline.close()
+    metrics = relay.report()
+    assert (metrics["drafter_train_steps"], metrics["drafter_train_s"]) == (20, 3.5)
     assert [{k: v for k, v in e.items() if k != "t"} for e in events(tmp_path / "timeline.jsonl")] == [
-        {"event": "drafter_published", "version": 1},
+        {"event": "drafter_published", "version": 1, "train_steps": 20, "train_s": 3.5},
         {"event": "drafter_served", "actor": "gen-1", "version": 1},
     ]

@@ -306,7 +306,8 @@ class DrafterActor:
         snap: DrafterSnapshot = await anyio.to_thread.run_sync(self.learner.snapshot)
         refs, tensors = pack_tensors(sorted(snap.tensors.items()))
         self.peer.put(PublishDrafter(version=snap.version, policy_version=snap.policy_version, config=snap.config_json,
-                                 checksum=snap.checksum, tensors=refs, train_steps=snap.train_steps), tensors)
+                                 checksum=snap.checksum, tensors=refs, train_steps=snap.train_steps,
+                                 train_s=round(min(self.train_s, 1e9), 3)), tensors)
         m = self.last_metrics
         log.info("sent drafter version %d to the trainer (policy %d, %d steps, %.0f s of training%s)", snap.version,
                  snap.policy_version, snap.train_steps, self.train_s,

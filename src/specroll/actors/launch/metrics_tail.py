@@ -11,7 +11,7 @@ PROGRESS_FIELDS = ("policy_version", "reward_mean", "accuracy", "eval_accuracy",
                    "turns_mean", "tool_calls_mean", "tool_call_errors", "sequences_mean", "groups_dropped",
                    "logprob_diff_mean", "logprob_kl_k3", "gen_tokens_per_s", "max_lag",
                    "tokens_masked_stale", "samples_dropped_stale", "acceptance_length", "acceptance_length_window",
-                   "drafter_version", "step_s", "wait_s", "restarts")
+                   "drafter_version", "drafter_train_s", "step_s", "wait_s", "restarts")
 """Fields of a metrics record shown in the launcher's progress line, when present (in this order)."""
 
 WARNING_FIELDS = ("acceptance_floor_warning",)

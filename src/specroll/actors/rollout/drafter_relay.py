@@ -79,6 +79,8 @@ class DrafterRelay:
         self.drafters: set[str] = set()
         """Connected drafter trainers."""
         self.published: DrafterWeights | None = None
+        self.trained: tuple[int, float] = (0, 0.0)
+        """The current version's drafter trainer: optimizer steps and seconds of training by then."""
         """The current drafter version, as generators receive it."""
         self._tensors: list[torch.Tensor] = []
         self.generator_drafters: dict[str, tuple[int, str]] = {}
@@ -131,8 +133,10 @@ class DrafterRelay:
                                         checksum=msg.checksum, tensors=msg.tensors)
         log.info("drafter version %d published by %s (trained against policy %d, %d steps)", msg.version, actor,
                  msg.policy_version, msg.train_steps)
+        self.trained = (msg.train_steps, msg.train_s)
         if self.timeline is not None:
-            self.timeline.record("drafter_published", version=msg.version)
+            self.timeline.record("drafter_published", version=msg.version, train_steps=msg.train_steps,
+                                 train_s=msg.train_s)
         for other in self.drafters - {actor}:  # concurrent drafter trainers keep one numbering
             self._send(other, self._announcement(), None)
 
@@ -218,8 +222,8 @@ class DrafterRelay:
 
     def report(self, floor: float = 0.0) -> dict[str, object]:
         """Monitoring for a metrics line: the counters since the last report per (drafter, policy)
-        version, their overall acceptance length, the published drafter version and the policy it
-        was trained against, what each generator serves and whether the checksums agree. When the
+        version, their overall acceptance length, the published drafter version, the policy it
+        was trained against and the training steps and seconds behind it, what each generator serves and whether the checksums agree. When the
         newest policy version's acceptance length is below ``floor`` (> 0) it logs a warning and
         returns its text as ``acceptance_floor_warning`` (``specroll launch`` prints it), else None."""
         window = self.take_window()
@@ -250,6 +254,8 @@ class DrafterRelay:
             "acceptance_floor_warning": warning,
             "drafter_version": p.version if p else None,
             "drafter_policy_version": p.policy_version if p else None,
+            "drafter_train_steps": self.trained[0] if p else None,
+            "drafter_train_s": self.trained[1] if p else None,
             "generator_drafters": {a: v for a, (v, _) in self.generator_drafters.items()},
             "drafter_checksums_match": self.checksums_match(),
             "drafter_trainers": len(self.drafters),
