@@ -156,8 +156,8 @@ def make_warm_start(config: RunConfig, budget_minutes: float, rollouts: int, cac
             head, made = _make(config, split, inputs, say)
             head.save(staging)
             path = publish(staging, cache_dir, key, WarmStartRecord(key=key, inputs=inputs, made=made))
-    except OSError as exc:
-        raise GenerateError(f"cannot write the drafter cache {cache_dir}: {exc.strerror or exc}") from None
+    except OSError as exc:  # the cache's folder, lock or files (named), or a file read meanwhile
+        raise GenerateError(f"{exc.filename or cache_dir}: {exc.strerror or exc}") from None
     return WarmStart(path, False, read_record(path), time.monotonic() - start)
 
 
