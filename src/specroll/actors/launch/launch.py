@@ -193,8 +193,12 @@ class Launcher:
         from specroll.actors.config import write_resolved
 
         log = self.run_dir / LOGS_DIRNAME / f"{WARM_START_ROLE}.log"
+        # Half the cores, as a role's share of the CPU budget: with every core, torch's threads wait on
+        # each other whenever anything else runs (32 rollouts on a busy 2-core machine: 2.9 tok/s with
+        # 2 threads, 19 tok/s with 1).
+        threads = max(1, available_cores() // 2)
         config = resolve_warm_start(self.config, lambda: make_in_child(
-            config_path, log, available_cores(), processes, self._check_signal, self.poll_s), self.say)
+            config_path, log, threads, processes, self._check_signal, self.poll_s), self.say)
         if config is self.config:
             return config_path
         self.config = config

@@ -1,7 +1,7 @@
 """The drafter's warm start at launch (``drafter.warm_start_minutes`` > 0): before the trainer starts,
 the launcher finds the run's warm-start head in the cache (``jobs/drafter_cache.py``; only the key is
 computed here: no model is loaded) or makes it in a child process, ``specroll drafter init --config
-RUN_DIR/config.toml`` with every core (its own process group, output in ``RUN_DIR/logs/warm-start.log``,
+RUN_DIR/config.toml`` with half the cores (its own process group, output in ``RUN_DIR/logs/warm-start.log``,
 stopped with the run on Ctrl-C), and the run's resolved config then names the head as ``drafter.path``,
 so the generators serve it from the first step and the drafter trainer trains on from it.
 
@@ -49,14 +49,13 @@ def resolve_warm_start(config: RunConfig, make: Callable[[], None], say: Callabl
     if (saved / WEIGHTS_FILE).is_file():
         say(f"drafter warm start: none made, the run's own drafter in {saved} is the warm start (a resumed run)")
         return config
-    cache = cache_dir_of(config)
+    cache, start = cache_dir_of(config), time.monotonic()
     try:
         key = warm_start_key(config, training_prompts(config), d.warm_start_minutes, d.warm_start_rollouts).digest()
     except ValueError as e:  # PromptFileError too
         raise LaunchError(f"task: {e}", code=EXIT_REFUSED) from None
     except CheckpointError as e:
         raise LaunchError(f"model.name: {e}", code=EXIT_REFUSED) from None
-    start = time.monotonic()
     found = lookup(cache, key)
     hit = found is not None
     if found is None:
