@@ -253,6 +253,13 @@ def test_a_resumed_run_warm_starts_from_the_drafter_it_saved(tiny_llama, tmp_pat
     learner = build_learner(config)
     assert learner.head is not None
     assert head_checksum(learner.head.wire_tensors()) == head_checksum(saved.wire_tensors())
+    first = EagleHead.init(saved.config, torch.arange(64), seed=5)  # the head the run began from (a warm start)
+    first.save(tmp_path / "warm")
+    with_path = msgspec.structs.replace(config, drafter=DrafterConfig(path=str(tmp_path / "warm")))
+    assert head_checksum(build_learner(with_path).head.wire_tensors()) == head_checksum(saved.wire_tensors())
+    (tmp_path / "drafter" / "model.safetensors").unlink()  # nothing saved yet: drafter.path is the start
+    assert head_checksum(build_learner(with_path).head.wire_tensors()) == head_checksum(first.wire_tensors())
+    saved.save(tmp_path / "drafter")
     other = tmp_path / "other_run" / "drafter"  # a drafter saved for another model is ignored: cold start
     other_cfg = EagleConfig(target_vocab_size=999, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=2,
                             head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, feature_layers=(1,), draft_vocab_size=64,

@@ -325,8 +325,9 @@ class DrafterActor:
 
 def build_learner(config: RunConfig) -> DrafterLearner:
     """The learner: the policy's (``model.name``) initial weights, float32, on ``drafter.device``,
-    trained with :meth:`DrafterConfig.learner_config`, and the warm-start head if any
-    (``drafter.path``, else a drafter saved in :func:`save_dir`).
+    trained with :meth:`DrafterConfig.learner_config`, and the warm-start head if any: the last
+    drafter this run saved (:func:`save_dir`: a restarted or resumed drafter trainer goes on from
+    its newest version, not back to where the run began), else ``drafter.path``.
 
     Raises:
         CheckpointError: the model cannot be loaded.
@@ -341,17 +342,19 @@ def build_learner(config: RunConfig) -> DrafterLearner:
         model = CausalLM(checkpoint.config)
     model = model.to_empty(device=torch.device(d.device))
     model.load_weights(checkpoint.weights)
-    head = EagleHead.load(d.path) if d.path is not None else None
+    head = None
     saved = save_dir(config)
-    if head is None and (saved / "model.safetensors").exists():
+    if (saved / "model.safetensors").exists():
         try:
             head = EagleHead.load(saved)
             head.check_target(checkpoint.config, str(saved))
         except DrafterError as e:
-            log.warning("%s; starting cold", e)
+            log.warning("%s; starting %s", e, f"from {d.path}" if d.path is not None else "cold")
             head = None
         else:
             log.info("warm start from %s (the last drafter this run saved)", saved)
+    if head is None and d.path is not None:
+        head = EagleHead.load(d.path)
     vocab = checkpoint.config.vocab_size
     if head is None and d.draft_vocab_size > vocab:  # a cold start: never cap it silently
         raise DrafterError(f"drafter.draft_vocab_size={d.draft_vocab_size} exceeds the vocabulary of "

@@ -223,7 +223,8 @@ class DrafterRelay:
     def report(self, floor: float = 0.0) -> dict[str, object]:
         """Monitoring for a metrics line: the counters since the last report per (drafter, policy)
         version, their overall acceptance length, the published drafter version, the policy it
-        was trained against and the training steps and seconds behind it, what each generator serves and whether the checksums agree. When the
+        was trained against and the training steps and seconds behind it, what each generator
+        serves and whether the checksums agree. When the
         newest policy version's acceptance length is below ``floor`` (> 0) it logs a warning and
         returns its text as ``acceptance_floor_warning`` (``specroll launch`` prints it), else None."""
         window = self.take_window()
