@@ -90,16 +90,6 @@ SAMPLINGS = {
 NUM_SAMPLES = 1500
 
 
-@pytest.fixture(scope="module")
-def chi_square_model(tmp_path_factory):
-    from helpers.checkpoints import write_tiny_checkpoint
-
-    path = tmp_path_factory.mktemp("chi") / "tiny"
-    path.mkdir()
-    write_tiny_checkpoint(path, "llama", seed=1)
-    return path
-
-
 @pytest.mark.parametrize("name", list(SAMPLINGS))
 @pytest.mark.parametrize("biased", [False, True], ids=["verifier", "biased_verifier"])
 def test_chi_square_of_sampled_tree_verification(chi_square_model, monkeypatch, name, biased):
