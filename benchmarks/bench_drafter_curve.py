@@ -39,6 +39,11 @@ torch's two threads from spinning on each other when other processes hold the co
 
     python benchmarks/bench_drafter_curve.py --threads 2 --json curve.json --plot curve.png
 
+runs cut into parts (e.g. the main variant to 60 CPU-minutes, then the others to 10) are put in one
+table and figure, each run's date, commit and command kept, without training anything::
+
+    python benchmarks/bench_drafter_curve.py --report main.json others.json --json curve.json --plot curve.png
+
 and a smoke run of every phase (about 3 minutes; the engine arms of the first variant only)::
 
     python benchmarks/bench_drafter_curve.py --quick --json /tmp/curve.json --plot /tmp/curve.png
@@ -101,6 +106,9 @@ def name_list(text: str) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
+    p.add_argument("--report", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="train nothing: print and --plot the variants of earlier runs' --json files together "
+                        "(a variant in one file only), and write the merged results to --json")
     p.add_argument("--plot", type=Path, default=None, help="write the acceptance-against-budget figure here (PNG)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run of every phase in a few minutes: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
@@ -157,8 +165,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         p.set_defaults(**QUICK)
         args = p.parse_args(argv)
-    check_args(p, args)
+    if args.report is not None:
+        check_report_args(p, args)
+    else:
+        check_args(p, args)
     return args
+
+
+def check_report_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--report``: read every results file and refuse a variant that two of them hold (exit 2)."""
+    from curve_report import merge_reports
+
+    for path in (args.json, args.plot):
+        if path is not None and not path.parent.is_dir():
+            p.error(f"{path}: directory {path.parent} does not exist")
+    reports = []
+    for path in args.report:
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            p.error(f"--report {path}: expected a results file written by --json ({exc})")
+    try:
+        args.merged = merge_reports(reports, [str(path) for path in args.report])
+    except ValueError as exc:
+        p.error(f"--report: {exc}")
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -235,6 +265,13 @@ def provenance(argv: list[str] | None) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report is not None:
+        k = args.merged["num_draft_tokens"]
+        print_table(args.merged["variants"], k)
+        print_engine(args.merged["variants"], k)
+        args.num_draft_tokens = k
+        write_outputs(args, args.merged, say=True)
+        return 0
     import torch
     from common import setup_torch
     from curve_metrics import held_out_batches

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 
@@ -51,6 +52,38 @@ def print_engine(results: list[dict], k: int) -> None:
                     f"{arm} {row['tok_s']:.1f} tok/s {row['ratio']:.2f}x" for arm, row in arms.items() if arm != "off"))
 
 
+def merge_reports(reports: list[dict], names: list[str]) -> dict:
+    """The variants of several runs' results as one report, each run's date, commit and command kept
+    under ``sources``.
+
+    Raises:
+        ValueError: a file that is not a results file, a variant held by two files, or files measured
+            with different numbers of draft positions.
+    """
+    variants: list[dict] = []
+    sources: list[dict] = []
+    seen: dict[str, str] = {}
+    ks = set()
+    for report, name in zip(reports, names, strict=True):
+        if not isinstance(report, dict) or not isinstance(report.get("variants"), list) or "command" not in report:
+            raise ValueError(f"{name}: expected a results file written by --json")
+        for entry in report["variants"]:
+            if entry["variant"] in seen:
+                raise ValueError(f"variant {entry['variant']!r} is in both {seen[entry['variant']]} and {name}; "
+                                 "expected each variant in one file")
+            seen[entry["variant"]] = name
+            variants.append(entry)
+            ks.update(len(p["offline"]["est_acceptance"]) for p in entry["points"])
+        sources.append({key: report.get(key) for key in ("date", "commit", "command", "complete")}
+                       | {"file": name, "variants": [e["variant"] for e in report["variants"]]})
+    if len(ks) > 1 or not variants:
+        raise ValueError(f"{', '.join(names)}: expected variants measured at one number of draft positions, "
+                         f"found {sorted(ks) or 'no variants'}")
+    return {"date": max(s["date"] for s in sources), "commit": None, "command": None, "sources": sources,
+            "variants": variants, "num_draft_tokens": ks.pop(), "data": reports[0].get("data"),
+            "complete": all(s["complete"] for s in sources)}
+
+
 def plot_curve(report: dict, path: Path, k: int) -> None:
     """Estimated acceptance at k and ``1 − TV`` at position 1 against CPU-minutes, a line per
     variant (engine-measured chain acceptance as hollow markers), dated and with the command."""
@@ -67,16 +100,19 @@ def plot_curve(report: dict, path: Path, k: int) -> None:
         left.plot(x, [p["offline"]["est_acceptance"][k - 1] for p in pts], "o-", color=color, label=entry["variant"])
         right.plot(x, [p["offline"]["positions"][0]["accept_prob"] for p in pts], "o-", color=color,
                    label=entry["variant"])
+        if all("tv_0" in p["train"] for p in pts):  # the last steps' own windows: the gap is overfitting
+            right.plot(x, [1 - p["train"]["tv_0"] for p in pts], "--", color=color, alpha=0.6)
         measured = [(p["cpu_minutes"], p["engine"]["batch1"][f"chain:{k}"]["acceptance_length"]) for p in pts
                     if p["engine"] is not None and p["engine"]["batch1"][f"chain:{k}"]["acceptance_length"]]
         if measured:
             left.plot(*zip(*measured, strict=True), "s", mfc="none", color=color, ms=9)
     left.plot([], [], "s", mfc="none", color="gray", ms=9, label=f"engine, chain k={k}, B=1")
+    right.plot([], [], "--", color="gray", label="training windows (last steps)")
     left.set(xscale="log", xlabel="training CPU-minutes (both threads)",
              ylabel=f"acceptance length, sampled chain k={k}",
              title=f"Est. acceptance length k={k} (held out, teacher forced)")
     right.set(xscale="log", xlabel="training CPU-minutes (both threads)", ylabel="1 − TV(p, q)",
-              title="Acceptance probability of draft 1")
+              title="Acceptance probability of draft 1 (held out)")
     ticks = sorted({p["checkpoint"] for e in report["variants"] for p in e["points"]})
     for ax in (left, right):
         ax.grid(True, which="both", alpha=0.3)
@@ -84,8 +120,10 @@ def plot_curve(report: dict, path: Path, k: int) -> None:
         ax.minorticks_off()
     left.legend(fontsize=7)
     right.legend(fontsize=7)
-    fig.text(0.01, 0.01, f"{report['date']}, commit {report['commit']}: {report['command']}", fontsize=6.5,
-             family="monospace")
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    sources = report.get("sources") or [report]
+    footer = [line for s in sources for line in textwrap.wrap(f"{s['date']}, commit {s['commit']}: {s['command']}",
+                                                              width=200, subsequent_indent="    ")]
+    fig.text(0.01, 0.01, "\n".join(footer), fontsize=6.5, family="monospace")
+    fig.tight_layout(rect=(0, 0.02 + 0.018 * len(footer), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -2,7 +2,7 @@
 random-weight checkpoint — rollouts generated then read back from the cache, every variant trained
 to each of its checkpoints and measured offline (figures in range, the chain estimate built from
 the per-position acceptance), the engine arms of the first variant measured, the JSON and the
-figure written; bad arguments refused before anything loads."""
+figure written; two runs' results merged by ``--report``; bad arguments refused before anything loads."""
 
 from __future__ import annotations
 
@@ -65,8 +65,22 @@ def test_quick_run_measures_every_variant_and_reads_its_cache(tmp_path: Path, ti
     assert set(engine["speed"]) == {"1", "2"} and engine["speed"]["2"]["off"]["ratio"] == 1.0
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    log, _ = run_benchmark([*cmd[:-4], "--variants", "eagle3", "--engine-variants", "none"], timeout_s=300)
+    other = tmp_path / "other.json"
+    log, _ = run_benchmark([*cmd[:-4], "--variants", "eagle3-tv", "--engine-variants", "none", "--json", str(other)],
+                           timeout_s=300)
     assert "generated in" not in log and log.count("read from") == 2
+
+    # --report: both runs' variants in one table, figure and file, each run's command kept
+    merged, figure2 = tmp_path / "merged.json", tmp_path / "merged.png"
+    log, _ = run_benchmark([sys.executable, str(BENCH), "--report", str(out), str(other), "--json", str(merged),
+                            "--plot", str(figure2)], timeout_s=120)
+    doc2 = json.loads(merged.read_text())
+    assert [v["variant"] for v in doc2["variants"]] == ["eagle3", "eagle3-fullvocab", "eagle3-tv"]
+    assert [s["file"] for s in doc2["sources"]] == [str(out), str(other)]
+    assert doc2["variants"][0] == main and "eagle3-tv" in log and figure2.read_bytes()[:4] == b"\x89PNG"
+    proc = subprocess.run([sys.executable, str(BENCH), "--report", str(out), str(out)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "variant 'eagle3' is in both" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -80,6 +94,7 @@ def test_quick_run_measures_every_variant_and_reads_its_cache(tmp_path: Path, ti
     (["--shapes", "4x4"], "--shapes: tree shape '4x4'"), (["--batch-sizes", "4,16"], "expected 1 among them"),
     (["--json", "/nonexistent/x.json"], "/nonexistent does not exist"),
     (["--train-prompts", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
+    (["--report", "/nonexistent.json"], "--report /nonexistent.json: expected a results file"),
 ])
 def test_bad_arguments_are_refused_before_anything_loads(args: list[str], message: str) -> None:
     proc = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=120)
