@@ -66,12 +66,15 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``draft_trees`` shapes, with a bandit on measured tokens/s per batch-size bucket (0 = plain
     decoding when drafting doesn't pay). Greedy output is the same either way; sampled output keeps
     the target's distribution but, as the choice then depends on timing, is not reproducible run to run."""
-    draft_trees: tuple[str, ...] = ("2x4:6", "4x4:12")
+    draft_trees: tuple[str, ...] = ("2x4:6:sampled", "4x4:12:sampled")
     """Draft-tree shapes ``DEPTHxWIDTH:NODES`` (:class:`~specroll.engine.spec.tree.TreeShape`): the
     drafter expands the WIDTH likeliest nodes of each depth by their WIDTH likeliest children, DEPTH
     levels deep, and keeps the NODES likeliest (at most 64). ``DEPTHxWIDTH:NODES:sampled``: a sampling
     request's children are drawn from the drafter's q instead and verified by recursive rejection
-    sampling over q (``spec/tree.py``), at most NODES in all."""
+    sampling over q (``spec/tree.py``), at most NODES in all; a greedy request drafts the same shape
+    with top-k children. The default is sampled: at T = 1 sampled children accepted 0.1–0.3 more
+    tokens per step than top-k ones at the same node count (docs/benchmarks.md, "Drafter acceptance
+    against training budget")."""
     cuda_graphs: CudaGraphs = "off"
     """``on``: replay decode steps and K-draft verify steps as CUDA graphs, one per batch-size bucket,
     captured on first use (``step_graphs.py``; needs ``device`` cuda and the flashinfer backend);

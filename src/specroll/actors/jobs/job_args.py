@@ -47,9 +47,10 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
                         "drafts when drafting doesn't pay) (default: %(default)s)")
     p.add_argument("--num-draft-tokens", type=positive_int, default=4,
                    help="drafts per sequence and step; the most with --speculative auto (default: %(default)s)")
-    p.add_argument("--draft-trees", type=lambda s: tuple(s.split(",")), default=("2x4:6", "4x4:12"),
-                   help="draft-tree shapes DEPTHxWIDTH:NODES, comma-separated, for --speculative tree / auto "
-                        "with a drafter (default: 2x4:6,4x4:12)")
+    p.add_argument("--draft-trees", type=lambda s: tuple(s.split(",")), default=("2x4:6:sampled", "4x4:12:sampled"),
+                   help="draft-tree shapes DEPTHxWIDTH:NODES (top-k children) or DEPTHxWIDTH:NODES:sampled "
+                        "(a sampling request's children drawn from the drafter's q), comma-separated, for "
+                        "--speculative tree / auto with a drafter (default: 2x4:6:sampled,4x4:12:sampled)")
     p.add_argument("--drafter", default=None,
                    help="EAGLE drafter directory (config.json + model.safetensors), e.g. from "
                         "'specroll init-drafter'")
