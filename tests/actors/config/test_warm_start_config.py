@@ -11,7 +11,8 @@ from specroll.actors.config import ConfigError, DrafterConfig, RunConfig, load_c
     ("drafter.warm_start_minutes=-1", "drafter.warm_start_minutes=-1.0, expected CPU-minutes in [0, 10080]"),
     ("drafter.warm_start_minutes=nan", "drafter.warm_start_minutes=nan, expected CPU-minutes"),
     ("drafter.warm_start_minutes=inf", "drafter.warm_start_minutes=inf, expected CPU-minutes"),
-    ("drafter.warm_start_rollouts=0", "drafter.warm_start_rollouts=0, expected a positive integer"),
+    ("drafter.warm_start_rollouts=0", "drafter.warm_start_rollouts=0, expected an integer in [1, 100000]"),
+    ("drafter.warm_start_rollouts=100000000000", "drafter.warm_start_rollouts=100000000000, expected an integer"),
     ("drafter.warm_start_cache_dir=\" \"", "drafter.warm_start_cache_dir=' ', expected a directory path"),
     ("drafter.warm_start_minutes=\"3\"", "drafter.warm_start_minutes: expected `float`, got `str`"),
 ])

@@ -30,8 +30,9 @@ def test_the_first_launch_makes_it_and_the_next_finds_it(tiny_llama: Path, tmp_p
                                     say=lambda _: None).path)
 
     lines: list[str] = []
-    first = resolve_warm_start(config, make, lines.append)
+    first = resolve_warm_start(config, make, lines.append, progress=tmp_path / "warm-start.log")
     assert first.drafter.path == str(made[0]) and len(made) == 1
+    assert lines[0].endswith(f"(progress in {tmp_path / 'warm-start.log'})"), lines
     EagleHead.load(first.drafter.path)
     assert "cache miss" in lines[-1] and lines[-1].endswith(str(made[0])), lines
     assert first.served_drafter() == first.drafter.path  # the generators serve it from the first step
@@ -64,6 +65,17 @@ def test_a_make_that_leaves_no_head_ends_the_launch(tiny_llama: Path, tmp_path: 
         resolve_warm_start(config, lambda: None, lambda _: None)
 
 
+def test_a_cache_folder_that_cannot_be_one_is_refused_before_anything_is_made(tiny_llama: Path,
+                                                                              tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("not a folder")
+    for cache in (tmp_path / "afile", tmp_path / "afile" / "below"):
+        config = warm_start_config(tiny_llama, tmp_path / "run", cache)
+        lines: list[str] = []
+        with pytest.raises(LaunchError, match=f"drafter.warm_start_cache_dir: cache folder {cache}") as info:
+            resolve_warm_start(config, _never, lines.append)
+        assert info.value.code == EXIT_REFUSED and lines == []  # not even "making it"
+
+
 def test_bad_prompts_are_refused_before_anything_is_made(tiny_llama: Path, tmp_path: Path) -> None:
     config = warm_start_config(tiny_llama, tmp_path / "run", tmp_path / "cache",
                                f"task.prompts=\"{tmp_path / 'missing.jsonl'}\"")
@@ -87,6 +99,20 @@ def test_the_launcher_makes_it_in_a_child_process(tiny_llama: Path, tmp_path: Pa
     resolved = resolve_warm_start(config, lambda: make_in_child(path, log, 1, processes, _no_signal, 0.05),
                                   lambda _: None)
     assert len(processes) == 1 and processes[0].exit_code == 0  # one specroll drafter init, in its own group
+    assert processes[0].reaped  # no zombie for the run's length
+    with pytest.raises(ChildProcessError):
+        os.waitpid(processes[0].pid, os.WNOHANG)
     assert processes[0].pid != os.getpgid(0)
     assert "cache miss, made in" in log.read_text() and resolved.drafter.path in log.read_text()
     EagleHead.load(resolved.drafter.path)
+
+
+def test_a_failed_start_shows_its_own_log_lines_not_an_earlier_launchs(tmp_path: Path) -> None:
+    from specroll.actors.launch.role_process import START_HEADER, tail
+
+    log = tmp_path / "warm-start.log"  # appended across launches, a header before each start
+    log.write_text(f"{START_HEADER}warm-start started 2026-12-06 10:00:00\nerror: the earlier launch's\n"
+                   f"{START_HEADER}warm-start started 2026-12-06 11:00:00\nerror: this one's\n")
+    assert "this one's" in tail(log) and "earlier" not in tail(log)
+    log.write_text("no header: every line\nsecond\n")
+    assert tail(log) == "  no header: every line\n  second"

@@ -13,6 +13,10 @@ from specroll.actors.config.section import require as _require
 from specroll.drafter.learner_config import LearnerConfig
 from specroll.engine.config import MAX_NUM_THREADS
 
+MAX_WARM_START_ROLLOUTS = 100_000
+"""The most responses a warm start generates (``warm_start_rollouts``, ``drafter init --rollouts``):
+hours of generation on a CPU; a bound so that no setting asks for unbounded work."""
+
 
 class DrafterConfig(_Section):
     """The drafter trainer: trains an EAGLE-style drafter online on the rollouts (``[drafter]``).
@@ -89,10 +93,11 @@ class DrafterConfig(_Section):
     ``generator.sampling``'s settings, and starts the generators and the drafter trainer with it as
     ``path``; the drafter trainer then follows the policy from there. A resumed run (a drafter in
     ``RUN_DIR/drafter``) keeps its own. Needs a single-turn task (no ``task.environment``) and
-    ``cluster.backend = "local"`` (the head is cached on the launcher's host). 0 (default): off."""
+    ``cluster.backend = "local"`` (the head is cached on the launcher's host). 0 to 10080 (a week);
+    0 (default): off."""
     warm_start_rollouts: int = 128
     """Responses the warm start generates (one per training prompt, in a seeded order, and round
-    again when there are fewer prompts). Default 128."""
+    again when there are fewer prompts), 1 to 100,000 (``MAX_WARM_START_ROLLOUTS``). Default 128."""
     warm_start_cache_dir: str | None = None
     """The warm-start cache: one folder per key of what determines the head (the model's files, the
     task, the sampling and head settings, the budget, the rollout count, the seed), each holding the
@@ -125,7 +130,8 @@ class DrafterConfig(_Section):
         _require(bool(self.device), "device", self.device, "a torch device, e.g. 'cpu'")
         _require(0 <= self.warm_start_minutes <= 10080 and math.isfinite(self.warm_start_minutes),
                  "warm_start_minutes", self.warm_start_minutes, "CPU-minutes in [0, 10080] (0: no warm start)")
-        _require(self.warm_start_rollouts >= 1, "warm_start_rollouts", self.warm_start_rollouts, "a positive integer")
+        _require(1 <= self.warm_start_rollouts <= MAX_WARM_START_ROLLOUTS, "warm_start_rollouts",
+                 self.warm_start_rollouts, f"an integer in [1, {MAX_WARM_START_ROLLOUTS}]")
         _require(self.warm_start_cache_dir is None or bool(self.warm_start_cache_dir.strip()), "warm_start_cache_dir",
                  self.warm_start_cache_dir, "a directory path or unset (~/.cache/specroll/drafters)")
 

@@ -30,6 +30,7 @@ import msgspec
 import torch
 
 from specroll.actors.config import ConfigError, RunConfig, load_config, toml_value
+from specroll.actors.config.drafter_section import MAX_WARM_START_ROLLOUTS
 from specroll.actors.jobs.drafter_cache import (
     WarmStartKey,
     WarmStartMade,
@@ -117,7 +118,7 @@ def make_warm_start(config: RunConfig, budget_minutes: float, rollouts: int, cac
 
     Args:
         budget_minutes: CPU-minutes of training, > 0.
-        rollouts: responses to generate, >= 1.
+        rollouts: responses to generate, 1 to ``MAX_WARM_START_ROLLOUTS``.
         cache_dir: the cache's folder (made if missing).
         threads: torch CPU threads for generation and training (None: torch's default).
         say: progress lines of a miss.
@@ -129,8 +130,8 @@ def make_warm_start(config: RunConfig, budget_minutes: float, rollouts: int, cac
     start = time.monotonic()
     if not budget_minutes > 0 or budget_minutes == float("inf"):
         raise GenerateError(f"budget of {budget_minutes} CPU-minutes; expected a positive finite number")
-    if rollouts < 1:
-        raise GenerateError(f"{rollouts} rollouts; expected at least 1")
+    if not 1 <= rollouts <= MAX_WARM_START_ROLLOUTS:
+        raise GenerateError(f"{rollouts} rollouts; expected an integer in [1, {MAX_WARM_START_ROLLOUTS}]")
     if cache_dir.exists() and not cache_dir.is_dir():
         raise GenerateError(f"cache folder {cache_dir} exists and is not a directory")
     try:

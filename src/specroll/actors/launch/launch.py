@@ -198,7 +198,7 @@ class Launcher:
         # 2 threads, 19 tok/s with 1).
         threads = max(1, available_cores() // 2)
         config = resolve_warm_start(self.config, lambda: make_in_child(
-            config_path, log, threads, processes, self._check_signal, self.poll_s), self.say)
+            config_path, log, threads, processes, self._check_signal, self.poll_s), self.say, progress=log)
         if config is self.config:
             return config_path
         self.config = config

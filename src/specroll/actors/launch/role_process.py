@@ -10,6 +10,7 @@ process-group id — reserved, so signalling that group can only reach processes
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -54,6 +55,11 @@ class RoleProcess:
         return self.popen.pid
 
 
+START_HEADER = "==== specroll launch: "
+"""How the line that :func:`start_role` writes into a role's log before each start begins."""
+_START_LINE = re.compile(re.escape(START_HEADER) + r"\S+ (started|forked) \d{4}-\d\d-\d\d ")
+
+
 def start_role(name: str, module_args: list[str], log_path: Path, forker: Forker | None = None,
                cwd: Path | None = None, default_signals: bool = False,
                env: Mapping[str, str] | None = None) -> RoleProcess:
@@ -68,7 +74,7 @@ def start_role(name: str, module_args: list[str], log_path: Path, forker: Forker
         forker = None
     how = "forked" if forker is not None else "started"
     with log_path.open("ab") as log:
-        log.write(f"==== specroll launch: {name} {how} {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        log.write(f"{START_HEADER}{name} {how} {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
     if forker is not None:
         return RoleProcess(name, fork_role(forker, module_args, log_path, name, env), log_path)
     with log_path.open("ab") as log:
@@ -109,7 +115,9 @@ def describe_exit(code: int) -> str:
 
 
 def tail(path: Path, lines: int = 20, max_bytes: int = 16384) -> str:
-    """The last ``lines`` lines of a text file (``""`` when missing), each indented by two spaces."""
+    """The last ``lines`` lines of a role's log (``""`` when missing), each indented by two spaces,
+    from its latest start's header line on (a log is appended across starts and launches: an
+    earlier one's lines are not this process's)."""
     try:
         with path.open("rb") as f:
             f.seek(0, os.SEEK_END)
@@ -117,7 +125,10 @@ def tail(path: Path, lines: int = 20, max_bytes: int = 16384) -> str:
             text = f.read().decode("utf-8", errors="replace")
     except OSError:
         return ""
-    return "\n".join("  " + line for line in text.rstrip("\n").splitlines()[-lines:])
+    rows = text.rstrip("\n").splitlines()
+    starts = [i for i, line in enumerate(rows) if _START_LINE.match(line)]
+    rows = rows[starts[-1]:] if starts else rows
+    return "\n".join("  " + line for line in rows[-lines:])
 
 
 def death_error(proc: RoleProcess, code: int, when: str = "") -> LaunchError:

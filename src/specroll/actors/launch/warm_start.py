@@ -12,6 +12,8 @@ directory holds the drafter trainer's saved drafter (a resumed run keeps its own
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +24,7 @@ from specroll.actors.config import RunConfig
 from specroll.actors.drafter_trainer.actor import save_dir
 from specroll.actors.jobs.drafter_cache import cache_dir_of, lookup, training_prompts, warm_start_key
 from specroll.actors.launch.errors import LaunchError
-from specroll.actors.launch.role_process import RoleProcess, death_error, observe_exit, start_role
+from specroll.actors.launch.role_process import RoleProcess, death_error, killpg, observe_exit, start_role
 from specroll.actors.shared.exit_codes import EXIT_REFUSED
 from specroll.drafter.eagle_files import WEIGHTS_FILE
 from specroll.engine.loaders.checkpoint import CheckpointError
@@ -31,13 +33,16 @@ WARM_START_ROLE = "warm-start"
 """The child's name in the launcher's lines and its log's (``RUN_DIR/logs/warm-start.log``)."""
 
 
-def resolve_warm_start(config: RunConfig, make: Callable[[], None], say: Callable[[str], None]) -> RunConfig:
+def resolve_warm_start(config: RunConfig, make: Callable[[], None], say: Callable[[str], None],
+                       progress: Path | None = None) -> RunConfig:
     """``config`` with its warm-start head as ``drafter.path`` (module docstring), found in the cache
-    or made by ``make`` (which must leave it there); unchanged when no warm start is made. Says one
-    line: hit or miss, the seconds it took and the folder.
+    or made by ``make`` (which must leave it there); unchanged when no warm start is made. Says a
+    line when it starts making one (with ``progress``, the log to follow), and one when it has the
+    head: hit or miss, the seconds it took and the folder.
 
     Raises:
-        LaunchError: the prompts or the model do not load (exit 2), or ``make`` left no head in the cache.
+        LaunchError: the prompts or the model do not load, or the cache folder cannot be a folder
+            (exit 2), or ``make`` left no head in the cache.
     """
     d = config.drafter
     if not d.warm_start_minutes or not config.runs_drafter_trainer():
@@ -59,8 +64,16 @@ def resolve_warm_start(config: RunConfig, make: Callable[[], None], say: Callabl
     found = lookup(cache, key)
     hit = found is not None
     if found is None:
+        try:  # before anything is made: a cache that cannot be written would lose the head at the end
+            cache.mkdir(parents=True, exist_ok=True)
+            if not os.access(cache, os.W_OK | os.X_OK):
+                raise PermissionError(f"{cache} is not writable")
+        except OSError as e:
+            raise LaunchError(f"drafter.warm_start_cache_dir: cache folder {cache}: {e.strerror or e}; expected a "
+                              "writable directory", code=EXIT_REFUSED) from None
         say(f"drafter warm start: cache miss (key {key} in {cache}): making it, {d.warm_start_rollouts} rollouts "
-            f"and {d.warm_start_minutes:g} CPU-minutes of training")
+            f"and {d.warm_start_minutes:g} CPU-minutes of training"
+            + (f" (progress in {progress})" if progress is not None else ""))
         make()
         found = lookup(cache, key)
         if found is None:
@@ -76,6 +89,8 @@ def make_in_child(config_path: Path, log_path: Path, threads: int, processes: li
     own process group (appended to ``processes``, which the launcher stops at teardown) and wait for
     it, calling ``check_signal`` every ``poll_s``.
 
+    Once it exited 0 its process group is emptied and it is reaped (no zombie for the run's length).
+
     Raises:
         LaunchError: it exited non-zero (2: refused its inputs), with the last lines of its log; or
             ``check_signal``'s, when the launcher was signalled.
@@ -89,3 +104,6 @@ def make_in_child(config_path: Path, log_path: Path, threads: int, processes: li
     if code != 0:
         error = death_error(proc, code)
         raise LaunchError(str(error), code=EXIT_REFUSED if code == EXIT_REFUSED else error.code, detail=error.detail)
+    killpg(proc, signal.SIGKILL)  # anything it left in its group (its pid is still reserved: unreaped)
+    proc.popen.wait()
+    proc.reaped = True
