@@ -39,6 +39,7 @@ def test_precision_sets_the_trainer_and_generators_of_every_arm(precision: str, 
         assert f'trainer.precision="{precision}"' in sets and f'generator.engine.dtype="{dtype}"' in sets
         c = resolved_config(s, 0, Path("RUN"), arm)  # the precision's dtype, not --quick's tiny-run sets'
         assert (c.trainer.precision, c.generator.engine.dtype, c.model.dtype) == (precision, dtype, "float32")
+        assert c.drafter.warm_start_minutes == 0  # the example's warm start: a one-time cost no other arm has
         check_comparable(c, s.precision)
     job = trl_job(resolved_config(s, 0, Path("RUN"), "trl"), 2, Path("OUT"))  # TRL: bf16=(precision == "bf16")
     assert job["precision"] == precision and job["engine"]["dtype"] == dtype  # its evaluation engine too
