@@ -181,6 +181,17 @@ def read_record(folder: Path) -> WarmStartRecord:
     return msgspec.json.decode((folder / RECORD_FILE).read_bytes(), type=WarmStartRecord)
 
 
+def make_cache_dir(cache_dir: Path) -> None:
+    """Make the cache folder (and its parents) if missing; check that it is a writable directory.
+
+    Raises:
+        OSError: it cannot be made, is not a directory, or cannot be written.
+    """
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    if not os.access(cache_dir, os.W_OK | os.X_OK):
+        raise PermissionError(f"{cache_dir} is not writable")
+
+
 @contextlib.contextmanager
 def key_lock(cache_dir: Path, key: str) -> Iterator[Path]:
     """Hold the key's exclusive lock (``flock`` on ``CACHE_DIR/.<key>.lock``; released when the process
@@ -190,7 +201,7 @@ def key_lock(cache_dir: Path, key: str) -> Iterator[Path]:
     Raises:
         OSError: the cache folder cannot be made or written.
     """
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    make_cache_dir(cache_dir)
     with (cache_dir / f".{key}.lock").open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         for stale in cache_dir.glob(f".{key}.staging-*"):  # their writers are gone: we hold the lock

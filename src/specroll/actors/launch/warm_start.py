@@ -12,7 +12,6 @@ directory holds the drafter trainer's saved drafter (a resumed run keeps its own
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -22,7 +21,13 @@ import msgspec
 
 from specroll.actors.config import RunConfig
 from specroll.actors.drafter_trainer.actor import save_dir
-from specroll.actors.jobs.drafter_cache import cache_dir_of, lookup, training_prompts, warm_start_key
+from specroll.actors.jobs.drafter_cache import (
+    cache_dir_of,
+    lookup,
+    make_cache_dir,
+    training_prompts,
+    warm_start_key,
+)
 from specroll.actors.launch.errors import LaunchError
 from specroll.actors.launch.role_process import RoleProcess, death_error, killpg, observe_exit, start_role
 from specroll.actors.shared.exit_codes import EXIT_REFUSED
@@ -65,9 +70,7 @@ def resolve_warm_start(config: RunConfig, make: Callable[[], None], say: Callabl
     hit = found is not None
     if found is None:
         try:  # before anything is made: a cache that cannot be written would lose the head at the end
-            cache.mkdir(parents=True, exist_ok=True)
-            if not os.access(cache, os.W_OK | os.X_OK):
-                raise PermissionError(f"{cache} is not writable")
+            make_cache_dir(cache)
         except OSError as e:
             raise LaunchError(f"drafter.warm_start_cache_dir: cache folder {cache}: {e.strerror or e}; expected a "
                               "writable directory", code=EXIT_REFUSED) from None
