@@ -11,7 +11,20 @@ import pytest
 
 pytest.register_assert_rewrite("helpers")  # their asserts report values as a test module's do
 
-from helpers.checkpoints import write_tiny_checkpoint  # noqa: E402  (after the rewrite hook)
+from helpers import timeouts  # noqa: E402  (after the rewrite hook)
+from helpers.checkpoints import write_tiny_checkpoint  # noqa: E402
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--timeout-factor", type=float, default=1.0, metavar="X",
+                     help="multiply every process test's hang guard by X (tests/helpers/timeouts.py); default 1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    factor = config.getoption("--timeout-factor")
+    if not 0 < factor <= 100:
+        raise pytest.UsageError(f"--timeout-factor {factor}: expected a number in (0, 100]")
+    timeouts.FACTOR = factor
 
 
 @pytest.fixture
