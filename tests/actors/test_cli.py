@@ -382,3 +382,18 @@ def test_a_bad_connect_endpoint_is_refused_before_anything_waits(tmp_path: Path,
     err = capsys.readouterr().err.strip()
     assert err == f"specroll {' '.join(command)}: error: --connect {endpoint!r}: {words}", err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("argv, usage", [
+    (["drafter", "init", "--bogus"], "specroll drafter init"),
+    (["launch", "run.toml", "--bogus"], "specroll launch"),
+    (["report", "RUN", "--bogus", "x"], "specroll report"),
+])
+def test_an_unknown_flag_is_named_with_its_subcommands_usage(argv: list[str], usage: str, capsys) -> None:
+    from specroll.actors.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: {usage} ") and f"{usage}: error: unrecognized arguments: " in err, err

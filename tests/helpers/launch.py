@@ -96,8 +96,17 @@ def members_of_groups(pgids: set[int]) -> set[int]:
 
 
 def started_pids(run_dir: Path) -> dict[str, int]:
-    """Role name → pid, as the launcher recorded them in RUN_DIR/pids.json."""
-    return json.loads((run_dir / "pids.json").read_text())["processes"]
+    """Role name → the pid of its latest process, as the launcher recorded them in RUN_DIR/pids.json
+    (``processes``: not yet reaped; ``exited``: reaped)."""
+    pids = json.loads((run_dir / "pids.json").read_text())
+    latest = {e["role"]: e["pid"] for e in pids["exited"]}
+    return {**latest, **{name: pid for name, pid in pids["processes"].items() if "@" not in name}}
+
+
+def every_started_pid(run_dir: Path) -> set[int]:
+    """Every pid the launcher recorded in RUN_DIR/pids.json, reaped ones included."""
+    pids = json.loads((run_dir / "pids.json").read_text())
+    return set(pids["processes"].values()) | {e["pid"] for e in pids["exited"]}
 
 
 def live(pids: set[int]) -> set[int]:
@@ -117,7 +126,7 @@ def assert_nothing_left(run_dir: Path, children_before: set[int]) -> None:
 
     A SIGKILLed group member the launcher does not reap (a grandchild) leaves ``/proc`` only once it is
     reaped, a moment later on a loaded machine: polled for, not slept for."""
-    pids = set(started_pids(run_dir).values())
+    pids = every_started_pid(run_dir)
     deadline = time.monotonic() + 30  # a hang guard; normally the first look finds nothing
     while (live(pids) or members_of_groups(pids)) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -126,11 +135,15 @@ def assert_nothing_left(run_dir: Path, children_before: set[int]) -> None:
     assert children_of(os.getpid()) <= children_before, "a child of the test process remains"
 
 
-def launch(tmp_path: Path, config: Path, *extra: str) -> subprocess.Popen[str]:
-    """``specroll launch CONFIG`` as a child process."""
+def launch(tmp_path: Path, config: Path, *extra: str, path: Path | None = None) -> subprocess.Popen[str]:
+    """``specroll launch CONFIG`` as a child process (``path``: a folder put first on its ``PYTHONPATH``,
+    for a stand-in module of ``--trainer-module``)."""
     # a long grace: a process starved for a while is still stopped by SIGTERM (tests check it is)
     cmd = [sys.executable, "-m", "specroll.actors.cli", "launch", str(config), "--grace-s", "60", *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = None
+    if path is not None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 180) -> tuple[int, str, str]:

@@ -237,9 +237,22 @@ def _role_config(args: argparse.Namespace, prog: str) -> RunConfig | None:
         return None
 
 
+def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``args`` ran (``specroll drafter init``'s for ``drafter init``)."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = getattr(args, subs[0].dest, None) if subs else None
+        if chosen is None:
+            return parser
+        parser = subs[0].choices[chosen]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``specroll`` console script; returns the process exit code."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the (sub)command's own usage, not the top level's
+        _innermost(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "launch":
         from specroll.actors.launch.entry import TRAINER_MODULE, run_launch
 

@@ -292,6 +292,9 @@ OVERRIDE_ERRORS = [
     (["trainer.group_size=0"], ["(from --set 'trainer.group_size=0')", "trainer.group_size=0, expected"]),
     (["trainer.lr=1e-5"], ["(from --set 'trainer.lr=1e-5')", "unknown key trainer.lr", "learning_rate"]),
     (["model.name=2024"], ["model.name: expected `str`, got `int`", "quote a string: --set 'model.name=\"2024\"'"]),
+    (["generator.engine.draft_trees=2x4:6"], ["(from --set 'generator.engine.draft_trees=2x4:6')",
+                                              "expected `array`, got `str`",
+                                              "--set 'generator.engine.draft_trees=[\"2x4:6\"]'"]),
     (["generator.engine.model=other.gguf"], ["generator.engine.model='other.gguf', expected unset or equal"]),
     # thread counts libgomp cannot create (100,000 killed the trainer with SIGSEGV at its first step)
     (["trainer.train_threads=100000"], ["trainer.train_threads=100000, expected an integer in [1, 1024]"]),

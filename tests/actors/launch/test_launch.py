@@ -164,6 +164,41 @@ def test_ctrl_c_tears_down_the_run(tmp_path: Path, tiny_checkpoint) -> None:
     assert_nothing_left(run_dir, before)
 
 
+STAND_IN_TRAINER = """
+import json, pathlib, signal, sys, time, tomllib
+run_dir = pathlib.Path(tomllib.loads(pathlib.Path(sys.argv[sys.argv.index("--config") + 1]).read_text())["run_dir"])
+
+def stop(signum, frame):  # the trainer's last line, written while the launcher tears the run down
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 7, "loss": 0.125}) + "\\n")
+    sys.exit(128 + signum)
+
+signal.signal(signal.SIGTERM, stop)
+(run_dir / "trainer.endpoint").write_text("tcp://127.0.0.1:9")
+while True:
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.integration
+def test_the_metrics_a_trainer_writes_while_the_run_stops_are_printed(tmp_path: Path, tiny_checkpoint) -> None:
+    """A stand-in trainer writes a metrics line only when SIGTERMed: the launcher's teardown after a
+    Ctrl-C prints it (the last look at the file comes after every process stopped)."""
+    (tmp_path / "stand_in_trainer.py").write_text(STAND_IN_TRAINER)
+    config = write_config(tmp_path, tiny_checkpoint(), steps=1_000_000, count=1)
+    before = children_of(os.getpid())
+    proc = launch(tmp_path, config, "--trainer-module", "stand_in_trainer", path=tmp_path)
+    run_dir = tmp_path / "run"
+    wait_for(lambda: (run_dir / "pids.json").exists() and "generator-0" in started_pids(run_dir),
+             "the generator to start", proc)
+    proc.send_signal(signal.SIGINT)
+    code, out, err = finish(proc)
+    assert code == 130, err
+    assert "step 7: loss=0.125" in out.splitlines(), (out, err)
+    assert json.loads((run_dir / "pids.json").read_text())["launcher"] is None  # the launch is over
+    assert_nothing_left(run_dir, before)
+
+
 def test_generator_settings_from_config_with_flag_overrides(tmp_path: Path) -> None:
     from specroll.actors.generator.cli import parse_args
 

@@ -36,6 +36,19 @@ def metrics(run_dir: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def reaped(run_dir: Path, pid: int) -> bool:
+    """``pid`` is in pids.json's ``exited`` (with SIGKILL's code), not in its ``processes``, and no longer
+    a zombie child of the launcher."""
+    pids = json.loads((run_dir / "pids.json").read_text())
+    if pid in pids["processes"].values() or {"role": "generator-0", "pid": pid, "exit_code": -9} not in pids["exited"]:
+        return False
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return True  # gone
+    return not (fields[0] == "Z" and int(fields[1]) == pids["launcher"])  # else: a new process took the pid
+
+
 def welcomed_again(run_dir: Path, role: str, offset: int) -> bool:
     """The role's log shows a welcome after ``offset`` bytes (its restarted process joined)."""
     log = run_dir / "logs" / f"{role}.log"
@@ -78,7 +91,10 @@ def test_a_generator_dying_past_max_restarts_ends_the_run_naming_it(tmp_path: Pa
     offset = (run_dir / "logs" / "generator-0.log").stat().st_size
     os.kill(first, signal.SIGKILL)
     wait_for(lambda: welcomed_again(run_dir, "generator-0", offset), "generator-0 to rejoin", proc)
+    # the dead process is reaped while the run goes on (no zombie until the end), and pids.json says so
+    wait_for(lambda: reaped(run_dir, first), f"the launcher to reap generator-0's first process {first}", proc)
     second = started_pids(run_dir)["generator-0"]
+    assert second != first and second in json.loads((run_dir / "pids.json").read_text())["processes"].values()
     os.kill(second, signal.SIGKILL)
     code, _, err = finish(proc, timeout=120)
     assert code == 1, err
@@ -91,7 +107,7 @@ def test_a_generator_dying_past_max_restarts_ends_the_run_naming_it(tmp_path: Pa
 
 def test_the_steps_a_restarted_trainer_runs_again_are_printed_again(tmp_path: Path) -> None:
     """The restarted trainer rewrites metrics.jsonl back to its checkpoint (a new file) and appends the
-    re-run steps: the launcher prints those, and never a line it printed already."""
+    re-run steps: the launcher prints those, marked as re-runs, and never a line it printed already."""
     import io
 
     from specroll.actors.config import RunConfig
@@ -111,4 +127,10 @@ def test_the_steps_a_restarted_trainer_runs_again_are_printed_again(tmp_path: Pa
     launcher._print_metrics()
     write_text_atomic(path, lines((1, 0.5), (2, 0.4)) + lines((3, 0.25), (4, 0.2)))  # resumed from step 2
     launcher._print_metrics()
-    assert out.getvalue() == "step 2: loss=0.4\nstep 3: loss=0.3\nstep 3: loss=0.25\nstep 4: loss=0.2\n"
+    # resumed from step 3 again, its weights evaluated again: step 3's line written again with the figure
+    write_text_atomic(path, lines((1, 0.5), (2, 0.4)) + json.dumps({"step": 3, "loss": 0.25, "eval_accuracy": 0.5})
+                      + "\n" + lines((4, 0.21)))
+    launcher._print_metrics()
+    assert out.getvalue().splitlines() == [
+        "step 2: loss=0.4", "step 3: loss=0.3", "step 3 (re-run): loss=0.25", "step 4: loss=0.2",
+        "step 3 (evaluated again): eval_accuracy=0.5 loss=0.25", "step 4 (re-run): loss=0.21"]

@@ -96,7 +96,8 @@ def test_tree_logprobs_equal_teacher_forcing(tiny_checkpoint):
 def test_tree_shape_parsing_and_errors():
     assert TreeShape.parse("5x4:16") == TreeShape(5, 4, 16)
     for bad, match in (("5x4", "DEPTHxWIDTH:NODES"), ("ax4:16", "DEPTHxWIDTH:NODES"), ("0x4:16", "depth=0"),
-                       ("5x4:65", "at most 64"), ("9x2:8", "depth=9 exceeds nodes=8")):
+                       ("5x4:65", "at most 64"), ("9x2:8", "depth=9 exceeds nodes=8"),
+                       ("4x4:1_2", "DEPTHxWIDTH:NODES"), ("4x4: 12", "DEPTHxWIDTH:NODES"), ("+4x4:12", "DEPTHxWIDTH")):
         with pytest.raises(ValueError, match=match):
             TreeShape.parse(bad)
     with pytest.raises(ValueError, match="draft_trees"):

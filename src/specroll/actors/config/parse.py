@@ -156,6 +156,9 @@ def explain(exc: msgspec.ValidationError, source: str, set_by: dict[str, str], r
     if "expected `str`" in text and "=" in item:
         name, _, value = item.partition("=")
         text += f" (quote a string: --set '{name}=\"{value}\"')"
+    elif "expected `array`" in text and "=" in item:
+        name, _, value = item.partition("=")
+        text += f" (a TOML array: --set '{name}=[\"{value}\"]')"
     return f"{source} (from --set {item!r}): {text}"
 
 

@@ -108,7 +108,8 @@ def describe(made: WarmStart) -> str:
     m = made.record.made
     return (f"cache miss, made in {made.seconds:.1f} s: {m.rollouts} rollouts ({m.response_tokens} response "
             f"tokens) in {m.generate_s:.1f} s, {m.train_steps} training steps in {m.train_cpu_s:.0f} CPU-s "
-            f"({m.train_s:.1f} s, {m.threads} threads), loss {m.loss_first:.3f} -> {m.loss_last:.3f}, top-1 "
+            f"({m.train_s:.1f} s, {m.threads} thread{'s' if m.threads != 1 else ''}), loss {m.loss_first:.3f} -> "
+            f"{m.loss_last:.3f}, top-1 "
             f"{m.top1_first:.3f} -> {m.top1_last:.3f}: {made.path}")
 
 

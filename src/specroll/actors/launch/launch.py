@@ -32,8 +32,9 @@ Lifecycle:
    configuration (exit 2), or SIGINT/SIGTERM to the launcher end the run with a failure report
    naming the role and the tail of its log (the drafter trainer's end only stops drafter training).
 5. Teardown (always, in a ``finally``): SIGTERM to each live process group, ``grace_s`` to exit,
-   then SIGKILL to every process group the launcher started, then reap. Once anything was started,
-   the last line names the command that draws the run (``specroll report RUN_DIR``).
+   then SIGKILL to every process group the launcher started, then reap; the metrics lines written
+   meanwhile are printed, and ``RUN_DIR/pids.json`` says the launch ended (``role_starts.py``). Once
+   anything was started, the last line names the command that draws the run (``specroll report RUN_DIR``).
 
 Beside this module: how each role's process is started — process groups and logs, forked from the
 launcher or fresh interpreters, or on Ray nodes — in ``role_starts.py``; what a death leads to in
@@ -44,6 +45,7 @@ the Ray instance is left (or stopped, when the launch started it) at teardown.
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import signal
 import subprocess
@@ -181,7 +183,11 @@ class Launcher:
         finally:
             try:
                 self._teardown(starts.processes)
+                self._print_metrics()  # the lines the trainer wrote since the last look, or while it stopped
             finally:
+                if starts.processes:  # the file says the launch is over and every process reaped
+                    with contextlib.suppress(OSError):
+                        starts.write_pids(launcher_running=False)
                 for s, handler in previous.items():
                     signal.signal(s, handler)
                 if (self.run_dir / METRICS_FILENAME).exists():  # a step (or the evaluation before one) to draw

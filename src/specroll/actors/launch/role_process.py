@@ -162,6 +162,36 @@ def observe_exit(proc: RoleProcess) -> int | None:
     return proc.exit_code
 
 
+def group_members(pgid: int) -> set[int] | None:
+    """The live (not zombie) processes in process group ``pgid``, read from ``/proc``; None where
+    there is no ``/proc`` (not Linux)."""
+    proc_dir = Path("/proc")
+    if not proc_dir.is_dir():
+        return None
+    members = set()
+    for stat in proc_dir.glob("[0-9]*/stat"):
+        try:  # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
+            state, _ppid, pgrp = stat.read_text().rpartition(")")[2].split()[:3]
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        if int(pgrp) == pgid and state != "Z":
+            members.add(int(stat.parent.name))
+    return members
+
+
+def reap_if_alone(proc: RoleProcess) -> bool:
+    """Reap ``proc`` — exited, observed, not reaped — once nothing is left in its process group, so its
+    zombie does not stay until the launcher exits; True when reaped. Only then: while a member is
+    left, the zombie keeps the group id reserved for :func:`killpg`. A role on another host (Ray) is
+    reaped by its host at teardown, and off Linux :func:`observe_exit` reaped it already."""
+    if proc.reaped or proc.exit_code is None or isinstance(proc.popen, RemoteProcess):
+        return proc.reaped
+    members = group_members(proc.pid)
+    if members is None or members:
+        return False
+    proc.popen.wait()  # exited (observed above): returns at once
+    proc.reaped = True
+    return True
 
 
 def killpg(proc: RoleProcess, sig: signal.Signals) -> None:

@@ -1,12 +1,13 @@
 """How the launcher starts a role's process, and the roles and processes of the run it started.
 
 Process hygiene (the mechanics in ``role_process.py``): each role runs in its own process group
-(``pgid == pid``) with stdout and stderr in ``RUN_DIR/logs/<role>.log``; ``RUN_DIR/pids.json`` lists
-the launcher and every started pid. A child that exits is observed without being reaped
-(``waitid(WNOWAIT)``): its zombie keeps the pid — and with it the process-group id — reserved, so
-the final SIGKILL to that group can only reach processes the launcher started (and anything they
-left behind in their group). On Linux each child also gets ``PR_SET_PDEATHSIG = SIGKILL``, so even
-a SIGKILLed launcher leaves no role running.
+(``pgid == pid``) with stdout and stderr in ``RUN_DIR/logs/<role>.log``; ``RUN_DIR/pids.json`` is
+true at every moment (:meth:`RoleStarts.write_pids`). A child that exits is observed without being
+reaped (``waitid(WNOWAIT)``): its zombie keeps the pid — and with it the process-group id — reserved,
+so a SIGKILL to that group can only reach processes the launcher started (and anything they left
+behind in their group). A dead role's group is SIGKILLed at once (its leftovers serve nothing), and
+its zombie is reaped as soon as the group is empty (``role_process.reap_if_alone``). On Linux each
+child also gets ``PR_SET_PDEATHSIG = SIGKILL``, so even a SIGKILLed launcher leaves no role running.
 
 How a role starts (``[launch] fork_roles``, default true on Linux; ``role_fork.py``): the launcher
 imports torch and the role modules once, before its preflight touches a tensor, and each start or
@@ -32,14 +33,17 @@ from pathlib import Path
 from specroll.actors.launch.rank_roles import TRAINER_ROLE, free_master, rank_args, rank_role, with_master
 from specroll.actors.launch.ray_cluster import RayCluster
 from specroll.actors.launch.role_fork import Forker
-from specroll.actors.launch.role_process import RoleProcess, start_role
+from specroll.actors.launch.role_process import RoleProcess, reap_if_alone, start_role
 from specroll.actors.shared.files import write_text_atomic
 
 TRAINER_MODULE = "specroll.actors.trainer"
 GENERATOR_MODULE = "specroll.actors.generator"
 DRAFTER_MODULE = "specroll.actors.drafter_trainer"
 PIDS_FILENAME = "pids.json"
-"""``{"launcher": PID, "processes": {"trainer": PID, "generator-0": PID, ...}}`` in the run directory."""
+"""In the run directory: ``{"launcher": PID, "processes": {"trainer": PID, "generator-0": PID, ...},
+"exited": [{"role": NAME, "pid": PID, "exit_code": CODE}, ...]}`` — ``processes`` the role processes
+not yet reaped (each pid, and its process group, still the launcher's), ``exited`` those reaped, in
+order (history: their pids may belong to anyone by now); ``launcher`` is null once the launch ended."""
 LOGS_DIRNAME = "logs"
 
 
@@ -83,6 +87,8 @@ class RoleStarts:
     """Every supervised role by name, with its current process."""
     processes: list[RoleProcess] = field(default_factory=list, init=False)
     """Every process started, in start order (the trainer first), restarted ones included."""
+    exited: list[dict[str, object]] = field(default_factory=list, init=False)
+    """The processes reaped, in order: ``{"role", "pid", "exit_code"}`` (``pids.json``'s ``exited``)."""
 
     def start(self, name: str, module_args: list[str], env: dict[str, str] | None = None) -> RoleProcess:
         """Start role ``name`` (``python -m module_args...``, ``env`` set in its environment) and
@@ -124,10 +130,31 @@ class RoleStarts:
             proc = start_role(role.name, role.module_args, log_path, self.forker, env=role.env)
         role.proc, role.started_at = proc, time.monotonic()
         self.processes.append(proc)
-        current = {r.name: r.proc.pid for r in self.roles.values() if r.proc is not None}
-        pids = {"launcher": os.getpid(), "processes": current}
-        write_text_atomic(self.run_dir / PIDS_FILENAME, json.dumps(pids, indent=1) + "\n")
+        self.write_pids()
         where = f" {self.cluster.describe(proc)}" if self.cluster is not None else "".join(
             f", {k}={v}" for k, v in role.env.items())
         self.say(f"started {role.name} (pid {proc.pid}{where}), log: {log_path}")
         return proc
+
+    def reap_exited(self) -> None:
+        """Reap each exited process whose group is empty (``role_process.reap_if_alone``); ``pids.json``
+        rewritten when one was."""
+        reaped = [p for p in self.processes if not p.reaped and reap_if_alone(p)]
+        for p in reaped:
+            self.exited.append({"role": p.name, "pid": p.pid, "exit_code": p.exit_code})
+        if reaped:
+            self.write_pids()
+
+    def write_pids(self, launcher_running: bool = True) -> None:
+        """Write ``RUN_DIR/pids.json`` (:data:`PIDS_FILENAME`) as things stand: called after every start,
+        reap and death, and at the end of the launch (``launcher_running`` false)."""
+        reaped = {int(str(e["pid"])) for e in self.exited}
+        for p in self.processes:  # reaped elsewhere (teardown, the warm start): history now
+            if p.reaped and p.pid not in reaped:
+                self.exited.append({"role": p.name, "pid": p.pid, "exit_code": p.exit_code})
+        current: dict[str, int] = {}
+        for p in reversed(self.processes):  # the latest process of a role under its name, an earlier one
+            if not p.reaped:                # still unreaped (its group not yet empty) beside it
+                current[p.name if p.name not in current else f"{p.name}@{p.pid}"] = p.pid
+        pids = {"launcher": os.getpid() if launcher_running else None, "processes": current, "exited": self.exited}
+        write_text_atomic(self.run_dir / PIDS_FILENAME, json.dumps(pids, indent=1) + "\n")

@@ -67,6 +67,7 @@ class Supervisor:
             code = observe_exit(role.proc) if role.proc is not None else None
             if code is not None:
                 self.on_death(role, code)
+        self.starts.reap_exited()
         now = time.monotonic()
         for role in roles.values():
             if role.restart_at is not None and now >= role.restart_at:
@@ -78,6 +79,8 @@ class Supervisor:
         proc = role.proc
         assert proc is not None
         role.proc = None
+        killpg(proc, signal.SIGKILL)  # what it left in its group serves nothing; the group empties, it is reaped
+        self.starts.write_pids()
         ranked = self.config.trainer.world_size > 1 and is_trainer_rank(role.name)
         if ranked and role.name != TRAINER_ROLE and code == EXIT_OK:
             return  # it read rank 0's Stop: rank 0's own exit says how the trainer ended
@@ -97,7 +100,8 @@ class Supervisor:
         if counted:
             role.deaths = [t for t in role.deaths if now - t <= limits.restart_window_s] + [now]
         if len(role.deaths) > limits.max_restarts:
-            deaths = (f"{len(role.deaths)} deaths within {limits.restart_window_s:g} s, more than "
+            n = len(role.deaths)
+            deaths = (f"{n} death{'s' if n != 1 else ''} within {limits.restart_window_s:g} s, more than "
                       f"launch.max_restarts = {limits.max_restarts}")
             if drafter:
                 self.say(f"warning: the drafter trainer (pid {proc.pid}) {describe_exit(code)} ({deaths}): not "

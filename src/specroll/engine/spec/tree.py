@@ -116,8 +116,11 @@ class TreeShape:
             dims, nodes, *kind = text.split(":")
             if kind not in ([], ["sampled"]):
                 raise ValueError
-            depth, width = dims.lower().split("x")
-            return cls(int(depth), int(width), int(nodes), sampled=bool(kind))
+            numbers = [*dims.lower().split("x"), nodes]
+            if len(numbers) != 3 or not all(n.isascii() and n.isdigit() for n in numbers):
+                raise ValueError  # int() would also take "1_2", " 3" or "+3"
+            depth, width, count = map(int, numbers)
+            return cls(depth, width, count, sampled=bool(kind))
         except ValueError as exc:
             if "tree shape" in str(exc):
                 raise
