@@ -20,7 +20,9 @@ import pytest
 import torch
 import zmq
 import zmq.asyncio
+from helpers.fake_peers import FakeGenerator, fake_generators
 from helpers.processes import actor_process
+from helpers.timeouts import guard
 from helpers.trainer_runs import free_port, generators, metrics, overrides, run_config, wait_for
 
 from specroll.actors.rollout.client import RolloutClient
@@ -43,13 +45,16 @@ from specroll.protocol.messages import (
     Abort,
     Error,
     FetchWeights,
+    Heartbeat,
     Hello,
     RolloutChunk,
+    SubmitGroup,
     ToGenerator,
     Welcome,
 )
 from specroll.protocol.sampling import SamplingParams
 from specroll.protocol.sockets import close_socket, make_socket
+from specroll.protocol.weights_messages import AckWeights, WeightsAvailable
 
 KV_GB = 0.02
 
@@ -134,20 +139,62 @@ def test_staleness_bound_holds_across_a_trainer_kill_and_resume(tiny_checkpoint,
 
 
 STEPS = 7
+LAG_TOKENS = 4
+"""Tokens per sample the lagging peer stamps η + 1 versions old (and as many with its current version)."""
+
+
+async def serve_lagging(gen: FakeGenerator, version: int, eta: int, groups: int, n: int) -> None:
+    """A generator peer that served the killed trainer's last ``version``, takes the first ``groups``
+    groups offered (room for them, then none) and answers each at once: per sample ``LAG_TOKENS``
+    tokens stamped ``eta + 1`` versions below the version it serves, then as many stamped with it —
+    what a generator sends for sequences it began before two weight updates. It acknowledges every
+    version published, without loading it."""
+    await gen.channel.send(Hello(protocol_version=PROTOCOL_VERSION, role="generator", actor_id=gen.actor_id))
+    await gen.expect(Welcome)
+    room = groups
+
+    async def beat() -> None:
+        while True:
+            await gen.channel.send(Heartbeat(policy_version=version, batch_size=0, free_groups=room,
+                                             free_seqs=room * n))
+            await anyio.sleep(0.2)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(beat)
+        while True:
+            msg = await gen._recv.receive()
+            if isinstance(msg, WeightsAvailable):
+                version = msg.version
+                await gen.channel.send(AckWeights(version=version))
+            elif isinstance(msg, SubmitGroup):
+                room -= 1
+                token = msg.prompt_token_ids[-1]
+                for index in range(msg.n):
+                    for offset, stamp in ((0, version - eta - 1), (LAG_TOKENS, version)):
+                        last = offset > 0
+                        await gen.channel.send(RolloutChunk(
+                            group_id=msg.group_id, sample_index=index, offset=offset, token_ids=[token] * LAG_TOKENS,
+                            logprobs=[-1.0] * LAG_TOKENS, versions=[stamp] * LAG_TOKENS, finished=last,
+                            finish_reason="stop" if last else None))
 
 
 async def _kill_and_resume(model: Path, tmp_path: Path) -> None:
     """Incarnation 1 keeps only one batch in flight, of long responses, so it waits for generation
     after each step: it is SIGKILLed in that wait after publishing a version beyond its checkpoint
     (every 2 steps) that both generators acknowledged, so they serve a version the checkpoint lacks.
-    Incarnation 2 (same run dir, port and generators) lets generation run far ahead (8 groups for
-    batches of 2), so its later steps meet tokens 2 and 3 versions old, which η = 1 must mask."""
-    run, port = tmp_path / "run", free_port()
+
+    Stale tokens are then made certain, not left to timing: the two generators are SIGSTOPped, and
+    incarnation 2 (same run dir and port) starts with only a lagging peer connected
+    (:func:`serve_lagging`), which takes its first batch — every sample half tokens η + 1 = 2 versions
+    old, which the bound must mask, half current ones. Once that step is trained the generators go on
+    (SIGCONT), rejoin under the same processes and train the rest."""
+    run, port, eta = tmp_path / "run", free_port(), 1
 
     def command(in_flight: int, max_tokens: int) -> list[str]:
         cmd = [sys.executable, "-m", "specroll.actors.trainer"]
         for item in overrides(run, model, steps=STEPS, trainer__checkpoint_every=2, network__trainer_port=port,
-                              trainer__max_groups_in_flight=in_flight, generator__sampling__max_tokens=max_tokens):
+                              trainer__max_groups_in_flight=in_flight, generator__sampling__max_tokens=max_tokens,
+                              trainer__max_staleness=eta):
             cmd += ["--set", item]
         return cmd
 
@@ -159,17 +206,35 @@ async def _kill_and_resume(model: Path, tmp_path: Path) -> None:
         return all(served_versions(tmp_path / f"gen-{i}.log")[-1:] == [version] for i in range(2))
 
     with actor_process(command(2, 96), tmp_path / "trainer-1.log", append=True) as first:
-        await wait_for(lambda: (run / ENDPOINT_FILENAME).exists(), 60, "the endpoint", [first])
+        await wait_for(lambda: (run / ENDPOINT_FILENAME).exists(), guard(60), "the endpoint", [first])
         endpoint = (run / ENDPOINT_FILENAME).read_text()
         assert endpoint == f"tcp://127.0.0.1:{port}"
         with generators(endpoint, model, tmp_path) as gens:
             pids = [g.pid for g in gens]
-            await wait_for(published_beyond_checkpoint, 120, "a version beyond the checkpoint", [first, *gens])
+            await wait_for(published_beyond_checkpoint, guard(120), "a version beyond the checkpoint", [first, *gens])
             os.killpg(first.pid, signal.SIGKILL)
-            first.wait(timeout=30)
+            first.wait(timeout=guard(30))
             before, saved = metrics(run), saved_step(run)
-            with actor_process(command(8, 16), tmp_path / "trainer-2.log", append=True) as second:
-                await wait_for(lambda: second.poll() is not None, 120, "the resumed trainer to finish", gens)
+            served = before[-1]["policy_version"]  # what the generators serve (published_beyond_checkpoint)
+
+            def resumed_step_trained() -> bool:
+                return any(m["step"] == saved + 1 and m["trained_version"] > served for m in metrics(run))
+
+            for g in gens:
+                os.killpg(g.pid, signal.SIGSTOP)
+            try:
+                async with fake_generators(endpoint, "gen-lag") as (lag,), anyio.create_task_group() as tg:
+                    tg.start_soon(serve_lagging, lag, served, eta, 2, 2)
+                    with actor_process(command(8, 16), tmp_path / "trainer-2.log", append=True) as second:
+                        await wait_for(resumed_step_trained, guard(120), "the lagging peer's batch", [second])
+                        for g in gens:
+                            os.killpg(g.pid, signal.SIGCONT)
+                        await wait_for(lambda: second.poll() is not None, guard(120), "the resumed trainer to finish",
+                                       gens)
+                    tg.cancel_scope.cancel()
+            finally:
+                for g in gens:
+                    os.killpg(g.pid, signal.SIGCONT)
             assert second.returncode == 0, (tmp_path / "trainer-2.log").read_text()[-3000:]
             assert [g.poll() for g in gens] == [None, None] and [g.pid for g in gens] == pids  # same processes
 
@@ -180,21 +245,21 @@ async def _kill_and_resume(model: Path, tmp_path: Path) -> None:
     assert lines[:saved] == before[:saved]  # the lines of steps after the checkpoint were replaced
     after = lines[saved:]
     assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
-    lines = before + after  # every step the two incarnations trained, in order
     # the restored weights were published above what the generators served (the killed trainer's last)
-    assert after[0]["trained_version"] == before[-1]["policy_version"] + 1
+    assert after[0]["trained_version"] == served + 1
+    # the lagging peer's batch: its old half masked, every token, its current half trained
+    assert after[0]["tokens_masked_stale"] == 2 * 2 * LAG_TOKENS, after[0]
+    assert after[0]["staleness"] == {"0": 2 * 2 * LAG_TOKENS} and after[0]["max_lag"] == 0, after[0]
+    lines = before + after  # every step the two incarnations trained, in order
     versions = [m["policy_version"] for m in lines]
     assert versions == sorted(set(versions)), versions  # versions only ever increase, across the restart
-    assert all(m["max_lag"] <= 1 for m in lines), [(m["step"], m["staleness"]) for m in lines]
+    assert all(m["max_lag"] <= eta for m in lines), [(m["step"], m["staleness"]) for m in lines]
     final = after[-1]["policy_version"]
-    assert after[-1]["generator_versions"] == {"gen-0": final, "gen-1": final}
+    assert after[-1]["generator_versions"] == {"gen-0": final, "gen-1": final, "gen-lag": final}
+    assert sum(m["trained_tokens"] for m in after[1:]) > 0  # the generators trained the rest
     for i in range(2):
-        served = served_versions(tmp_path / f"gen-{i}.log")
-        assert served == sorted(set(served)) and served[-1] == final
-    # Whether incarnation 2 meets tokens older than η depends on how far generation ran ahead of
-    # training (timing): a run that met none checked everything above but not the masking.
-    if not any(m["tokens_masked_stale"] for m in after):
-        pytest.skip("no stale token in this run (generation did not run ahead): the masking was not exercised")
+        served_by = served_versions(tmp_path / f"gen-{i}.log")
+        assert served_by == sorted(set(served_by)) and served_by[-1] == final
 
 
 @pytest.mark.anyio
