@@ -13,6 +13,7 @@ from types import ModuleType
 
 import msgspec
 import pytest
+from helpers.timeouts import guard
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -44,12 +45,12 @@ def test_the_check_fails_on_a_stale_page(tmp_path: Path) -> None:
     stale = tmp_path / "configuration.md"
     stale.write_text(reference.render().replace("| `batch_groups` |", "| `batch_groups_old` |"))
     proc = subprocess.run([sys.executable, str(SCRIPT), "--check", "--out", str(stale)], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=guard(120))
     assert proc.returncode == 1 and "python scripts/config_reference.py" in proc.stderr, proc.stderr
     fresh = tmp_path / "fresh.md"
     fresh.write_text(reference.render())
     proc = subprocess.run([sys.executable, str(SCRIPT), "--check", "--out", str(fresh)], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=guard(120))
     assert proc.returncode == 0, proc.stderr
 
 
@@ -137,7 +138,7 @@ def test_the_readme_is_a_front_door() -> None:
 def test_the_site_builds_with_mkdocs_strict(tmp_path: Path) -> None:
     pytest.importorskip("mkdocs", reason="the docs extra is not installed (pip install -e '.[docs]')")
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, capture_output=True, text=True, timeout=guard(300),
                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / "site" / "configuration" / "index.html").exists()

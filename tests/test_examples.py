@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.timeouts import guard
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,7 +20,7 @@ def test_external_trainer_example_trains_and_pushes_weights(tiny_checkpoint) -> 
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "external_trainer.py"), "--model", str(tiny_checkpoint()),
          "--steps", "2", "--max-tokens", "8"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=guard(300),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
@@ -45,7 +46,7 @@ def test_agentic_external_trainer_example_trains_on_served_turns_and_publishes_w
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "agentic_external_trainer.py"), "--model", str(model),
          "--steps", "2", "--max-tokens", "8", "--group-size", "2"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=guard(300),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.checkpoints import write_tiny_checkpoint
+from helpers.timeouts import guard
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -65,7 +66,7 @@ class Run:
 def _run(argv: list[str], out: Path) -> Run:
     # One intra-op thread each: the runs share the machine's cores.
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("TQDM")}, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=guard(300), env=env)
     return Run(argv, out, p.returncode, p.stdout, p.stderr)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from helpers.bench_runs import run_benchmark
+from helpers.timeouts import guard
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_agentic.py"
 
@@ -21,7 +22,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_agentic.py"
 def test_quick_run_trains_every_arm(tmp_path: Path, tiny_checkpoint) -> None:
     model = tiny_checkpoint(max_position_embeddings=2048)
     log, _ = run_benchmark([sys.executable, str(BENCH), "--quick", "--model", str(model), "--latency", "0.05:0.2",
-                            "--out", str(tmp_path / "out")], timeout_s=900)
+                            "--out", str(tmp_path / "out")], timeout_s=guard(900))
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [r["arm"] for r in results] == ["offstep", "sync", "loop"]
     for r in results:
@@ -36,5 +37,5 @@ def test_quick_run_trains_every_arm(tmp_path: Path, tiny_checkpoint) -> None:
     (["--arms", "offstep,trl"], "arms ['trl']"), (["--steps", "1"], "--steps 1"),
 ])
 def test_bad_arguments_are_refused(args: list[str], message: str) -> None:
-    proc = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=guard(60))
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from helpers.bench_runs import run_benchmark
+from helpers.timeouts import guard
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_drafter_curve.py"
 QUESTIONS = ["Natalia sold clips to 48 of her friends in April. How many clips did she sell?",
@@ -32,7 +33,7 @@ def test_quick_run_measures_every_variant_and_reads_its_cache(tmp_path: Path, ti
            "--test-prompts", str(prompts), "--cache-dir", str(tmp_path / "cache"), "--draft-vocab-size", "64",
            "--variants", "eagle3,eagle3-fullvocab", "--checkpoints", "0.01,0.02", "--max-minutes-other", "0.01",
            "--shapes", "2x2:3,2x2:3:sampled", "--json", str(out), "--plot", str(figure)]
-    log, _ = run_benchmark(cmd, timeout_s=600)
+    log, _ = run_benchmark(cmd, timeout_s=guard(600))
     assert "generated in" in log
     doc = json.loads(out.read_text())
     assert [v["variant"] for v in doc["variants"]] == ["eagle3", "eagle3-fullvocab"]
@@ -67,19 +68,19 @@ def test_quick_run_measures_every_variant_and_reads_its_cache(tmp_path: Path, ti
 
     other = tmp_path / "other.json"
     log, _ = run_benchmark([*cmd[:-4], "--variants", "eagle3-tv", "--engine-variants", "none", "--json", str(other)],
-                           timeout_s=300)
+                           timeout_s=guard(300))
     assert "generated in" not in log and log.count("read from") == 2
 
     # --report: both runs' variants in one table, figure and file, each run's command kept
     merged, figure2 = tmp_path / "merged.json", tmp_path / "merged.png"
     log, _ = run_benchmark([sys.executable, str(BENCH), "--report", str(out), str(other), "--json", str(merged),
-                            "--plot", str(figure2)], timeout_s=120)
+                            "--plot", str(figure2)], timeout_s=guard(120))
     doc2 = json.loads(merged.read_text())
     assert [v["variant"] for v in doc2["variants"]] == ["eagle3", "eagle3-fullvocab", "eagle3-tv"]
     assert [s["file"] for s in doc2["sources"]] == [str(out), str(other)]
     assert doc2["variants"][0] == main and "eagle3-tv" in log and figure2.read_bytes()[:4] == b"\x89PNG"
     proc = subprocess.run([sys.executable, str(BENCH), "--report", str(out), str(out)], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=guard(120))
     assert proc.returncode == 2 and "variant 'eagle3' is in both" in proc.stderr, proc.stderr
 
 
@@ -97,5 +98,5 @@ def test_quick_run_measures_every_variant_and_reads_its_cache(tmp_path: Path, ti
     (["--report", "/nonexistent.json"], "--report /nonexistent.json: expected a results file"),
 ])
 def test_bad_arguments_are_refused_before_anything_loads(args: list[str], message: str) -> None:
-    proc = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=guard(120))
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

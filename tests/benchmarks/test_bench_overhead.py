@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from helpers.bench_runs import run_benchmark
+from helpers.timeouts import guard
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_overhead.py"
 
@@ -19,7 +20,7 @@ def test_the_metrics_arm_scrapes_and_reports_both_arms(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
     run_benchmark([sys.executable, str(BENCH), "--batch-sizes", "1,4", "--layers", "2", "--steps", "3", "--rounds", "2",
                    "--metrics", "--metrics-round-s", "0.3", "--scrape-interval-s", "0.1", "--json", str(out)],
-                  timeout_s=300)
+                  timeout_s=guard(300))
     metrics = json.loads(out.read_text())["metrics"]
     assert metrics["scrape_interval_s"] == 0.1
     assert set(metrics["batch"]) == {"1", "4"}

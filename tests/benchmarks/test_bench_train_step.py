@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from helpers.bench_runs import run_benchmark
+from helpers.timeouts import guard
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_train_step.py"
 PHASES = ("pack", "forward", "head_forward", "head_backward", "backward", "optimizer")
@@ -21,7 +22,7 @@ def test_quick_run_times_every_arm_by_phase(tmp_path: Path, tiny_checkpoint) -> 
     out = tmp_path / "step.json"
     arms = ["fp32:0:1:loop", "bf16:8:1", "bf16:8:2"]
     log, _ = run_benchmark([sys.executable, str(BENCH), "--quick", "--model", str(tiny_checkpoint()),
-                            "--arms", *arms, "--json", str(out)], timeout_s=600)
+                            "--arms", *arms, "--json", str(out)], timeout_s=guard(600))
     doc = json.loads(out.read_text())
     assert [a["name"] for a in doc["arms"]] == ["fp32, whole head, 1t, loop", "bf16, chunk 8, 1t, fused",
                                                 "bf16, chunk 8, 2t, fused"]
@@ -42,5 +43,5 @@ def test_quick_run_times_every_arm_by_phase(tmp_path: Path, tiny_checkpoint) -> 
     (["--config", "/nonexistent.toml"], "no such file"), (["--model", "/nonexistent"], "'/nonexistent'"),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(args: list[str], message: str) -> None:
-    proc = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=guard(120))
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from helpers import engines
 from helpers.checkpoints import write_tiny_checkpoint
 from helpers.engines import K, k_drafts, repetitive_prompts, run
+from helpers.timeouts import guard
 
 from specroll.engine import cpu_linear
 from specroll.engine.compiled_step import CompileCacheError
@@ -148,7 +149,8 @@ def test_a_second_process_loads_the_compiled_code_from_the_cache(tiny_llama, tmp
     def child() -> dict:
         env_path = str(Path(__file__).parents[1])
         done = subprocess.run([sys.executable, "-c", CHILD, str(tiny_llama), str(tmp_path / "cache")],
-                              capture_output=True, text=True, timeout=600, env={**_env(), "PYTHONPATH": env_path})
+                              capture_output=True, text=True, timeout=guard(600),
+                              env={**_env(), "PYTHONPATH": env_path})
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 

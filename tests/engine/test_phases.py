@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.timeouts import guard
 
 from specroll.engine.config import EngineConfig
 from specroll.engine.engine import Engine
@@ -45,7 +46,7 @@ def test_bench_overhead_reports_decode_and_verify_per_batch_size(tmp_path: Path)
     out = tmp_path / "overhead.json"
     cmd = [sys.executable, str(BENCH), "--layers", "2", "--batch-sizes", "1,3", "--steps", "4", "--rounds", "2",
            "--json", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=BENCH.parent)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=guard(600), cwd=BENCH.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["layers"] == 2 and set(report["batch"]) == {"1", "3"}

@@ -19,6 +19,7 @@ import torch
 from helpers.checkpoints import write_tiny_checkpoint
 from helpers.launch import assert_nothing_left, children_of, finish, launch, write_config
 from helpers.server import HANG_S, served
+from helpers.timeouts import guard
 
 from specroll.actors.config import load_config
 from specroll.actors.trainer.episodes import EpisodeRunner
@@ -181,7 +182,7 @@ def test_a_verifiers_environment_end_to_end_in_a_launched_run(tmp_path, tiny_che
     config.write_text(config.read_text().replace("count = 4\n", "count = 1\n")
                       + f'\n[task]\nenvironment = "{CALC}"\nmax_turns = 2\n\n[server]\nport = 0\n')
     before = children_of(os.getpid())
-    code, _, err = finish(launch(tmp_path, config), timeout=300)
+    code, _, err = finish(launch(tmp_path, config), timeout=guard(300))
     run_dir = tmp_path / "run"
     assert code == 0, err
     assert_nothing_left(run_dir, before)

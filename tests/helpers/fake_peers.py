@@ -14,6 +14,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from helpers.timeouts import guard
 from specroll.protocol.channel import Channel, Received
 from specroll.protocol.codec import ProtocolError
 from specroll.protocol.messages import (
@@ -31,7 +32,7 @@ from specroll.protocol.sockets import close_socket, last_endpoint, make_socket
 
 PEER = b"gen-0"
 """The generator a :class:`FakeTrainer` talks to (``generator_process``'s default actor id)."""
-HANG_S = 60
+HANG_S = guard(60)
 """Longest wait for one message: only a hang guard, never what a test checks."""
 LONG_CONTEXT = 4096
 """Positions of the models whose rollouts must still be running when the test acts (an ``Abort``, a
@@ -159,7 +160,7 @@ class FakeGenerator:
             with contextlib.suppress(ProtocolError):
                 self._send.send_nowait((await self.channel.recv()).msg)
 
-    async def expect(self, kind: type, timeout: float = 30) -> Any:
+    async def expect(self, kind: type, timeout: float = guard(30)) -> Any:
         with anyio.fail_after(timeout):
             msg = await self._recv.receive()
         assert isinstance(msg, kind), f"expected {kind.__name__}, got {msg!r:.300}"

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.timeouts import guard
+
 
 def write_config(tmp_path: Path, model: Path, steps: int = 3, count: int = 2, eval_every: int = 0) -> Path:
     """A small run on ``model``: ``count`` generators, one group of 2 per step, 8 tokens per sample;
@@ -127,7 +129,7 @@ def assert_nothing_left(run_dir: Path, children_before: set[int]) -> None:
     A SIGKILLed group member the launcher does not reap (a grandchild) leaves ``/proc`` only once it is
     reaped, a moment later on a loaded machine: polled for, not slept for."""
     pids = every_started_pid(run_dir)
-    deadline = time.monotonic() + 30  # a hang guard; normally the first look finds nothing
+    deadline = time.monotonic() + guard(30)  # a hang guard; normally the first look finds nothing
     while (live(pids) or members_of_groups(pids)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not live(pids), f"started processes still alive: {live(pids)}"
@@ -146,7 +148,10 @@ def launch(tmp_path: Path, config: Path, *extra: str, path: Path | None = None) 
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def finish(proc: subprocess.Popen[str], timeout: float = 180) -> tuple[int, str, str]:
+def finish(proc: subprocess.Popen[str], timeout: float | None = None) -> tuple[int, str, str]:
+    """Wait for the launcher to exit (a hang guard of ``timeout`` s, default ``guard(180)``); return its
+    exit code, stdout and stderr."""
+    timeout = guard(180) if timeout is None else timeout
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -156,7 +161,10 @@ def finish(proc: subprocess.Popen[str], timeout: float = 180) -> tuple[int, str,
     return proc.returncode, out, err
 
 
-def wait_for(predicate: Callable[[], bool], what: str, proc: subprocess.Popen[str], timeout: float = 120) -> None:
+def wait_for(predicate: Callable[[], bool], what: str, proc: subprocess.Popen[str],
+             timeout: float | None = None) -> None:
+    """Poll ``predicate``; fail when the launcher exits first or after ``timeout`` s (default ``guard(120)``)."""
+    timeout = guard(120) if timeout is None else timeout
     deadline = time.monotonic() + timeout
     while not predicate():
         if proc.poll() is not None:
@@ -179,7 +187,7 @@ def launched_episode_run(tmp_path: Path, model: Path, task_toml: str) -> tuple[l
     config = write_config(tmp_path, model, steps=2, count=1, eval_every=2)
     config.write_text(config.read_text() + f"\n[task]\n{task_toml}\n\n[server]\nport = 0\n")
     before = children_of(os.getpid())
-    code, _, err = finish(launch(tmp_path, config), timeout=300)
+    code, _, err = finish(launch(tmp_path, config), timeout=guard(300))
     run_dir = tmp_path / "run"
     assert code == 0, err
     assert_nothing_left(run_dir, before)

@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from helpers.timeouts import guard
+
 
 @contextlib.contextmanager
 def actor_process(cmd: list[str], log: Path, append: bool = False) -> Iterator[subprocess.Popen[bytes]]:
@@ -25,7 +27,7 @@ def actor_process(cmd: list[str], log: Path, append: bool = False) -> Iterator[s
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        proc.wait(timeout=guard(30))
 
 
 def generator_process(

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from helpers.timeouts import guard
 from specroll.actors.telemetry import catalogue
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -26,7 +27,7 @@ def target(run_dir: Path, actor: str) -> str | None:
 
 def scrape(run_dir: Path, actor: str) -> tuple[dict[str, str], Samples]:
     """(family name → type, sample (name, sorted labels) → value) of one scrape of ``actor``."""
-    with urllib.request.urlopen(f"http://{target(run_dir, actor)}/metrics", timeout=30) as reply:
+    with urllib.request.urlopen(f"http://{target(run_dir, actor)}/metrics", timeout=guard(30)) as reply:
         text = reply.read().decode()
     types, samples = {}, {}
     for fam in text_string_to_metric_families(text):

@@ -11,6 +11,7 @@ from pathlib import Path
 import anyio
 
 from helpers.processes import generator_process
+from helpers.timeouts import guard
 from specroll.actors.config import RunConfig, load_config
 from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.server.serving import bind, make_state, serve_http, url_of
@@ -18,7 +19,7 @@ from specroll.actors.server.state import ServerState
 from specroll.actors.server.weights_update import FolderWeights
 from specroll.engine.loaders.checkpoint import load_metadata
 
-HANG_S = 120
+HANG_S = guard(120)
 """Longest wait for generators or a reply: only a hang guard, never what a test checks."""
 
 

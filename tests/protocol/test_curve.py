@@ -23,6 +23,7 @@ import zmq.asyncio
 from helpers.drafters import run_config
 from helpers.launch import assert_nothing_left, children_of, finish, launch, write_config
 from helpers.processes import actor_process, generator_process
+from helpers.timeouts import guard
 from safetensors.torch import load_file
 from zmq.utils.monitor import parse_monitor_message
 
@@ -38,7 +39,7 @@ from specroll.protocol.messages import PROTOCOL_VERSION, Heartbeat, Hello, Refus
 from specroll.protocol.sampling import SamplingParams
 from specroll.protocol.sockets import make_socket
 
-HANG_S = 120  # a hang guard only: every wait below ends on an event
+HANG_S = guard(120)  # a hang guard only: every wait below ends on an event
 
 
 # ---- refusals over real sockets -------------------------------------------------------------------
@@ -295,7 +296,7 @@ def recording_proxy(upstream: str) -> Iterator[tuple[str, bytearray]]:
         listener.close()
         for c in conns:
             c.close()
-        thread.join(timeout=5)
+        thread.join(timeout=guard(5))
 
 
 @pytest.mark.integration

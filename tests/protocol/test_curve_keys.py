@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import zmq
 import zmq.asyncio
+from helpers.timeouts import guard
 
 from specroll.protocol.curve import (
     MAX_LOGGED_REFUSALS,
@@ -27,7 +28,7 @@ from specroll.protocol.curve import (
     init_keys,
 )
 
-HANG_S = 120  # a hang guard only: every wait below ends on an event
+HANG_S = guard(120)  # a hang guard only: every wait below ends on an event
 
 
 # ---- keys on disk -------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 import torch
 import zmq
 import zmq.asyncio
+from helpers.timeouts import guard
 
 from specroll.protocol.channel import Channel, Received, SequenceError
 from specroll.protocol.codec import ProtocolError, encode, pack_tensors
@@ -20,7 +21,7 @@ from specroll.protocol.sockets import close_socket, last_endpoint, make_socket
 
 pytestmark = pytest.mark.anyio
 
-HANG_S = 60
+HANG_S = guard(60)
 """Longest wait for what loopback delivers in milliseconds: a hang guard only. The two short waits
 below check that a send *stays* blocked without credit, which no delay can make untrue."""
 

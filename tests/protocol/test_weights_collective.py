@@ -26,6 +26,7 @@ import pytest
 import torch
 from helpers.checkpoints import write_tiny_checkpoint
 from helpers.processes import generator_process
+from helpers.timeouts import guard
 
 from specroll.actors.peer.weights_fetch import check_announcement
 from specroll.actors.rollout.client import RolloutClient
@@ -47,7 +48,7 @@ from specroll.protocol.weights_collective import (
 )
 from specroll.protocol.weights_layout import WeightsLayout, bucket_checksums
 
-HANG_S = 90
+HANG_S = guard(90)
 """Longest wait for one event: only a hang guard, never what a test checks."""
 KV_GB = 0.02
 PROMPT = [5, 17, 42, 9, 77, 3]
@@ -161,7 +162,7 @@ async def test_a_member_killed_mid_broadcast_fails_the_send_instead_of_hanging(t
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, signal.SIGKILL)
-        child.wait(timeout=30)
+        child.wait(timeout=guard(30))
 
 
 def test_a_collective_announcement_is_bounded_by_the_model() -> None:

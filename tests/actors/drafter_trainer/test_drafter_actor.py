@@ -15,6 +15,7 @@ import torch
 from helpers.checkpoints import write_tiny_checkpoint
 from helpers.drafters import run_config
 from helpers.processes import drafter_process, generator_process, wait_until
+from helpers.timeouts import guard
 
 from specroll.actors.config import DrafterConfig, ModelSection, RunConfig
 from specroll.actors.drafter_trainer.actor import DrafterActor
@@ -32,7 +33,7 @@ from specroll.protocol.sampling import SamplingParams
 pytestmark = pytest.mark.anyio
 
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
-HANG_S = 60.0
+HANG_S = guard(60.0)
 """The clients' heartbeat timeout: a hang guard, so a starved generator is never declared dead."""
 
 
@@ -59,15 +60,15 @@ async def test_drafter_versions_reach_the_generator_and_survive_the_drafter_trai
     async with client:
         with generator_process(client.endpoint, tiny_llama, tmp_path / "gen.log", "--speculative", "eagle"), \
                 drafter_process(client.endpoint, config, tmp_path / "drafter.log") as drafter:
-            await client.wait_for_generators(1, timeout=60)
-            await wait_until(lambda: client.drafters.drafters, 60, "the drafter trainer's Hello")
+            await client.wait_for_generators(1, timeout=guard(60))
+            await wait_until(lambda: client.drafters.drafters, guard(60), "the drafter trainer's Hello")
             prompts = [[5 + i, 17, 33, 2 * i + 40] for i in range(40)]
             for p in prompts[:8]:
                 await client.submit(p, 2, SAMPLING)
             for _ in range(8):
-                await client.next_finished(timeout=60)
+                await client.next_finished(timeout=guard(60))
             # the drafter trainer cold-starts from these rollouts and publishes; the generator serves it
-            await wait_until(lambda: client.drafters.generator_drafters.get("gen-0", (0, ""))[0] >= 1, 120,
+            await wait_until(lambda: client.drafters.generator_drafters.get("gen-0", (0, ""))[0] >= 1, guard(120),
                              "the generator to serve drafter version 1")
             served, checksum = client.drafters.generator_drafters["gen-0"]
             assert checksum == client.drafters.published.checksum or client.drafters.published.version > served
@@ -77,7 +78,7 @@ async def test_drafter_versions_reach_the_generator_and_survive_the_drafter_trai
             for p in prompts[8:16]:
                 await client.submit(p, 2, SAMPLING)
             for _ in range(8):
-                await client.next_finished(timeout=60)
+                await client.next_finished(timeout=guard(60))
             later = chunks[start:]
             assert all(c.spec is not None and c.spec.drafter_version >= v for c, v in later)
             assert any(c.spec.num_draft_steps > 0 and c.spec.drafter_version >= 1 for c, _ in later)
@@ -86,23 +87,23 @@ async def test_drafter_versions_reach_the_generator_and_survive_the_drafter_trai
             target = CausalLM(load_checkpoint(str(tiny_llama)).config)
             target.load_weights(load_checkpoint(str(tiny_llama)).weights)
             await client.publish_weights(dict(target.hf_weights()), version=1, dtype="float32")
-            await wait_until(lambda: client.drafter_policy_versions.get("drafter-0") == 1, 60,
+            await wait_until(lambda: client.drafter_policy_versions.get("drafter-0") == 1, guard(60),
                              "the drafter trainer to take policy version 1")
-            await client.wait_for_version(1, timeout=60)
+            await client.wait_for_version(1, timeout=guard(60))
             # killing the drafter trainer stops neither generation nor the served drafter
             os.killpg(drafter.pid, signal.SIGKILL)
-            drafter.wait(timeout=30)
+            drafter.wait(timeout=guard(30))
             for p in prompts[16:24]:
                 await client.submit(p, 2, SAMPLING)
             # gone once its connection closed and the client read all it had sent (a last PublishDrafter too)
-            await wait_until(lambda: "drafter-0" not in client.drafters.drafters, 60,
+            await wait_until(lambda: "drafter-0" not in client.drafters.drafters, guard(60),
                              "the client to declare the drafter trainer gone")
             # what it published before dying still reaches the generator; from then on nothing changes
-            await wait_until(lambda: served_version(client) == client.drafters.published.version, 60,
+            await wait_until(lambda: served_version(client) == client.drafters.published.version, guard(60),
                              "the generator to serve the last published version")
             before = client.drafters.generator_drafters["gen-0"]
             for _ in range(8):
-                group = await client.next_finished(timeout=60)
+                group = await client.next_finished(timeout=guard(60))
                 assert all(len(s.token_ids) == SAMPLING.max_tokens for s in group.samples)
             assert client.drafters.generator_drafters["gen-0"] == before
             # a restarted drafter trainer starts cold but numbers its versions above the published one;
@@ -112,12 +113,12 @@ async def test_drafter_versions_reach_the_generator_and_survive_the_drafter_trai
             cold = run_config(tiny_llama, tmp_path / "run2")
             with drafter_process(client.endpoint, cold, tmp_path / "drafter2.log"):
                 await wait_until(lambda: "training against policy version 1" in (tmp_path / "drafter2.log").read_text(),
-                                 60, "the restarted drafter trainer to join")
+                                 guard(60), "the restarted drafter trainer to join")
                 for p in prompts[24:32]:
                     await client.submit(p, 2, SAMPLING)
                 for _ in range(8):
-                    await client.next_finished(timeout=60)
-                await wait_until(lambda: served_version(client) > before[0], 120,
+                    await client.next_finished(timeout=guard(60))
+                await wait_until(lambda: served_version(client) > before[0], guard(120),
                                  f"the generator to serve a version above {before[0]} from the restarted trainer")
     log = (tmp_path / "drafter.log").read_text()
     assert "sent drafter version 1 to the trainer" in log, log[-2000:]
@@ -147,12 +148,12 @@ async def test_a_drafter_for_another_target_is_refused_and_generation_goes_on(ti
                         target_num_layers=2)
     async with RolloutClient(heartbeat_timeout_s=HANG_S) as client:
         with generator_process(client.endpoint, tiny_llama, tmp_path / "gen.log", "--speculative", "eagle"):
-            await client.wait_for_generators(1, timeout=60)
+            await client.wait_for_generators(1, timeout=guard(60))
             publish_head(client, EagleHead.init(other, torch.arange(64)), 1)
-            await wait_until(lambda: "gen-0" in client.drafters.refusals, 60, "the generator's refusal")
+            await wait_until(lambda: "gen-0" in client.drafters.refusals, guard(60), "the generator's refusal")
             assert "vocabulary 999, hidden size 32" in client.drafters.refusals["gen-0"]
             await client.submit([5, 6, 7], 2, SAMPLING)
-            group = await client.next_finished(timeout=60)
+            group = await client.next_finished(timeout=guard(60))
             assert all(len(s.token_ids) == SAMPLING.max_tokens for s in group.samples)
             assert "gen-0" not in client.drafters.generator_drafters
 
@@ -181,18 +182,18 @@ async def test_a_drafter_swap_splits_live_samples_chunks_by_drafter_version(tmp_
     async with client:
         with generator_process(client.endpoint, model, tmp_path / "gen.log", "--speculative", "eagle",
                                "--stream-every", "1000000"):
-            await client.wait_for_generators(1, timeout=60)
+            await client.wait_for_generators(1, timeout=guard(60))
             publish_head(client, first, 1)
-            await wait_until(lambda: served_version(client) == 1, 60, "the generator to serve drafter version 1")
+            await wait_until(lambda: served_version(client) == 1, guard(60), "the generator to serve drafter version 1")
             live = await client.submit([5, 17, 33], 2, long)
             await client.submit([6, 17, 33], 1, SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True))
-            await client.next_finished(timeout=60)  # the short group: the long one is mid-flight now
+            await client.next_finished(timeout=guard(60))  # the short group: the long one is mid-flight now
             publish_head(client, second, 2)
-            await wait_until(lambda: served_version(client) == 2, 60, "the generator to serve drafter version 2")
+            await wait_until(lambda: served_version(client) == 2, guard(60), "the generator to serve drafter version 2")
             after = await client.submit([7, 17, 33], 1, SAMPLING)
-            assert (await client.next_finished(timeout=120)).group_id == after
+            assert (await client.next_finished(timeout=guard(120))).group_id == after
             publish_head(client, third, 3)  # the swap flushes the live samples' drafter-2 tokens before its ack
-            await wait_until(lambda: served_version(client) == 3, 60, "the generator to serve drafter version 3")
+            await wait_until(lambda: served_version(client) == 3, guard(60), "the generator to serve drafter version 3")
             assert live in client.coordinator.groups, "the long group finished: it did not span the swaps"
             await client.abort(live)
     for i in range(2):
@@ -237,7 +238,7 @@ async def test_a_drafter_trainer_for_another_model_exits_with_a_clear_error(tiny
     async with RolloutClient(heartbeat_timeout_s=HANG_S) as client:
         await client.publish_weights(dict(target.hf_weights()), version=1, dtype="float32")
         with drafter_process(client.endpoint, config, tmp_path / "drafter.log") as drafter:
-            await wait_until(lambda: drafter.poll() is not None, 60, "the drafter trainer to exit")
+            await wait_until(lambda: drafter.poll() is not None, guard(60), "the drafter trainer to exit")
     log = (tmp_path / "drafter.log").read_text()
     assert drafter.returncode == 2, log[-2000:]
     assert "is not the model this drafter trainer loaded" in log and "--config RUN_DIR/config.toml" in log, log[-2000:]

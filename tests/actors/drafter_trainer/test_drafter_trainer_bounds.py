@@ -10,6 +10,7 @@ import torch
 import zmq
 import zmq.asyncio
 from helpers.fake_peers import FakeTrainer
+from helpers.timeouts import guard
 
 from specroll.actors.config import DrafterConfig, ModelSection, RunConfig
 from specroll.actors.drafter_trainer.actor import DrafterActor, build_learner
@@ -87,7 +88,7 @@ async def test_a_drafter_trainer_refuses_oversized_rollouts_and_weights_and_keep
             assert not done.is_set()
             assert learner.num_rollouts == 0 and not actor._rollouts  # nothing of the refused messages kept
             actor.stop(0, "test over")
-            with anyio.fail_after(30):
+            with anyio.fail_after(guard(30)):
                 await done.wait()
             tg.cancel_scope.cancel()
     finally:

@@ -19,6 +19,7 @@ import pytest
 import torch
 from helpers.fake_peers import FakeTrainer, fake_trainer
 from helpers.processes import generator_process
+from helpers.timeouts import guard
 
 from specroll.drafter.eagle_config import EagleConfig, eagle3_feature_layers
 from specroll.drafter.eagle_files import head_checksum
@@ -245,7 +246,7 @@ async def test_a_huge_resume_list_costs_a_generator_no_memory_and_it_keeps_servi
             before = peak_rss_mb(proc.pid)
             await trainer.send(huge)
             log = tmp_path / "gen.log"
-            with anyio.fail_after(60):  # dropped unread, the connection is made afresh
+            with anyio.fail_after(guard(60)):  # dropped unread, the connection is made afresh
                 while log.read_text().count("connected to the trainer") < 2:
                     await anyio.sleep(0.05)
             await trainer.send(SubmitGroup(group_id="after", prompt_token_ids=[5, 6, 7], n=2, sampling=SAMPLING))

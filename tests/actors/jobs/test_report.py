@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.timeouts import guard
 
 from specroll.actors.jobs.report import FIGURES, draw_acceptance, draw_timeline, run_report
 from specroll.actors.jobs.report_data import acceptance_by_drafter, load_run, samples_per_s
@@ -157,7 +158,7 @@ def test_no_speculation_and_no_timeline_still_draw_with_a_note(tmp_path: Path) -
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "specroll.actors.cli", "report", *args], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=guard(120))
 
 
 @pytest.mark.integration

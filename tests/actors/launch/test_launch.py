@@ -26,6 +26,7 @@ from helpers.launch import (
     with_drafter,
     write_config,
 )
+from helpers.timeouts import guard
 
 
 @pytest.mark.integration
@@ -87,7 +88,7 @@ def test_trainer_dying_before_its_endpoint_is_reported(tmp_path: Path) -> None:
     (tmp_path / "run" / "trainer.endpoint").write_text("tcp://127.0.0.1:1")  # stale: must not be used
     env_module = "no_such_trainer_module_xyz"
     cmd = [sys.executable, "-m", "specroll.actors.cli", "launch", str(config), "--trainer-module", env_module]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=guard(120))
     assert proc.returncode == 1, proc.stderr
     assert "trainer (pid" in proc.stderr and "exited with code 1 before writing its endpoint" in proc.stderr
     assert "No module named" in proc.stderr  # the tail of its log
@@ -101,7 +102,7 @@ def test_config_warnings_are_printed_at_start(tmp_path: Path, tiny_checkpoint) -
     config = write_config(tmp_path, tiny_checkpoint())
     cmd = [sys.executable, "-m", "specroll.actors.cli", "launch", str(config), "--set", "drafter.enabled=true",
            "--set", "drafter.draft_vocab_size=64", "--trainer-module", "no_such_trainer_module_xyz"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=guard(120))
     assert proc.returncode == 1, proc.stderr  # the stand-in trainer cannot start
     warning, started = proc.stderr.index("specroll launch: warning: drafter.enabled = true with "
                                          "generator.speculative = 'off'"), proc.stderr.index("started trainer")
@@ -225,11 +226,11 @@ def test_generator_config_errors_exit_2_with_one_line(tmp_path: Path) -> None:
     config.write_text("[generator]\nkv_policy = \"sometimes\"\n")
     for args in (["--config", str(config)], ["--set", "a=1", "--model", "m"], ["--model", str(tmp_path / "none")]):
         proc = subprocess.run([sys.executable, "-m", "specroll.actors.generator", "--connect", "tcp://127.0.0.1:9",
-                               *args], capture_output=True, text=True, timeout=60)
+                               *args], capture_output=True, text=True, timeout=guard(60))
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "generator.kv_policy='sometimes'" in subprocess.run(
         [sys.executable, "-m", "specroll.actors.cli", "generator", "--config", str(config), "--connect",
-         "tcp://127.0.0.1:9"], capture_output=True, text=True, timeout=60).stderr
+         "tcp://127.0.0.1:9"], capture_output=True, text=True, timeout=guard(60)).stderr
 
 
 @pytest.mark.integration
@@ -300,7 +301,7 @@ def test_drafter_trainer_publishes_and_its_death_stops_nothing(tmp_path: Path, t
              "the generator to serve drafter version 1", proc)
     victim = started_pids(run_dir)["drafter"]
     os.kill(victim, signal.SIGKILL)
-    code, _, err = finish(proc, timeout=300)
+    code, _, err = finish(proc, timeout=guard(300))
     assert code == 0, err
     assert f"drafter (pid {victim}) was killed by SIGKILL; restart 1 of drafter" in err, err
     assert "sent drafter version 1 to the trainer" in drafter_log.read_text()

@@ -21,12 +21,13 @@ from pathlib import Path
 
 import pytest
 from helpers.launch import finish, live, members_of_groups, started_pids, wait_for, write_config
+from helpers.timeouts import guard
 
 from specroll.actors.config import ConfigError, load_config
 
 pytestmark = pytest.mark.integration  # every test here starts a process
 
-HANG_S = 900
+HANG_S = guard(900)
 """Hang guards only: a fresh interpreter per role plus Ray's own workers take minutes of wall time on
 2 busy cores (a 120 s guard was exceeded beside two busy processes)."""
 
@@ -179,7 +180,7 @@ def test_a_bad_cluster_backend_is_one_error_naming_it(tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
     path.write_text(f'run_dir = "{tmp_path / "run"}"\n[cluster]\nbackend = "k8s"\n')
     proc = subprocess.run([sys.executable, "-m", "specroll.actors.cli", "launch", str(path)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=guard(120))
     assert proc.returncode == 2
     assert proc.stderr == (f"specroll launch: error: {path}: cluster.backend='k8s', expected one of 'local', "
                            f"'ray'\n")

@@ -22,6 +22,7 @@ from helpers.launch import (
     wait_for,
     write_config,
 )
+from helpers.timeouts import guard
 
 
 def supervised_config(tmp_path: Path, model: Path, steps: int, max_restarts: int) -> Path:
@@ -65,7 +66,7 @@ def test_a_killed_generator_is_restarted_and_the_run_trains_every_group_once(tmp
     wait_for(lambda: generators_connected(run_dir, 2) and len(metrics(run_dir)) >= 2, "two steps", proc)
     victim = started_pids(run_dir)["generator-1"]
     os.kill(victim, signal.SIGKILL)  # its groups resume on generator-0 (and on it, if it rejoins in time)
-    code, _, err = finish(proc, timeout=300)
+    code, _, err = finish(proc, timeout=guard(300))
     assert code == 0, err
     assert f"generator-1 (pid {victim}) was killed by SIGKILL; restart 1 of generator-1 in 0.2 s" in err, err
     assert started_pids(run_dir)["generator-1"] != victim
@@ -96,7 +97,7 @@ def test_a_generator_dying_past_max_restarts_ends_the_run_naming_it(tmp_path: Pa
     second = started_pids(run_dir)["generator-0"]
     assert second != first and second in json.loads((run_dir / "pids.json").read_text())["processes"].values()
     os.kill(second, signal.SIGKILL)
-    code, _, err = finish(proc, timeout=120)
+    code, _, err = finish(proc, timeout=guard(120))
     assert code == 1, err
     assert "restart 1 of generator-0" in err, err
     assert (f"generator-0 (pid {second}) was killed by SIGKILL (2 deaths within 600 s, more than "

@@ -8,10 +8,11 @@ import subprocess
 import sys
 
 import pytest
+from helpers.timeouts import guard
 
 pytestmark = pytest.mark.integration  # every test here starts a process
 
-TIMEOUT_S = 120
+TIMEOUT_S = guard(120)
 """A hang guard for a process that normally ends within two seconds (importing torch on a loaded machine)."""
 PROCESS = """
 import logging, os, signal, sys, time

@@ -14,6 +14,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from helpers.processes import generator_process
+from helpers.timeouts import guard
 
 from specroll.actors.rollout.client import RolloutClient
 from specroll.engine.loaders.checkpoint import load_checkpoint
@@ -55,7 +56,7 @@ async def test_a_generator_registers_again_with_each_new_trainer_on_its_endpoint
     with generator_process(endpoint, model, log) as proc:
         try:  # the first trainer: welcomes the generator, announces version 1 and dies before sending it
             channel: Channel[ToTrainer] = Channel(killed, ToTrainer)
-            with anyio.fail_after(60):
+            with anyio.fail_after(guard(60)):
                 while not isinstance((await channel.recv()).msg, Hello):
                     pass
                 await channel.send(Welcome(protocol_version=PROTOCOL_VERSION, actor_id="trainer"), peer=b"gen-0")
@@ -69,17 +70,17 @@ async def test_a_generator_registers_again_with_each_new_trainer_on_its_endpoint
             ctx.term()
 
         async with RolloutClient(endpoint, heartbeat_timeout_s=30) as second:
-            await second.wait_for_generators(1, timeout=60)
+            await second.wait_for_generators(1, timeout=guard(60))
             await second.publish_weights(weights, version=1, dtype="float32")
-            await second.wait_for_version(1, timeout=60)
+            await second.wait_for_version(1, timeout=guard(60))
             await second.submit([5, 6, 7], 2, GREEDY)
-            group = await second.next_finished(timeout=60)
+            group = await second.next_finished(timeout=guard(60))
         assert all(s.versions == [1] * 4 for s in group.samples)
 
         async with RolloutClient(endpoint, heartbeat_timeout_s=30) as third:  # after the second's Dead
-            await third.wait_for_generators(1, timeout=60)
+            await third.wait_for_generators(1, timeout=guard(60))
             await third.submit([5, 6, 7], 2, GREEDY)
-            group = await third.next_finished(timeout=60)
+            group = await third.next_finished(timeout=guard(60))
         assert [len(s.token_ids) for s in group.samples] == [4, 4]
         assert third.protocol_errors == 0
         assert proc.poll() is None
@@ -114,12 +115,12 @@ async def test_a_generator_exits_0_after_a_client_that_closed_cleanly(tiny_check
         async with RolloutClient(max_groups_in_flight=16, heartbeat_timeout_s=30) as client:
             with generator_process(client.endpoint, model, log, "--max-num-seqs", "2", "--trainer-timeout-s", "1",
                                    actor_id=f"gen-{i}") as proc:
-                await client.wait_for_generators(1, timeout=60)
+                await client.wait_for_generators(1, timeout=guard(60))
                 for p in range(16 if busy else 2):  # busy: more than the generator holds at once
                     await client.submit([5 + p, 6, 7], 2, sampling)
-                await client.wait_finished(2, timeout=60)
+                await client.wait_finished(2, timeout=guard(60))
                 os.kill(proc.pid, signal.SIGSTOP)
-                with anyio.fail_after(30):
+                with anyio.fail_after(guard(30)):
                     while Path(f"/proc/{proc.pid}/stat").read_text().split(")")[-1].split()[0] != "T":
                         await anyio.sleep(0.01)
                 resume = ResumeOnceDeadIsSent(proc.pid)

@@ -15,6 +15,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from helpers.processes import generator_process
+from helpers.timeouts import guard
 
 from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.rollout.sync_client import SyncRolloutClient
@@ -61,10 +62,10 @@ async def test_a_killed_generators_groups_finish_elsewhere_from_their_streamed_t
             for name, extra in (("gen-a", ["--config", str(tmp_path / "gen-a.toml")]), ("gen-b", [])):
                 gens[name] = procs.enter_context(generator_process(client.endpoint, model, tmp_path / f"{name}.log",
                                                                    "--stream-every", "1", *extra, actor_id=name))
-            await client.wait_for_generators(2, timeout=60)
+            await client.wait_for_generators(2, timeout=guard(60))
             groups = [await client.submit([5 + i, 6, 7, 8], 2, sampling) for i in range(6)]
             assert client.coordinator.groups_of("gen-a") and client.coordinator.groups_of("gen-b")
-            finished = [await client.next_finished(timeout=90) for _ in groups]
+            finished = [await client.next_finished(timeout=guard(90)) for _ in groups]
     assert victims and client.dead_generators == ["gen-a"] and client.coordinator.resumed_groups == len(victims)
     assert sorted(g.group_id for g in finished) == sorted(groups)  # none lost, none twice
     for g in finished:
@@ -82,16 +83,16 @@ def test_sync_client_round_trip_with_a_weight_update(tiny_checkpoint, tmp_path: 
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     with SyncRolloutClient(heartbeat_timeout_s=60) as client, \
             generator_process(client.endpoint, model, tmp_path / "gen.log"):
-        client.wait_for_generators(1, timeout=60)
+        client.wait_for_generators(1, timeout=guard(60))
         client.submit([5, 6, 7], 2, greedy, payload="x")
-        first = client.next_finished(timeout=60)
+        first = client.next_finished(timeout=guard(60))
         assert first.payload == "x" and all(s.versions == [0] * 8 for s in first.samples)
         client.publish_weights(weights, version=3, dtype="float32")
-        client.wait_for_version(3, timeout=60)
+        client.wait_for_version(3, timeout=guard(60))
         with pytest.raises(ValueError, match="not above"):
             client.publish_weights(weights, version=3)
         client.submit([5, 6, 7], 1, greedy)
-        second = client.next_finished(timeout=60)
+        second = client.next_finished(timeout=guard(60))
     assert second.samples[0].versions == [3] * 8
     assert second.samples[0].token_ids == first.samples[0].token_ids  # same weights, same greedy tokens
 
@@ -135,14 +136,14 @@ async def test_ten_thousand_bad_frames_never_stop_the_client(tiny_checkpoint, tm
         stranger = make_socket(ctx, zmq.DEALER, connect=client.endpoint, identity=b"stranger", hwm=100)
         try:
             with generator_process(client.endpoint, model, tmp_path / "gen.log"):
-                await client.wait_for_generators(1, timeout=60)
+                await client.wait_for_generators(1, timeout=guard(60))
                 for frames in client_fuzz_frames(random.Random(0), n):
                     await stranger.send_multipart(frames)
-                with anyio.fail_after(120):  # a hang guard: about 10 s on a loaded 2-core machine
+                with anyio.fail_after(guard(120)):  # a hang guard: about 10 s on a loaded 2-core machine
                     while client.protocol_errors < n:
                         await anyio.sleep(0.05)
                 await client.submit([5, 6, 7], 2, greedy)
-                group = await client.next_finished(timeout=60)
+                group = await client.next_finished(timeout=guard(60))
         finally:
             close_socket(stranger)
             ctx.term()
@@ -166,7 +167,7 @@ async def test_an_unreachable_peer_is_logged_once_per_change_of_state(caplog) ->
                    if r.levelno == level)
 
     async def until(predicate) -> None:
-        with anyio.fail_after(30):
+        with anyio.fail_after(guard(30)):
             while not predicate():
                 await anyio.sleep(0.02)
 
@@ -185,14 +186,14 @@ async def test_an_unreachable_peer_is_logged_once_per_change_of_state(caplog) ->
             dealer = make_socket(ctx, zmq.DEALER, connect=last_endpoint(router), identity=b"drafter-0")
             peer: Channel = Channel(dealer, ToDrafter)
             await peer.send(Hello(protocol_version=PROTOCOL_VERSION, role="drafter", actor_id="drafter-0"))
-            with anyio.fail_after(30):
+            with anyio.fail_after(guard(30)):
                 await channel.recv()  # routable from now on
                 boxes.put("drafter-0", Capacity(live_seqs=2, max_seqs=4))
                 assert (await peer.recv()).msg == Capacity(live_seqs=2, max_seqs=4)
             await until(lambda: "peer drafter-0 is reachable again" in caplog.text)
             close_socket(dealer)
             dealer = None
-            with anyio.fail_after(30):
+            with anyio.fail_after(guard(30)):
                 while lines(logging.INFO) < 2:  # the close takes effect on the router asynchronously
                     boxes.put("drafter-0", Capacity(live_seqs=3, max_seqs=4))
                     await anyio.sleep(0.05)

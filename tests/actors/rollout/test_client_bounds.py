@@ -11,6 +11,7 @@ import math
 import anyio
 import pytest
 from helpers.fake_peers import fake_generator
+from helpers.timeouts import guard
 
 from specroll.actors.rollout.client import RolloutClient
 from specroll.protocol.messages import (
@@ -66,7 +67,7 @@ async def test_the_client_refuses_chunks_past_max_tokens_and_bad_group_ids_and_k
 
         await gen.channel.send(chunk(group_id, 0, 8, finished=True))
         await gen.channel.send(chunk(group_id, 1, 8, finished=True))
-        group = await client.next_finished(timeout=30)
+        group = await client.next_finished(timeout=guard(30))
     assert group.group_id == group_id and [len(s.token_ids) for s in group.samples] == [8, 8]
 
 
@@ -83,7 +84,7 @@ async def test_a_frame_over_the_clients_cap_is_dropped_unread_and_the_generator_
         group_id = await client.submit([5, 6, 7], 2, SamplingParams(max_tokens=8))
         assert (await gen.expect(SubmitGroup)).group_id == group_id
         await gen.channel.send(chunk(group_id, 0, 200_000))  # a 2 MB frame
-        with anyio.fail_after(60):
+        with anyio.fail_after(guard(60)):
             while True:  # a heartbeat carries the next number: the first that gets through shows the gap
                 await gen.channel.send(Heartbeat(policy_version=0, batch_size=1, free_groups=0, free_seqs=3))
                 with contextlib.suppress(TimeoutError):

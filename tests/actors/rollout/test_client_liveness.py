@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from helpers.processes import drafter_process, generator_process, wait_until
+from helpers.timeouts import guard
 
 from specroll.actors.config import DrafterConfig, GeneratorConfig, ModelSection, RunConfig, write_resolved
 from specroll.actors.rollout.client import RolloutClient
@@ -24,7 +25,7 @@ TIMEOUT_S = 2.0
 MARGIN_S = 30.0
 """How much later than the timeout a death may be declared: the client's tick, the grace after a
 closed connection, and a starved machine. Without the clock-driven check it is never declared."""
-HANG_S = 60.0
+HANG_S = guard(60.0)
 LONG_CONTEXT = 4096
 """Positions of the model: a rollout thousands of tokens long is still running when its generator dies."""
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from helpers.timeouts import guard
+
 from specroll.actors.rollout.liveness import PeerLiveness
 
 
@@ -52,7 +54,7 @@ def test_a_message_sent_after_the_close_keeps_the_peer() -> None:
 
 
 def test_a_slow_but_connected_peer_is_not_dead() -> None:
-    live = _live(timeout=10.0)
+    live = _live(timeout=guard(10.0))
     for t in range(0, 60, 9):  # a heartbeat every 9 s, within the timeout
         live.heard("g0", 7, float(t))
         live.heard("g1", 8, float(t))

@@ -8,6 +8,7 @@ import anyio
 import pytest
 from helpers.fake_peers import fake_generators
 from helpers.processes import generator_process, wait_until
+from helpers.timeouts import guard
 
 from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.rollout.prefix_cache import PrefixCacheStats
@@ -17,7 +18,7 @@ from specroll.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.anyio
 
-HANG_S = 60
+HANG_S = guard(60)
 """Only a hang guard, never what a test checks."""
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from helpers.fake_peers import FakeGenerator, fake_generators
+from helpers.timeouts import guard
 
 from specroll.actors.rollout.client import RolloutClient
 from specroll.protocol.messages import (
@@ -40,7 +41,7 @@ async def test_a_generator_back_from_the_dead_has_its_old_group_aborted_and_its_
     async with RolloutClient(heartbeat_timeout_s=60, on_chunk=lambda a, c: seen.append((a, c))) as client, \
             fake_generators(client.endpoint, "gen-a", "gen-b") as (a, b):
         await a.register()
-        await client.wait_for_generators(1, timeout=30)
+        await client.wait_for_generators(1, timeout=guard(30))
         group_id = await client.submit([5, 6, 7], 2, SAMPLING)
         assert (await a.expect(SubmitGroup)).group_id == group_id
         await a.stream(group_id, 0, 0, token=11, count=2)
@@ -58,7 +59,7 @@ async def test_a_generator_back_from_the_dead_has_its_old_group_aborted_and_its_
 
         await b.stream(group_id, 0, 2, token=33, count=6, reason="length")
         await b.stream(group_id, 1, 0, token=33, count=8, reason="length")
-        group = await client.next_finished(timeout=30)
+        group = await client.next_finished(timeout=guard(30))
         await a.stream(group_id, 1, 3, token=22, count=1)  # after the group finished: dropped, not aborted again
         await nothing_else_came(a, "g-second")
     assert [s.token_ids for s in group.samples] == [[11, 11] + [33] * 6, [33] * 8]
@@ -72,7 +73,7 @@ async def test_chunks_in_flight_after_the_clients_abort_are_dropped_without_a_se
     async with RolloutClient(heartbeat_timeout_s=60, on_chunk=lambda _, c: seen.append(c)) as client, \
             fake_generators(client.endpoint, "gen-a") as (a,):
         await a.register()
-        await client.wait_for_generators(1, timeout=30)
+        await client.wait_for_generators(1, timeout=guard(30))
         group_id = await client.submit([5, 6, 7], 1, SAMPLING)
         assert (await a.expect(SubmitGroup)).group_id == group_id
         await client.abort(group_id)

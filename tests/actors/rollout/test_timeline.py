@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from helpers.processes import generator_process
+from helpers.timeouts import guard
 
 from specroll.actors.rollout.drafter_relay import DrafterRelay
 from specroll.actors.rollout.sync_client import SyncRolloutClient
@@ -28,11 +29,11 @@ def test_the_client_records_loads_finished_groups_and_policy_versions(tiny_check
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     with SyncRolloutClient(heartbeat_timeout_s=60, timeline=timeline) as client, \
             generator_process(client.endpoint, model, tmp_path / "gen.log", "--max-num-seqs", "6", actor_id="gen-0"):
-        client.wait_for_generators(1, timeout=60)
+        client.wait_for_generators(1, timeout=guard(60))
         group_id = client.submit([5, 6, 7], 2, greedy)
-        client.next_finished(timeout=60)
+        client.next_finished(timeout=guard(60))
         client.publish_weights(load_checkpoint(model).weights, version=2, dtype="float32")
-        client.wait_for_version(2, timeout=60)
+        client.wait_for_version(2, timeout=guard(60))
     timeline.close()
     recorded = events(tmp_path / "timeline.jsonl")
     by_kind: dict[str, list[dict[str, object]]] = {}

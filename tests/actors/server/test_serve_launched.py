@@ -17,10 +17,11 @@ import openai
 import pytest
 from helpers.launch import assert_nothing_left, children_of, finish, generators_connected, wait_for, write_config
 from helpers.scrape import assert_catalogue, scrape, value
+from helpers.timeouts import guard
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-HANG_S = 120
+HANG_S = guard(120)
 
 
 def _start(tmp_path: Path, config: Path, *command: str) -> subprocess.Popen[str]:

@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from helpers.timeouts import guard
 from prometheus_client.parser import text_string_to_metric_families
 
 from specroll.actors.config import RunConfig
@@ -35,7 +36,7 @@ def _config(tmp_path: Path, **metrics: object) -> RunConfig:
 def _get(url: str, key: str | None = None) -> tuple[int, str]:
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
-        with urllib.request.urlopen(request, timeout=30) as reply:
+        with urllib.request.urlopen(request, timeout=guard(30)) as reply:
             return reply.status, reply.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
@@ -164,7 +165,7 @@ def test_the_text_format_keeps_the_colons_whatever_the_scraper_accepts(tmp_path:
                          lambda: iter([family(c.GENERATION_TOKENS, [(("m", "0"), 5)])]))
     try:
         accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
-        with urllib.request.urlopen(urllib.request.Request(ep.url, headers={"Accept": accept}), timeout=30) as r:
+        with urllib.request.urlopen(urllib.request.Request(ep.url, headers={"Accept": accept}), timeout=guard(30)) as r:
             assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
             text = r.read().decode()
         assert 'vllm:generation_tokens_total{engine="0",model_name="m"} 5.0' in text, text
@@ -183,7 +184,7 @@ def test_a_client_that_drips_or_stalls_holds_neither_other_scrapes_nor_the_exit(
         assert _get(ep.url)[0] == 200  # served beside the stalled connections (one at a time: 600 s)
         closing = threading.Thread(target=ep.close)
         closing.start()
-        closing.join(timeout=60)  # a hang guard: it returns without waiting for them
+        closing.join(timeout=guard(60))  # a hang guard: it returns without waiting for them
         assert not closing.is_alive() and not ep._thread.is_alive()
     finally:
         for s in stalled:
@@ -195,10 +196,10 @@ def test_only_get_and_head_and_a_bearer_scheme_in_any_case(tmp_path: Path) -> No
     try:
         post = urllib.request.Request(ep.url, data=b"x", method="POST", headers={"Authorization": "Bearer k"})
         with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(post, timeout=30)
+            urllib.request.urlopen(post, timeout=guard(30))
         assert refused.value.code == 405
         head = urllib.request.Request(ep.url, method="HEAD", headers={"Authorization": "bearer k"})
-        with urllib.request.urlopen(head, timeout=30) as reply:
+        with urllib.request.urlopen(head, timeout=guard(30)) as reply:
             assert reply.status == 200 and reply.read() == b""
         # an id that is not a file name is made one; the file is readable by a Prometheus of another user
         target = tmp_path / "run" / "metrics" / "targets" / ".._.._generator_0.json"

@@ -23,6 +23,7 @@ from helpers.launch import (
 )
 from helpers.scrape import Samples, answers, assert_catalogue, scrape, target, value
 from helpers.sink_files import event_files, read_wandb_run, scalars
+from helpers.timeouts import guard
 
 pytestmark = pytest.mark.integration
 
@@ -65,7 +66,7 @@ tensorboard = true
     run_dir = tmp_path / "run"
     try:
         wait_for(lambda: all(target(run_dir, a) for a in ROLES) and (run_dir / "metrics.jsonl").exists()
-                 and len(trained(run_dir)) >= 3, "every role's endpoint and 3 trained steps", proc, timeout=300)
+                 and len(trained(run_dir)) >= 3, "every role's endpoint and 3 trained steps", proc, timeout=guard(300))
 
         # every listed metric, with its type, on every role
         first = {actor: scrape(run_dir, actor) for actor in ROLES}
@@ -119,7 +120,7 @@ tensorboard = true
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-        code, _, err = finish(proc, timeout=120)
+        code, _, err = finish(proc, timeout=guard(120))
     assert code in (0, 128 + signal.SIGTERM, -signal.SIGTERM), err
     assert_nothing_left(run_dir, before)
     assert not list((run_dir / "metrics" / "targets").glob("*.json"))  # each role removed its own on exit

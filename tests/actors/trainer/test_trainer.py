@@ -96,13 +96,13 @@ async def test_three_grpo_steps_with_two_generators(tiny_checkpoint, tmp_path: P
     # Both generators load their model before the trainer starts: the trainer never waits for a
     # second generator, so one that was still loading could miss the whole (short) run.
     with generators(f"tcp://127.0.0.1:{port}", model, tmp_path) as procs:
-        await wait_for(lambda: loaded(0) and loaded(1), 120, "the generators to load the model", procs)
+        await wait_for(lambda: loaded(0) and loaded(1), guard(120), "the generators to load the model", procs)
         async with anyio.create_task_group() as tg:
             tg.start_soon(trainer)
-            await wait_for(lambda: (run / ENDPOINT_FILENAME).exists() or "code" in result, 60, "the endpoint")
+            await wait_for(lambda: (run / ENDPOINT_FILENAME).exists() or "code" in result, guard(60), "the endpoint")
             endpoint = (run / ENDPOINT_FILENAME).read_text()
             assert endpoint == f"tcp://127.0.0.1:{port}", endpoint
-            await wait_for(lambda: "code" in result, 120, "the trainer to finish", procs)
+            await wait_for(lambda: "code" in result, guard(120), "the trainer to finish", procs)
             alive = [p.poll() is None for p in procs]
     assert result["code"] == 0
     assert alive == [True, True]  # the trainer's Dead leaves them waiting for a new trainer, not crashed
@@ -265,7 +265,7 @@ async def _kill_and_resume(model: Path, tmp_path: Path) -> None:
 @pytest.mark.anyio
 async def test_trainer_gives_up_without_generators(tiny_checkpoint, tmp_path: Path, caplog) -> None:
     config = run_config(tmp_path / "run", tiny_checkpoint("llama"), network__heartbeat_timeout_s=0.5)
-    with anyio.fail_after(60):
+    with anyio.fail_after(guard(60)):
         code = await run_trainer(config)
     assert code == EXIT_PEER_LOST
     assert "no generator connected" in caplog.text

@@ -13,6 +13,7 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
+from helpers.timeouts import guard
 from helpers.trainer_runs import free_port, generators, metrics, run_config, trainer_without_generators, wait_for
 from tqdm import tqdm
 
@@ -51,11 +52,11 @@ async def _run(model: Path, tmp_path: Path, count: int = 1, **extra: object) -> 
         return log.exists() and "connecting to" in log.read_text()
 
     with generators(f"tcp://127.0.0.1:{port}", model, tmp_path, count=count) as procs:
-        await wait_for(lambda: all(loaded(i) for i in range(count)), 120, "the generators to load", procs)
+        await wait_for(lambda: all(loaded(i) for i in range(count)), guard(120), "the generators to load", procs)
         async with anyio.create_task_group() as tg:
             tg.start_soon(trainer)
-            await wait_for(lambda: (run / ENDPOINT_FILENAME).exists() or "code" in result, 60, "the endpoint")
-            await wait_for(lambda: "code" in result, 180, "the trainer to finish", procs)
+            await wait_for(lambda: (run / ENDPOINT_FILENAME).exists() or "code" in result, guard(60), "the endpoint")
+            await wait_for(lambda: "code" in result, guard(180), "the trainer to finish", procs)
     assert result["code"] == 0
     return run
 

@@ -15,6 +15,7 @@ import anyio
 import pytest
 from helpers.checkpoints import TINY_VOCAB
 from helpers.fake_peers import FakeGenerator, fake_generator
+from helpers.timeouts import guard
 from helpers.trainer_runs import free_port, metrics, run_config, wait_for
 
 from specroll.actors.trainer.process import ENDPOINT_FILENAME, run_trainer
@@ -66,7 +67,7 @@ async def serve_until_dead(gen: FakeGenerator) -> None:
     """Acknowledge every published policy version (groups submitted are left running) until the
     trainer says ``Dead``; answer that with ``Hello``."""
     while True:
-        msg: Any = await gen.expect(object, timeout=120)
+        msg: Any = await gen.expect(object, timeout=guard(120))
         if isinstance(msg, WeightsAvailable):
             await gen.channel.send(AckWeights(version=msg.version))
         elif isinstance(msg, Dead):
@@ -86,19 +87,19 @@ async def test_the_trainer_refuses_token_ids_outside_the_vocabulary_and_trains_o
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(trainer)
-        await wait_for(lambda: (run / ENDPOINT_FILENAME).exists() or "code" in result, 60, "the endpoint")
+        await wait_for(lambda: (run / ENDPOINT_FILENAME).exists() or "code" in result, guard(60), "the endpoint")
         async with fake_generator(f"tcp://127.0.0.1:{port}") as gen:
             await say_hello(gen)
             await gen.expect(Welcome)
             await gen.channel.send(Heartbeat(policy_version=0, batch_size=0, free_groups=1, free_seqs=2))
-            group_id = (await gen.expect(SubmitGroup, timeout=120)).group_id
+            group_id = (await gen.expect(SubmitGroup, timeout=guard(120))).group_id
 
             # Each bad chunk finishes its sample: were both merged, the group would go to the training step.
             await gen.channel.send(chunk(group_id, 0, [7, TINY_VOCAB], finished=True))
             await gen.channel.send(chunk(group_id, 1, [-1], finished=True))
             replies = await next_messages(gen, 2)
             if isinstance(replies[-1], Dead):
-                await wait_for(lambda: "code" in result, 60, "the trainer to finish")
+                await wait_for(lambda: "code" in result, guard(60), "the trainer to finish")
             assert all(isinstance(r, Error) for r in replies), (result, replies, caplog.text[-2000:])
             for index, err, needle in ((0, replies[0], f"token_ids[1] = {TINY_VOCAB}"),
                                        (1, replies[1], "token_ids[0] = -1")):
@@ -110,7 +111,7 @@ async def test_the_trainer_refuses_token_ids_outside_the_vocabulary_and_trains_o
             await gen.channel.send(chunk(group_id, 0, [7, 8], finished=True))
             await gen.channel.send(chunk(group_id, 1, [9], finished=True))
             await serve_until_dead(gen)
-        await wait_for(lambda: "code" in result, 60, "the trainer to finish")
+        await wait_for(lambda: "code" in result, guard(60), "the trainer to finish")
 
     assert result["code"] == 0, caplog.text[-3000:]
     [line] = metrics(run)

@@ -25,6 +25,7 @@ import pytest
 import torch
 from bench_trainer_ranks import max_weight_diff, run_arm
 from helpers.launch import assert_nothing_left, children_of, finish, launch, started_pids, wait_for, write_config
+from helpers.timeouts import guard
 from safetensors.torch import load_file
 
 from specroll.actors.config import load_config
@@ -99,7 +100,8 @@ def test_specroll_trainer_takes_the_rank_flags(tmp_path: Path) -> None:
     config.write_text(f'run_dir = "{tmp_path / "run"}"\nmodel.name = "{tmp_path / "no-model"}"\n'
                       '[trainer]\nworld_size = 2\nbatch_groups = 2\n')
     proc = subprocess.run([sys.executable, "-m", "specroll.actors.cli", "trainer", "--config", str(config), "--rank",
-                           "0", "--world-size", "3", "--master", "h:1"], capture_output=True, text=True, timeout=120)
+                           "0", "--world-size", "3", "--master", "h:1"], capture_output=True, text=True,
+                          timeout=guard(120))
     assert proc.returncode == 2, proc.stderr
     assert "but 3 ranks were started" in proc.stderr, proc.stderr
     assert not (tmp_path / "run").exists()
@@ -165,7 +167,7 @@ def test_two_ranks_train_like_one_and_checkpoints_resume_across_rank_counts(tmp_
     model = write_model(tmp_path / "model")
     # 3 groups in 2 micro-batches: 1 rank trains rows {0, 1} then {2}; of 2 ranks, rank 0 has
     # {0}, {1} and rank 1 has {2} and then a pass with nothing to train (FSDP needs it)
-    work = dict(steps=2, groups=3, group_size=4, grad_accum_steps=2, timeout_s=240)
+    work = dict(steps=2, groups=3, group_size=4, grad_accum_steps=2, timeout_s=guard(240))
     one = run_arm(model, tmp_path / "one", 1, threads=1, **work)
     two = run_arm(model, tmp_path / "two", 2, threads=2, **work)
     assert one["losses"] == pytest.approx(two["losses"], abs=TOLERANCE)
@@ -286,12 +288,12 @@ def test_torchrun_starts_the_ranks_from_its_environment(tmp_path: Path, tiny_che
     with open(tmp_path / "torchrun.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        code = proc.wait(timeout=180)
+        code = proc.wait(timeout=guard(180))
     finally:
         if proc.poll() is None:  # a hang: torchrun stops its workers (in sessions of their own) on SIGTERM
             proc.terminate()
             try:
-                proc.wait(timeout=30)
+                proc.wait(timeout=guard(30))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -323,7 +325,7 @@ def test_rank_0_waiting_for_the_other_ranks_stops_at_sigterm(tmp_path: Path) -> 
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == -signal.SIGTERM, log.read_text()  # the rendezvous waits 30 min
+        assert proc.wait(timeout=guard(120)) == -signal.SIGTERM, log.read_text()  # the rendezvous waits 30 min
     finally:
         if proc.poll() is None:
             proc.kill()
