@@ -14,7 +14,7 @@ PROGRESS_FIELDS = ("policy_version", "reward_mean", "accuracy", "eval_accuracy",
                    "drafter_version", "drafter_train_s", "step_s", "wait_s", "restarts")
 """Fields of a metrics record shown in the launcher's progress line, when present (in this order)."""
 
-WARNING_FIELDS = ("acceptance_floor_warning",)
+WARNING_FIELDS = ("acceptance_floor_warning", "checkpoint_warning")
 """Fields of a metrics record that, when a string, are a warning the launcher prints after its line
 (the trainer logs them too, but its log is not what a user watches)."""
 
