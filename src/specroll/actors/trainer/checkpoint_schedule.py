@@ -7,8 +7,9 @@ EDQUOT, EFBIG) leaves no trace (``checkpoint.py``: the checkpoints before it sta
 * before the last step the run goes on — a long RL run would rather keep training and try again at
   the next checkpoint than stop — with one warning line, which the next metrics line also carries
   as ``checkpoint_warning`` (``specroll launch`` prints it);
-* the final checkpoint ends the run with an error (exit 1) naming the last good checkpoint: the
-  trained weights would otherwise be lost without a word.
+* the final checkpoint ends the trainer with an error (exit 1) naming the last good checkpoint: the
+  trained weights would otherwise be lost without a word (``specroll launch`` restarts it within
+  ``launch.max_restarts``, resuming from that checkpoint).
 
 Any other ``OSError`` (permissions, I/O errors) ends the run as before.
 """
