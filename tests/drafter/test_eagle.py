@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import re
 
 import pytest
 import torch
@@ -193,11 +195,12 @@ def test_a_drafter_for_another_vocabulary_or_hidden_size_is_refused(tiny_checkpo
     write_tiny_checkpoint(other_depth, "llama", num_hidden_layers=3)
     for other, words in [(other_vocab, "vocabulary 400"), (other_width, "hidden size 96"), (other_depth, "3 layers")]:
         head = make_head(load_checkpoint(str(other)).config)
-        head.save(tmp_path / other.name)
+        drafter = tmp_path / f"drafter-{other.name}"
+        head.save(drafter)
         with pytest.raises(DrafterError, match=words) as info:
             Engine(EngineConfig(model=str(path), page_size=PAGE, kv_cache_memory_gb=0.01, dtype="float32"),
-                   proposer=EagleProposer(tmp_path / other.name, page_size=PAGE))
-        assert str(tmp_path / other.name) in str(info.value) and "320" in str(info.value)
+                   proposer=EagleProposer(drafter, page_size=PAGE))
+        assert str(drafter) in str(info.value) and "320" in str(info.value)
 
 
 def test_malformed_drafter_files_are_refused_naming_the_file(tiny_checkpoint, tmp_path):
@@ -243,6 +246,18 @@ def test_malformed_drafter_files_are_refused_naming_the_file(tiny_checkpoint, tm
     make_head(config).save(not_tensors)
     (not_tensors / "model.safetensors").write_bytes(b"\x00" * 100)
     cases[not_tensors] = "safetensors"
+    for where in cases:  # edited by hand: a folder without checksums, as one written by hand is
+        (where / "checksums.json").unlink(missing_ok=True)
+    tampered = tmp_path / "tampered"  # with its checksums: changed after specroll wrote it
+    make_head(config).save(tampered)
+    raw_weights = bytearray((tampered / "model.safetensors").read_bytes())
+    raw_weights[-1] ^= 0x01
+    (tampered / "model.safetensors").write_bytes(bytes(raw_weights))
+    cases[tampered] = re.escape(f"drafter {tampered / 'model.safetensors'}: SHA-256 ")
+    cut_short = tmp_path / "cut_short"
+    make_head(config).save(cut_short)
+    os.truncate(cut_short / "model.safetensors", 1000)
+    cases[cut_short] = re.escape(f"drafter {cut_short / 'model.safetensors'}: 1000 bytes, checksums.json says ")
     for where, words in cases.items():
         with pytest.raises(DrafterError, match=words):
             EagleHead.load(where)
@@ -269,8 +284,9 @@ def test_a_drafter_file_without_an_architecture_is_an_eagle_head_and_a_bad_one_i
     make_head(config, architecture="eagle").save(old)
     raw = json.loads((old / "config.json").read_text())
     assert raw["architecture"] == "eagle"
-    del raw["architecture"]  # as every drafter written before the field existed
+    del raw["architecture"]  # as every drafter written before the field existed (and before checksums)
     (old / "config.json").write_text(json.dumps(raw))
+    (old / "checksums.json").unlink()
     loaded = EagleHead.load(old)
     assert loaded.config.architecture == "eagle" and loaded.lm_head is None and loaded.fuse is None
     (old / "config.json").write_text(json.dumps({**raw, "architecture": "medusa"}))

@@ -58,6 +58,8 @@ import torch
 from specroll.drafter.eagle_config import DrafterError, EagleConfig
 from specroll.drafter.eagle_files import CONFIG_FILE, WEIGHTS_FILE
 from specroll.drafter.eagle_head import EagleHead
+from specroll.engine.loaders.errors import ChecksumError
+from specroll.engine.loaders.sealed import check_folder
 from specroll.engine.model_config import ModelConfig
 
 ARCHITECTURE_NAME = "LlamaForCausalLMEagle3"
@@ -164,11 +166,16 @@ def read_eagle3(path: str | Path, target: ModelConfig) -> EagleHead:
     """An ``eagle3`` :class:`EagleHead` (float32) from an EAGLE-3 checkpoint folder for ``target``.
 
     Raises:
-        DrafterError: a missing or unreadable file, a config that is not a one-layer EAGLE-3 head of
-            ``target``'s vocabulary and width, or tensors missing or of the wrong shape; the message
-            names the file and the value.
+        DrafterError: a missing or unreadable file, one that fails the folder's ``checksums.json``
+            (when it has one: ``specroll drafter export`` writes it), a config that is not a one-layer
+            EAGLE-3 head of ``target``'s vocabulary and width, or tensors missing or of the wrong
+            shape; the message names the file and the value.
     """
     path = Path(path)
+    try:
+        check_folder(path)
+    except ChecksumError as exc:
+        raise DrafterError(f"EAGLE-3 checkpoint {exc}") from None
     config_path, weights_path = path / CONFIG_FILE, path / WEIGHTS_FILE
     for p in (config_path, weights_path):
         if not p.is_file():

@@ -1,35 +1,46 @@
-"""A drafter on disk: a directory holding ``config.json`` (:class:`~specroll.drafter.eagle_config.EagleConfig`)
-and ``model.safetensors`` (the head's state dict), each written atomically; and the checksum a head
-travels with. ``eagle3_format.py`` converts an "eagle3" drafter to and from the EAGLE-3 checkpoint
-vLLM and SGLang load.
+"""A drafter on disk: a sealed folder (``engine/loaders/sealed.py``: written whole or not at all, with
+``checksums.json``, checked on load) holding ``config.json``
+(:class:`~specroll.drafter.eagle_config.EagleConfig`) and ``model.safetensors`` (the head's state
+dict); and the checksum a head travels with. ``eagle3_format.py`` converts an "eagle3" drafter to
+and from the EAGLE-3 checkpoint vLLM and SGLang load.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import msgspec
 import safetensors
 import torch
-from safetensors.torch import save_file
 
 from specroll.drafter.eagle_config import DrafterError, EagleConfig
+from specroll.engine.loaders.errors import ChecksumError
+from specroll.engine.loaders.sealed import check_folder, write_folder
+from specroll.engine.loaders.tensor_files import save_tensors
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
 
-def write_head_files(path: Path, config: EagleConfig, tensors: Mapping[str, torch.Tensor]) -> None:
+def write_head_files(path: Path, config: EagleConfig, tensors: Mapping[str, torch.Tensor],
+                     keep_previous: bool = False) -> None:
     """Write a head's ``config.json`` and ``model.safetensors`` (CPU, contiguous ``tensors``: its state
-    dict) into directory ``path``, made if missing. Each file is written to a temporary name and
-    renamed, so a reader never sees half a file."""
-    path.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path / WEIGHTS_FILE, lambda tmp: save_file(dict(tensors), tmp, metadata={"format": "specroll-eagle"}))
-    _write_atomic(path / CONFIG_FILE, lambda tmp: Path(tmp).write_bytes(msgspec.json.format(
-        msgspec.json.encode(config), indent=2)))
+    dict) as the sealed folder ``path`` (``sealed.write_folder``: a reader never sees half of it; a
+    folder there already is replaced, and kept as ``PATH.prev`` with ``keep_previous``).
+
+    Raises:
+        OSError: a file cannot be written (a full disk: ``errno`` in ``sealed.OUT_OF_SPACE``), or
+            ``path`` holds files other than a drafter's; ``path`` is left as it was.
+    """
+    write_folder(path, lambda folder: write_head_into(folder, config, tensors), keep_previous=keep_previous)
+
+
+def write_head_into(folder: Path, config: EagleConfig, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Write the head's two files into the existing ``folder`` as they are (no checksums, not
+    atomic): for a caller that seals a folder of its own (the warm-start cache)."""
+    save_tensors(tensors, folder / WEIGHTS_FILE, metadata={"format": "specroll-eagle"})
+    (folder / CONFIG_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(config), indent=2))
 
 
 def read_head_files(path: Path) -> tuple[EagleConfig, dict[str, torch.Tensor], str]:
@@ -37,14 +48,19 @@ def read_head_files(path: Path) -> tuple[EagleConfig, dict[str, torch.Tensor], s
     of its weights file for later messages (the tensors are checked by ``EagleHead.from_tensors``).
 
     Raises:
-        DrafterError: a missing or unreadable file or a malformed config; the message names the file
-            and the value (and, for a vLLM/SGLang EAGLE-3 checkpoint, how to convert it).
+        DrafterError: a missing or unreadable file, one that fails its checksum (missing, cut short or
+            changed since it was written), or a malformed config; the message names the file and the
+            value (and, for a vLLM/SGLang EAGLE-3 checkpoint, how to convert it).
     """
     config_path, weights_path = path / CONFIG_FILE, path / WEIGHTS_FILE
     writers = "as 'specroll init-drafter' or 'specroll drafter train' write it"
     made_by = f"expected a drafter directory ({CONFIG_FILE} + {WEIGHTS_FILE}) {writers}"
     if not path.is_dir():
         raise DrafterError(f"drafter {path}: {'not a directory' if path.exists() else 'does not exist'}; {made_by}")
+    try:
+        check_folder(path)
+    except ChecksumError as exc:
+        raise DrafterError(f"drafter {exc}") from None
     for p in (config_path, weights_path):
         if not p.is_file():
             raise DrafterError(f"drafter {path}: {p.name} not found; {made_by}")
@@ -83,16 +99,3 @@ def head_checksum(tensors: Mapping[str, torch.Tensor]) -> str:
         digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
 
-
-def _write_atomic(target: Path, write: Callable[[str], object]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    os.close(fd)
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

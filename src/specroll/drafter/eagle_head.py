@@ -250,11 +250,20 @@ class EagleHead(nn.Module):
         """Raise :class:`DrafterError` unless this head was made for ``target``'s vocabulary, width and depth."""
         self.config.check_target(target, source)
 
-    def save(self, path: str | Path) -> None:
-        """Write ``config.json`` and ``model.safetensors`` into directory ``path`` (made if missing),
-        each file atomically (``eagle_files.write_head_files``)."""
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
-        write_head_files(Path(path), self.config, tensors)
+    def save(self, path: str | Path, keep_previous: bool = False) -> None:
+        """Write ``config.json`` and ``model.safetensors`` as the sealed folder ``path``
+        (``eagle_files.write_head_files``: whole or not at all, with checksums; a drafter there is
+        replaced, and kept as ``PATH.prev`` with ``keep_previous``).
+
+        Raises:
+            OSError: a file cannot be written (a full disk too), or ``path`` holds other files;
+                ``path`` is left as it was.
+        """
+        write_head_files(Path(path), self.config, self.cpu_tensors(), keep_previous)
+
+    def cpu_tensors(self) -> dict[str, torch.Tensor]:
+        """The state dict as contiguous CPU tensors (what the files hold)."""
+        return {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
 
     @classmethod
     def load(cls, path: str | Path) -> EagleHead:

@@ -272,6 +272,29 @@ def test_a_resumed_run_warm_starts_from_the_drafter_it_saved(tiny_llama, tmp_pat
     assert "starting cold" in caplog.text
 
 
+def test_a_damaged_saved_drafter_is_passed_over_for_the_version_before_in_one_line(tiny_llama, tmp_path, caplog):
+    """The drafter trainer saves each version as a sealed folder, keeping the one before: a newest one
+    changed since it was written (its checksums) is refused, naming the file, for ``drafter.prev``."""
+    from specroll.actors.drafter_trainer.actor import build_learner
+
+    cfg = load_checkpoint(str(tiny_llama)).config
+    config_of = EagleConfig.for_target(cfg, eagle3_feature_layers(cfg.num_layers), 64)
+    older, newer = (EagleHead.init(config_of, torch.arange(64), seed=seed) for seed in (1, 2))
+    for head in (older, newer):
+        head.save(tmp_path / "drafter", True)  # as the drafter trainer saves a version
+    weights = tmp_path / "drafter" / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-3] ^= 0x01
+    weights.write_bytes(bytes(raw))
+    caplog.set_level("INFO", logger="specroll.drafter")
+    learner = build_learner(RunConfig(run_dir=str(tmp_path), model=ModelSection(name=str(tiny_llama))))
+    assert learner.head is not None
+    assert head_checksum(learner.head.wire_tensors()) == head_checksum(older.wire_tensors())
+    [line] = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert line.startswith(f"warm start from {tmp_path / 'drafter.prev'} (the last drafter this run saved); "
+                           f"refused drafter {weights}: SHA-256 "), line
+
+
 def test_a_cold_start_draft_vocabulary_above_the_models_is_refused_not_capped(tiny_llama, tmp_path, capsys):
     """``specroll drafter serve`` refuses what ``specroll launch`` refuses, naming the value and the limit."""
     from specroll.actors.drafter_trainer.actor import build_learner

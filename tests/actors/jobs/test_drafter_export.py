@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -87,7 +89,7 @@ def test_export_writes_every_eagle3_tensor_and_config_key(work, tmp_path, capsys
     out = tmp_path / "eagle3"
     assert export(work, out, "--dtype", dtype) == 0
     assert "EAGLE-3 checkpoint" in capsys.readouterr().out
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["checksums.json", "config.json", "model.safetensors"]
     assert {(out / n).stat().st_mode & 0o777 for n in ("config.json", "model.safetensors")} == {0o644}  # umask 022
     weight_dtype = getattr(torch, dtype)
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
@@ -259,6 +261,7 @@ EXPORT_ERRORS = {
     "out_is_file": r"--out .* exists and is not a directory",
     "out_unwritable": r"cannot write to .*a_file",
     "missing_model": r"--model .*no-such-model",
+    "damaged_drafter": r"drafter .*damaged/model\.safetensors: \d+ bytes, checksums\.json says \d+",
 }
 
 
@@ -287,6 +290,10 @@ def test_export_refuses_bad_input_in_one_line_and_writes_nothing(work, tmp_path,
         out = place / "a_file" / "eagle3"  # its parent is a file
     elif case == "missing_model":
         model = tmp_path / "no-such-model"
+    elif case == "damaged_drafter":  # cut short after it was written
+        drafter = tmp_path / "damaged"
+        shutil.copytree(work["drafter"], drafter)
+        os.truncate(drafter / "model.safetensors", 4096)
     before = sorted((p.name, p.read_bytes() if p.is_file() else None) for p in place.rglob("*"))
     capsys.readouterr()
     code = main(["drafter", "export", str(drafter), "--out", str(out), "--model", str(model)])
@@ -302,7 +309,7 @@ def test_export_into_an_empty_directory_and_import_refuses_a_model_checkpoint(wo
     out = tmp_path / "empty"
     out.mkdir()
     assert export(work, out) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["checksums.json", "config.json", "model.safetensors"]
     assert [p.name for p in tmp_path.iterdir()] == ["empty"]  # the temporary folder was renamed onto it
     capsys.readouterr()
     code = main(["drafter", "import", str(work["model"]), "--out", str(tmp_path / "back"),
@@ -334,6 +341,7 @@ def test_import_refuses_bad_taps_and_a_non_empty_out_in_one_line(work, tmp_path,
         config = json.loads((tmp_path / "eagle3" / "config.json").read_text())
         config["eagle_aux_hidden_state_layer_ids"], expected = IMPORT_TAPS[case]
         (tmp_path / "eagle3" / "config.json").write_text(json.dumps(config))
+        (tmp_path / "eagle3" / "checksums.json").unlink()  # as another trainer writes it
     capsys.readouterr()
     code = main(["drafter", "import", str(tmp_path / "eagle3"), "--out", str(out), "--model", str(work["model"])])
     err = capsys.readouterr().err

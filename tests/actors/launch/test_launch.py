@@ -111,7 +111,8 @@ def test_config_warnings_are_printed_at_start(tmp_path: Path, tiny_checkpoint) -
 
 
 def test_a_warning_in_a_metrics_record_is_printed_by_the_launcher(tmp_path: Path) -> None:
-    """The trainer's acceptance-floor warning reaches the launcher's output, not only trainer.log."""
+    """The trainer's acceptance-floor and skipped-checkpoint warnings reach the launcher's output, not only
+    trainer.log."""
     import io
 
     from specroll.actors.config import RunConfig
@@ -120,12 +121,14 @@ def test_a_warning_in_a_metrics_record_is_printed_by_the_launcher(tmp_path: Path
     out, metrics_out = io.StringIO(), io.StringIO()
     launcher = Launcher(RunConfig(run_dir=str(tmp_path)), out=out, metrics_out=metrics_out)
     text = "acceptance length 1.20 under policy version 3 is below the floor 2.00 (drafter version 1, ...)"
+    full = "checkpoint of step 4 not written (model.safetensors: No space left on device); training goes on, ..."
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 3, "loss": 0.5, "acceptance_floor_warning": text})
                                             + "\n" + json.dumps({"step": 4, "loss": 0.4,
-                                                                  "acceptance_floor_warning": None}) + "\n")
+                                                                  "acceptance_floor_warning": None}) + "\n"
+                                            + json.dumps({"step": 5, "loss": 0.3, "checkpoint_warning": full}) + "\n")
     launcher._print_metrics()
-    assert metrics_out.getvalue() == "step 3: loss=0.5\nstep 4: loss=0.4\n"
-    assert out.getvalue() == f"specroll launch: warning: step 3: {text}\n"
+    assert metrics_out.getvalue() == "step 3: loss=0.5\nstep 4: loss=0.4\nstep 5: loss=0.3\n"
+    assert out.getvalue() == f"specroll launch: warning: step 3: {text}\nspecroll launch: warning: step 5: {full}\n"
 
 
 @pytest.mark.integration

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -30,8 +31,8 @@ from specroll.actors.shared.exit_codes import EXIT_PEER_LOST
 from specroll.actors.trainer.checkpoint import (
     CHECKPOINT_DIRNAME,
     TrainerState,
-    find_checkpoint,
     load_trainer_checkpoint,
+    read_newest_checkpoint,
     save_checkpoint,
 )
 from specroll.actors.trainer.process import ENDPOINT_FILENAME, run_trainer
@@ -68,7 +69,7 @@ def anyio_backend() -> str:
 
 
 def saved_step(run_dir: Path) -> int:
-    path = find_checkpoint(run_dir)
+    path = read_newest_checkpoint(run_dir, lambda p: p).path
     return json.loads((path / "trainer_state.json").read_text())["step"] if path else 0
 
 
@@ -354,13 +355,14 @@ def test_checkpoint_round_trip_is_bit_exact(tiny_checkpoint, tmp_path: Path) -> 
     state = TrainerState(step=3, policy_version=5, prompt_cursor=17, seed=4, model="tiny")
     run = tmp_path / "run"
     save_checkpoint(run, model, optimizer, state)
-    save_checkpoint(run, model, optimizer, state)  # over an existing one
-    assert sorted(p.name for p in run.iterdir()) == [CHECKPOINT_DIRNAME]  # no temporaries left
+    save_checkpoint(run, model, optimizer, state)  # over an existing one, which is kept as the previous
+    assert sorted(p.name for p in run.iterdir()) == [CHECKPOINT_DIRNAME, f"{CHECKPOINT_DIRNAME}.prev"]  # no temporaries
     assert sorted(p.name for p in (run / CHECKPOINT_DIRNAME).iterdir()) == [
-        "model.safetensors", "optimizer.safetensors", "trainer_state.json"]
+        "checksums.json", "model.safetensors", "optimizer.safetensors", "trainer_state.json"]
 
     restored, restored_opt = fresh()
-    assert load_trainer_checkpoint(find_checkpoint(run), restored, restored_opt) == state
+    found = read_newest_checkpoint(run, lambda path: load_trainer_checkpoint(path, restored, restored_opt))
+    assert (found.path, found.value, found.refused) == (run / CHECKPOINT_DIRNAME, state, [])
     for (name, a), b in zip(model.named_parameters(), restored.parameters(), strict=True):
         assert torch.equal(a, b), name
         sa, sb = optimizer.state[a], restored_opt.state[b]
@@ -370,6 +372,7 @@ def test_checkpoint_round_trip_is_bit_exact(tiny_checkpoint, tmp_path: Path) -> 
     step(restored, restored_opt, 9)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), restored.parameters(), strict=True))
 
-    # a crash between the two renames of the swap leaves checkpoint.prev/, which is then used
+    # a crash between the two renames of the swap leaves checkpoint.prev/ alone, which is then used
+    shutil.rmtree(run / f"{CHECKPOINT_DIRNAME}.prev")
     os.rename(run / CHECKPOINT_DIRNAME, run / f"{CHECKPOINT_DIRNAME}.prev")
-    assert find_checkpoint(run) == run / f"{CHECKPOINT_DIRNAME}.prev"
+    assert read_newest_checkpoint(run, lambda p: p).path == run / f"{CHECKPOINT_DIRNAME}.prev"

@@ -34,7 +34,7 @@ async def _start(trainer: Trainer, serving: int | None) -> list[int]:
         pass
 
     async def last_step(*_: object) -> None:
-        trainer.step = trainer._last_checkpoint = trainer.config.steps
+        trainer.step = trainer.checkpoints.last_step = trainer.config.steps
 
     trainer._publish, trainer._wait_acks, trainer._one_step = publish, nothing, last_step  # type: ignore[method-assign]
     trainer.client.wait_for_generators = nothing  # type: ignore[method-assign]

@@ -46,6 +46,7 @@ from specroll.drafter.eagle_config import DrafterError, max_tensor_bytes
 from specroll.drafter.eagle_head import EagleHead
 from specroll.drafter.learner import DrafterLearner, DrafterSnapshot
 from specroll.engine.loaders.checkpoint import load_checkpoint
+from specroll.engine.loaders.sealed import read_newest
 from specroll.engine.model import CausalLM
 from specroll.protocol.channel import Channel, Received
 from specroll.protocol.codec import pack_tensors
@@ -77,9 +78,11 @@ DRAFTER_DIRNAME = "drafter"
 
 
 def save_dir(config: RunConfig) -> Path:
-    """``RUN_DIR/drafter``: the latest published version is written there (atomically). Without
-    ``drafter.path``, a drafter found there (a resumed run's) is the warm start; one that does not
-    load or fit the model is ignored with a warning."""
+    """``RUN_DIR/drafter``: the latest published version is written there (a sealed folder: whole or
+    not at all, with checksums; the version before it kept as ``RUN_DIR/drafter.prev``). A drafter
+    found there (a resumed run's) is the warm start, before ``drafter.path``; one that fails its
+    checksums, does not load or does not fit the model is passed over with a warning, for
+    ``drafter.prev``, then ``drafter.path``, then a cold start."""
     return Path(config.run_dir) / DRAFTER_DIRNAME
 
 
@@ -315,7 +318,7 @@ class DrafterActor:
         assert self.learner.head is not None
         directory = save_dir(self.config)
         try:
-            await anyio.to_thread.run_sync(self.learner.head.save, directory)
+            await anyio.to_thread.run_sync(self.learner.head.save, directory, True)
         except OSError as e:
             log.warning("cannot save drafter version %d to %s: %s", snap.version, directory, e)
 
@@ -342,17 +345,21 @@ def build_learner(config: RunConfig) -> DrafterLearner:
         model = CausalLM(checkpoint.config)
     model = model.to_empty(device=torch.device(d.device))
     model.load_weights(checkpoint.weights)
-    head = None
-    saved = save_dir(config)
-    if (saved / "model.safetensors").exists():
-        try:
-            head = EagleHead.load(saved)
-            head.check_target(checkpoint.config, str(saved))
-        except DrafterError as e:
-            log.warning("%s; starting %s", e, f"from {d.path}" if d.path is not None else "cold")
-            head = None
-        else:
-            log.info("warm start from %s (the last drafter this run saved)", saved)
+
+    def own(folder: Path) -> EagleHead:
+        head = EagleHead.load(folder)
+        head.check_target(checkpoint.config, str(folder))
+        return head
+
+    saved = read_newest(save_dir(config), own, refuse=(DrafterError,))
+    refused = "".join(f"; refused {e}" for e in saved.refused)
+    head = saved.value
+    if head is not None:
+        log.log(logging.WARNING if refused else logging.INFO, "warm start from %s (the last drafter this run "
+                "saved)%s", saved.path, refused)
+    elif refused:
+        log.warning("no drafter this run saved is usable%s; starting %s", refused,
+                    f"from {d.path}" if d.path is not None else "cold")
     if head is None and d.path is not None:
         head = EagleHead.load(d.path)
     vocab = checkpoint.config.vocab_size

@@ -10,9 +10,11 @@ settings chose them), the sampling settings the rollouts are drawn with, the hea
 settings, the CPU-minute budget, the rollout count and the seed. Imports no torch: the launcher
 computes a key and finds a cached head without loading the model.
 
-A folder is complete or absent: a head is written into a staging folder beside it and renamed into
-place (one ``rename``), under an exclusive ``flock`` on the key, so two concurrent inits never see a
-half-written head and the second waits for the first and finds its head.
+A folder is complete or absent: a head is written into a staging folder beside it, sealed (every
+file fsynced, its size and SHA-256 in ``checksums.json``: ``engine/loaders/sealed.py``) and renamed
+into place (one ``rename``), under an exclusive ``flock`` on the key, so two concurrent inits never
+see a half-written head and the second waits for the first and finds its head. A hit checks the
+checksums (``drafter_init.py``): a cached head changed since is refused, naming the file.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from specroll.actors.config.task_section import TaskConfig
 from specroll.actors.trainer.task_load import load_task
 from specroll.drafter.learner_config import LearnerConfig
 from specroll.engine.loaders.registry import resolve_model
+from specroll.engine.loaders.sealed import seal
 from specroll.protocol.sampling import SamplingParams
 from specroll.rl.tasks import TaskSplit
 
@@ -215,13 +218,14 @@ def key_lock(cache_dir: Path, key: str) -> Iterator[Path]:
 
 
 def publish(staging: Path, cache_dir: Path, key: str, record: WarmStartRecord) -> Path:
-    """Write ``warm_start.json`` into ``staging`` (which holds the head) and rename it to
-    ``CACHE_DIR/<key>``; returns that folder. Called under :func:`key_lock`.
+    """Write ``warm_start.json`` into ``staging`` (which holds the head), seal it (``sealed.seal``) and
+    rename it to ``CACHE_DIR/<key>``; returns that folder. Called under :func:`key_lock`.
 
     Raises:
-        OSError: the folder cannot be written or renamed.
+        OSError: the folder cannot be written or renamed (a full disk too).
     """
     (staging / RECORD_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(record), indent=1) + b"\n")
+    seal(staging)
     final = cache_dir / key
     if final.exists() and lookup(cache_dir, key) is None:  # not ours (made by hand?): incomplete, replaced
         shutil.rmtree(final)

@@ -1,8 +1,9 @@
 """``specroll drafter export`` / ``import``: an ``eagle3`` drafter to and from the EAGLE-3 checkpoint
 vLLM and SGLang load (the format is in ``specroll.drafter.eagle3_format``).
 
-Export writes the folder whole or not at all: into a temporary directory beside ``--out``, renamed
-onto it at the end (``--out`` may be missing or an empty directory). The target's config (``--model``,
+Export writes the folder whole or not at all, with ``checksums.json`` (``engine/loaders/sealed.py``;
+vLLM and SGLang ignore it, ``drafter import`` checks it): into a staging folder beside ``--out``,
+renamed onto it at the end (``--out`` may be missing or an empty directory). The target's config (``--model``,
 its metadata only) checks that the drafter was made for it and gives ``max_position_embeddings``.
 """
 
@@ -10,13 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from specroll.actors.jobs.generate import GenerateError
 from specroll.drafter.eagle3_format import eagle3_config, eagle3_tensors, read_eagle3
@@ -24,6 +21,8 @@ from specroll.drafter.eagle_config import DrafterError
 from specroll.drafter.eagle_files import CONFIG_FILE, WEIGHTS_FILE
 from specroll.drafter.eagle_head import EagleHead
 from specroll.engine.loaders.checkpoint import CheckpointError, load_model_config
+from specroll.engine.loaders.sealed import write_folder
+from specroll.engine.loaders.tensor_files import save_tensors
 from specroll.engine.model_config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -69,27 +68,20 @@ def run_drafter_export(args: argparse.Namespace) -> None:
     except DrafterError as exc:
         raise GenerateError(f"cannot export {args.drafter} for {args.model}: {exc}") from None
     tensors = eagle3_tensors(head, dtype)
+
+    def write_files(folder: Path) -> None:
+        save_tensors(tensors, folder / WEIGHTS_FILE, metadata={"format": "pt"})
+        (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
     parent = out.absolute().parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.export-"))
     except OSError as exc:
         raise GenerateError(f"cannot write to {parent}: {exc.strerror or exc}") from None
     try:
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; give the folder and files the usual modes
-        for name in (WEIGHTS_FILE, CONFIG_FILE):
-            os.chmod(tmp / name, 0o666 & ~umask)
-        os.replace(tmp, out)  # atomic; onto an empty directory too
+        write_folder(out, write_files)
     except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise GenerateError(f"cannot write the checkpoint to {out}: {exc.strerror or exc}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     size = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
     print(f"EAGLE-3 checkpoint of {args.drafter} ({len(tensors)} tensors, {size:.1f} MiB {args.dtype}, taps "
           f"{config['eagle_aux_hidden_state_layer_ids']}, draft vocabulary {config['draft_vocab_size']} of "

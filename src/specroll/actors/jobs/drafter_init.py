@@ -45,12 +45,15 @@ from specroll.actors.jobs.drafter_cache import (
 )
 from specroll.actors.jobs.generate import GenerateError
 from specroll.actors.jobs.progress import run_with_progress
+from specroll.drafter.eagle_files import write_head_into
 from specroll.drafter.eagle_head import EagleHead
 from specroll.drafter.learner import DrafterLearner
 from specroll.drafter.learner_config import LearnerConfig
 from specroll.engine.engine import Engine
 from specroll.engine.loaders.chat_template import ChatTemplateError
 from specroll.engine.loaders.checkpoint import CheckpointError, load_checkpoint, load_model_config
+from specroll.engine.loaders.errors import ChecksumError
+from specroll.engine.loaders.sealed import check_folder
 from specroll.engine.model import CausalLM
 from specroll.protocol.sampling import sample_seed
 from specroll.rl.tasks import Prompt, TaskSplit, format_question
@@ -156,7 +159,7 @@ def make_warm_start(config: RunConfig, budget_minutes: float, rollouts: int, cac
             if threads is not None:
                 torch.set_num_threads(threads)
             head, made = _make(config, split, inputs, say)
-            head.save(staging)
+            write_head_into(staging, head.config, head.cpu_tensors())
             path = publish(staging, cache_dir, key, WarmStartRecord(key=key, inputs=inputs, made=made))
     except OSError as exc:  # the cache's folder, lock or files (named), or a file read meanwhile
         raise GenerateError(f"{exc.filename or cache_dir}: {exc.strerror or exc}") from None
@@ -164,6 +167,10 @@ def make_warm_start(config: RunConfig, budget_minutes: float, rollouts: int, cac
 
 
 def _hit(folder: Path, start: float) -> WarmStart:
+    try:
+        check_folder(folder)
+    except ChecksumError as exc:
+        raise GenerateError(f"cached drafter {exc}; remove {folder} to make it again") from None
     try:
         record = read_record(folder)
     except (OSError, msgspec.ValidationError) as exc:

@@ -229,6 +229,8 @@ class _AtomicOutput:
         try:
             for r in records:
                 self._file.write(encoder.encode(r) + b"\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())  # on disk before the rename makes it the output
             self._file.close()
             umask = os.umask(0)
             os.umask(umask)

@@ -22,7 +22,7 @@ EVALUATED_AGAIN = "evaluated again"
 """The key it sets on a step's record written again with only new ``eval_*`` figures (a restarted
 trainer evaluates its checkpoint's weights again), and that line's mark."""
 
-WARNING_FIELDS = ("acceptance_floor_warning",)
+WARNING_FIELDS = ("acceptance_floor_warning", "checkpoint_warning")
 """Fields of a metrics record that, when a string, are a warning the launcher prints after its line
 (the trainer logs them too, but its log is not what a user watches)."""
 

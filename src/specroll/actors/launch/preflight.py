@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specroll.actors.launch.errors import LaunchError
-from specroll.actors.trainer.checkpoint import STATE_FILE, find_checkpoint
+from specroll.actors.trainer.checkpoint import CHECKPOINT_DIRNAME, STATE_FILE, read_newest_checkpoint
 from specroll.actors.trainer.task_load import load_environment, load_task
 from specroll.drafter.eagle_config import DrafterError
 from specroll.drafter.eagle_head import EagleHead
 from specroll.engine.loaders.checkpoint import CheckpointError, load_model_config
 from specroll.engine.loaders.registry import resolve_model
+from specroll.engine.loaders.sealed import check_folder
 from specroll.envs.base import EnvironmentLoadError
 from specroll.rl.admission import run_ahead_warning
 from specroll.rl.tasks import PromptFileError
@@ -43,7 +44,8 @@ def preflight(config: RunConfig, serving: bool = False) -> str | None:
     the checkpoint are not looked at).
 
     Raises:
-        LaunchError: naming the key, the value and what was expected.
+        LaunchError: naming the key, the value and what was expected; or every checkpoint of the run
+            directory has a file missing or cut short (named).
     """
     try:
         resolve_model(config.model.name)
@@ -73,15 +75,34 @@ def preflight(config: RunConfig, serving: bool = False) -> str | None:
     _check_metrics(config, serving)
     if serving:
         return None
-    checkpoint = find_checkpoint(config.run_dir)
-    if checkpoint is not None:
-        step = json.loads((checkpoint / STATE_FILE).read_text(encoding="utf-8")).get("step", 0)
-        if isinstance(step, int) and step >= config.steps:
-            return (f"{config.run_dir} holds a checkpoint at step {step}, and steps={config.steps} is the total: "
-                    f"nothing to train (raise steps to continue, or use another run_dir)")
-        print(f"specroll launch: resuming from {checkpoint} (step {step} of {config.steps}; the metrics of later "
-              f"steps are replaced)", file=sys.stderr)
+    found = read_newest_checkpoint(config.run_dir, _saved_step)
+    refused = "".join(f"; refused {e}" for e in found.refused)
+    if found.path is None:
+        if refused:
+            raise LaunchError(f"no usable checkpoint in {config.run_dir}{refused}; move {CHECKPOINT_DIRNAME}/ and "
+                              f"{CHECKPOINT_DIRNAME}.prev/ out of the run directory to start again from step 0")
+        return None
+    step = found.value or 0
+    if step >= config.steps:
+        return (f"{config.run_dir} holds a checkpoint at step {step}, and steps={config.steps} is the total: "
+                f"nothing to train (raise steps to continue, or use another run_dir)")
+    print(f"specroll launch: resuming from {found.path} (step {step} of {config.steps}; the metrics of later "
+          f"steps are replaced){refused}", file=sys.stderr)
     return None
+
+
+def _saved_step(checkpoint: Path) -> int:
+    """The step of ``checkpoint``, after a check of its files' sizes (the trainer checks every byte).
+
+    Raises:
+        ChecksumError: a file missing or of another size than its checksum list says.
+    """
+    check_folder(checkpoint, contents=False)
+    try:
+        step = json.loads((checkpoint / STATE_FILE).read_text(encoding="utf-8")).get("step", 0)
+    except (OSError, ValueError, AttributeError):
+        return 0  # an unreadable state file: the trainer says what is wrong with it
+    return step if isinstance(step, int) else 0
 
 
 def cuda_keys(config: RunConfig) -> list[str]:

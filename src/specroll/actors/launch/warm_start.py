@@ -33,6 +33,8 @@ from specroll.actors.launch.role_process import RoleProcess, death_error, killpg
 from specroll.actors.shared.exit_codes import EXIT_REFUSED
 from specroll.drafter.eagle_files import WEIGHTS_FILE
 from specroll.engine.loaders.checkpoint import CheckpointError
+from specroll.engine.loaders.errors import ChecksumError
+from specroll.engine.loaders.sealed import check_folder, read_newest
 
 WARM_START_ROLE = "warm-start"
 """The child's name in the launcher's lines and its log's (``RUN_DIR/logs/warm-start.log``)."""
@@ -55,8 +57,8 @@ def resolve_warm_start(config: RunConfig, make: Callable[[], None], say: Callabl
     if d.path is not None:
         say(f"drafter warm start: none made, drafter.path = {d.path!r} is the warm start")
         return config
-    saved = save_dir(config)
-    if (saved / WEIGHTS_FILE).is_file():
+    saved = _own_drafter(config)
+    if saved is not None:
         say(f"drafter warm start: none made, the run's own drafter in {saved} is the warm start (a resumed run)")
         return config
     cache, start = cache_dir_of(config), time.monotonic()
@@ -68,6 +70,11 @@ def resolve_warm_start(config: RunConfig, make: Callable[[], None], say: Callabl
         raise LaunchError(f"model.name: {e}", code=EXIT_REFUSED) from None
     found = lookup(cache, key)
     hit = found is not None
+    if found is not None:
+        try:
+            check_folder(found)
+        except ChecksumError as e:
+            raise LaunchError(f"cached drafter {e}; remove {found} to make it again", code=EXIT_REFUSED) from None
     if found is None:
         try:  # before anything is made: a cache that cannot be written would lose the head at the end
             make_cache_dir(cache)
@@ -110,3 +117,15 @@ def make_in_child(config_path: Path, log_path: Path, threads: int, processes: li
     killpg(proc, signal.SIGKILL)  # anything it left in its group (its pid is still reserved: unreaped)
     proc.popen.wait()
     proc.reaped = True
+
+
+def _own_drafter(config: RunConfig) -> Path | None:
+    """The drafter the run's drafter trainer saved (``RUN_DIR/drafter``, else ``RUN_DIR/drafter.prev``)
+    whose files pass their checksums, or None."""
+
+    def usable(folder: Path) -> None:
+        check_folder(folder)
+        if not (folder / WEIGHTS_FILE).is_file():
+            raise ChecksumError(folder / WEIGHTS_FILE, "missing")
+
+    return read_newest(save_dir(config), usable).path

@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
+
+from specroll.engine.loaders.sealed import write_bytes_atomic
 
 
 def write_text_atomic(path: str | Path, text: str, mode: int | None = None) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` all or nothing: a temp file in the same directory, fsynced,
-    then renamed over ``path``; on any error the temp file is removed and ``path`` is untouched. The
-    file is readable by its owner only (``mkstemp``'s 0600) unless ``mode`` says otherwise.
+    """Write ``text`` (UTF-8) to ``path`` all or nothing (``sealed.write_bytes_atomic``: a temp file in
+    the same directory, fsynced, renamed over ``path``); on any error the temp file is removed and
+    ``path`` is untouched. The file is readable by its owner only (0600) unless ``mode`` says otherwise.
 
     Raises:
-        OSError: the directory is not writable (nothing is left behind).
+        OSError: the directory is not writable or the disk is full (nothing is left behind).
     """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-            if mode is not None:
-                os.fchmod(f.fileno(), mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_bytes_atomic(Path(path), text.encode("utf-8"), 0o600 if mode is None else mode)

@@ -7,33 +7,37 @@ Layout (every file is safetensors or JSON, so loading a checkpoint can never run
 * ``optimizer.safetensors`` — AdamW's per-parameter state, ``"{parameter}/{key}"`` → tensor, keys
   ``exp_avg``, ``exp_avg_sq``, ``step`` (and ``max_exp_avg_sq`` with amsgrad), under the model's own
   (fused) parameter names; hyperparameters come from the config on load;
-* ``trainer_state.json`` — :class:`TrainerState`: step, policy version, prompt cursor, seed.
+* ``trainer_state.json`` — :class:`TrainerState`: step, policy version, prompt cursor, seed;
+* ``checksums.json`` — every file's size and SHA-256 (``engine/loaders/sealed.py``).
 
 The files hold full tensors whatever the number of trainer ranks: a sharded trainer gathers them
 on rank 0 to write them (``sharded.py``) and restores by broadcasting them from rank 0, so a
 checkpoint written by N ranks resumes with M.
 
-A checkpoint is written into a temporary directory next to it (files fsynced), then swapped in
-with two renames: the old ``checkpoint/`` becomes ``checkpoint.prev/``, the new one takes its name,
-the old one is removed. A crash between the renames leaves ``checkpoint.prev/``, which
-:func:`find_checkpoint` then uses, so a reader always finds one complete checkpoint.
+A checkpoint is a sealed folder: written into a staging folder beside it, every file fsynced and
+hashed, then swapped in with two renames; the checkpoint before it is kept as ``checkpoint.prev/``
+(so two are on disk, never more). A SIGKILL or a full disk in the middle of a write leaves the
+checkpoints there before it as they were. A resume (:func:`read_newest_checkpoint`) reads
+``checkpoint/`` and, when a file of it is missing, cut short or changed (its checksum), falls back
+to ``checkpoint.prev/``. A checkpoint written before checksums (no ``checksums.json``) loads
+unchecked, as it did then.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from specroll.engine.loaders.checkpoint import CheckpointError, check_weights
+from specroll.engine.loaders.sealed import Newest, check_folder, read_newest, write_folder
+from specroll.engine.loaders.tensor_files import save_tensors
 from specroll.engine.model import CausalLM
 from specroll.engine.model_config import ModelConfig
 
@@ -43,6 +47,8 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "trainer_state.json"
 FORMAT = 1
 """Version of this layout, stored in ``trainer_state.json``."""
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -65,14 +71,21 @@ class TrainerState:
     a resumed trainer submits them again before new prompts, so no prompt of the order is skipped."""
 
 
-def find_checkpoint(run_dir: str | Path) -> Path | None:
-    """The complete checkpoint of ``run_dir``, or None: ``checkpoint/``, else ``checkpoint.prev/``
-    (left by a crash in the middle of the swap)."""
-    for name in (CHECKPOINT_DIRNAME, CHECKPOINT_DIRNAME + ".prev"):
-        path = Path(run_dir) / name
-        if (path / STATE_FILE).is_file():
-            return path
-    return None
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    """``run_dir/checkpoint``: the newest checkpoint (the one before it: ``checkpoint.prev``)."""
+    return Path(run_dir) / CHECKPOINT_DIRNAME
+
+
+def read_newest_checkpoint(run_dir: str | Path, read: Callable[[Path], T]) -> Newest[T]:
+    """``read`` (a :func:`read_checkpoint` or :func:`load_trainer_checkpoint` of one folder) the
+    newest checkpoint of ``run_dir`` whose files pass their checksums: ``checkpoint/``, else
+    ``checkpoint.prev/``. ``Newest.refused`` holds the :class:`ChecksumError` of each folder passed
+    over; ``Newest.path`` is None when none was read (none there, or every one refused).
+
+    Raises:
+        CheckpointError: a checkpoint that passes its checksums does not load (another model...).
+    """
+    return read_newest(checkpoint_dir(run_dir), read)
 
 
 def save_checkpoint(run_dir: str | Path, model: CausalLM, optimizer: torch.optim.Optimizer,
@@ -81,7 +94,8 @@ def save_checkpoint(run_dir: str | Path, model: CausalLM, optimizer: torch.optim
     :func:`write_checkpoint`); returns its path.
 
     Raises:
-        OSError: the files cannot be written (the previous checkpoint is left in place).
+        OSError: the files cannot be written (the checkpoints before are left in place; a full disk:
+            ``errno`` in ``sealed.OUT_OF_SPACE``).
     """
     return write_checkpoint(run_dir, model.hf_weights(), optimizer_tensors(model, optimizer), state)
 
@@ -97,33 +111,18 @@ def write_checkpoint(run_dir: str | Path, weights: Mapping[str, torch.Tensor],
         state: the trainer's progress.
 
     Raises:
-        OSError: the files cannot be written (the previous checkpoint is left in place).
+        OSError: the files cannot be written (the checkpoints before are left in place; a full disk:
+            ``errno`` in ``sealed.OUT_OF_SPACE``).
     """
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    final, prev = run_dir / CHECKPOINT_DIRNAME, run_dir / (CHECKPOINT_DIRNAME + ".prev")
-    tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=f".{CHECKPOINT_DIRNAME}.tmp-"))
-    try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private (0700); a checkpoint is an ordinary directory
+
+    def write_files(folder: Path) -> None:
         # contiguous copies: safetensors refuses tensors that share storage (the fused q/k/v slices)
-        save_file(_copies(weights), str(tmp / MODEL_FILE), metadata={"format": "pt"})
-        save_file(_copies(optimizer), str(tmp / OPTIMIZER_FILE))
+        save_tensors(_copies(weights), folder / MODEL_FILE, metadata={"format": "pt"})
+        save_tensors(_copies(optimizer), folder / OPTIMIZER_FILE)
         record = {"format": FORMAT, **asdict(state)}
-        (tmp / STATE_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-        for file in tmp.iterdir():
-            _fsync(file)
-        _fsync(tmp)
-        if prev.exists() and final.exists():
-            shutil.rmtree(prev)  # a leftover of an interrupted swap; checkpoint/ is complete
-        if final.exists():
-            os.rename(final, prev)
-        os.rename(tmp, final)
-        _fsync(run_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(prev, ignore_errors=True)
-    return final
+        (folder / STATE_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+    return write_folder(checkpoint_dir(run_dir), write_files, keep_previous=True)
 
 
 @dataclass(frozen=True)
@@ -142,11 +141,13 @@ def read_checkpoint(path: str | Path, config: ModelConfig, param_shapes: Mapping
     own names, full shapes: a sharded parameter's global shape) are ``param_shapes``.
 
     Raises:
+        ChecksumError: a file is missing, cut short or changed since it was written (its checksum).
         CheckpointError: a file is missing or unreadable, the weights do not fit the model, the
             optimizer state names an unknown parameter or has a wrong shape, or the state file is
             malformed. The message names the file.
     """
     path = Path(path)
+    check_folder(path)
     state = _read_state(path / STATE_FILE)
     weights = check_weights(config, _read_tensors(path / MODEL_FILE), str(path / MODEL_FILE))
     per_param: dict[str, dict[str, torch.Tensor]] = {}
@@ -237,10 +238,3 @@ def _read_state(file: Path) -> TrainerState:
                               f"[0, prompt_cursor = {state.prompt_cursor})")
     return state
 
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

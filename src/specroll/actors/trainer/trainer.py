@@ -80,6 +80,7 @@ from specroll.actors.config import RunConfig
 from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.rollout.timeline import Timeline
 from specroll.actors.trainer.checkpoint import TrainerState
+from specroll.actors.trainer.checkpoint_schedule import CheckpointSchedule
 from specroll.actors.trainer.episode_eval import EpisodeEvaluator
 from specroll.actors.trainer.episode_metrics import episode_metrics, token_versions
 from specroll.actors.trainer.episodes import EpisodeFeeder, EpisodeRunner, sampling_kwargs
@@ -122,7 +123,7 @@ class Trainer:
         self.policy, self.tokenizer = setup.policy, setup.tokenizer
         self.prompts = setup.prompts
         self.step, self.version = setup.state.step, setup.state.policy_version
-        self.resumed_from = setup.resumed_from
+        self.resumed_from, self.refused = setup.resumed_from, setup.refused
         self.reward_fn: RewardFn = get_reward(config.task.reward)
         self.run_dir = Path(config.run_dir)
         self.watch = GeneratorWatch(client, config.network.heartbeat_timeout_s)
@@ -136,7 +137,7 @@ class Trainer:
         """Batches in a row with no token to train (``_skip``)."""
         self.step_metrics = StepMetrics(client, config.drafter.acceptance_floor)
         self.records = RecordLog.open(config, client, self.step)  # metrics.jsonl, /metrics, W&B / TensorBoard
-        self._last_checkpoint = self.step
+        self.checkpoints = CheckpointSchedule(config, self.step, self.resumed_from)
         evaluator = dict(client=client, prompts=setup.eval_prompts, sampling=config.generator.sampling,
                          greedy=config.eval.greedy, reward_fn=self.reward_fn, tokenizer=self.tokenizer,
                          version_timeout_s=config.network.heartbeat_timeout_s, check=self.watch.check,
@@ -160,7 +161,8 @@ class Trainer:
         held: dict[str, object] | None = None
         resume = self.resumed_from is not None
         if resume:
-            log.info("resuming from %s: step %d, policy version %d", self.resumed_from, self.step, self.version)
+            log.log(logging.WARNING if self.refused else logging.INFO, "resuming from %s: step %d, policy version %d%s",
+                    self.resumed_from, self.step, self.version, "".join(f"; refused {e}" for e in self.refused))
             if self.step >= self.config.steps:
                 log.info("the checkpoint is already at step %d of %d: nothing to train", self.step, self.config.steps)
                 return
@@ -186,8 +188,8 @@ class Trainer:
                       file=sys.stderr, disable=None) as bar:
                 while self.step < self.config.steps:
                     await self._one_step(bar, sync)
-            if self._last_checkpoint != self.step:
-                await self._checkpoint()
+            if self.checkpoints.final_due(self.step):
+                await self._checkpoint(final=True)
             tg.cancel_scope.cancel()
 
     async def _feed(self) -> None:
@@ -328,6 +330,7 @@ class Trainer:
                 await self._wait_acks()
         metrics = self.step_metrics.record(self.step, self.version, groups, rewards, result, trained_version,
                                            time.monotonic() - start, start - wait_start, train_s, borrowed)
+        self.checkpoints.add_warning(metrics)  # of a checkpoint a full disk stopped: specroll launch prints it
         if isinstance(self.feeder, EpisodeFeeder):
             metrics.update(episode_metrics(groups, self.feeder))  # type: ignore[arg-type]
         if self._maybe_evaluate():
@@ -338,8 +341,7 @@ class Trainer:
             await self._finish_evaluation()
         bar.set_postfix_str(progress(metrics, result), refresh=False)
         bar.update(1)
-        every = self.config.trainer.checkpoint_every
-        if every and self.step % every == 0:
+        if self.checkpoints.due(self.step):
             await self._checkpoint()
 
     async def _skip(self, groups: list[Group], rewards: torch.Tensor, result: StepResult, trained_version: int,
@@ -390,11 +392,9 @@ class Trainer:
             result = self.policy.train(batch, version, budget)
         return rewards, result, budget.borrowed_fraction
 
-    async def _checkpoint(self) -> None:
+    async def _checkpoint(self, final: bool = False) -> None:
         state = TrainerState(step=self.step, policy_version=self.version, prompt_cursor=self.prompts.cursor,
                              untrained=[*self.prompts.retry, *self.feeder.untrained.values()],
                              seed=self.config.seed, model=self.config.model.name)
         with self._phase("checkpoint"):
-            path = await anyio.to_thread.run_sync(self.policy.save, self.run_dir, state)
-        self._last_checkpoint = self.step
-        log.info("checkpoint of step %d (policy version %d) written to %s", self.step, self.version, path)
+            await anyio.to_thread.run_sync(self.checkpoints.write, self.policy.save, self.run_dir, state, final)

@@ -15,6 +15,9 @@ Which file holds what:
 - ``chat_template.py``: the checkpoint's jinja2 chat template, compiled in a sandbox.
 - ``registry.py``: names of checkpoints found without a path (a file inside an installed
   distribution, located through ``importlib.metadata``).
-- ``errors.py``: :class:`CheckpointError` and :class:`ChatTemplateError`, below every module that
-  raises them.
+- ``errors.py``: :class:`CheckpointError`, :class:`ChecksumError` and :class:`ChatTemplateError`,
+  below every module that raises them.
+- ``sealed.py``: folders written whole or not at all, with every file's size and SHA-256 in
+  ``checksums.json``, checked on load (trainer checkpoints, drafters); ``tensor_files.py`` a
+  safetensors write whose failure is the ``OSError`` it is (a full disk: ENOSPC).
 """
