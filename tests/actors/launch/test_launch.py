@@ -335,8 +335,11 @@ def test_a_bad_drafter_exits_2_before_anything_starts(tmp_path: Path, tiny_check
     (junk_config := tmp_path / "junk_config").mkdir()
     (junk_config / "config.json").write_text('{"x": 1}')
     (junk_config / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes())
+    EagleHead.init(fits, torch.arange(64)).save(cut := tmp_path / "cut")
+    (cut / "model.safetensors").write_bytes((cut / "model.safetensors").read_bytes()[:100])  # checksums.json kept
     EagleHead.init(fits, torch.arange(64)).save(junk_weights := tmp_path / "junk_weights")
     (junk_weights / "model.safetensors").write_bytes(b"\x00" * 100)
+    (junk_weights / "checksums.json").unlink()  # a folder made by hand (or another tool): no checksums to check
     other = EagleConfig(400, 64, 128, 4, 2, 16, 1e-5, 10000.0, (2,), 100, 2)  # a 400-token vocabulary
     EagleHead.init(other, torch.arange(100)).save(foreign := tmp_path / "foreign")
     cases = [
@@ -344,6 +347,7 @@ def test_a_bad_drafter_exits_2_before_anything_starts(tmp_path: Path, tiny_check
         ([f'drafter.path="{junk_file}"'], "drafter.path", "not a directory"),
         ([f'drafter.path="{junk_config}"'], "drafter.path", "expected a drafter config as 'specroll init-drafter'"),
         ([f'drafter.path="{junk_weights}"'], "drafter.path", "not a readable safetensors file"),
+        ([f'drafter.path="{cut}"'], "drafter.path", "model.safetensors: 100 bytes, checksums.json says"),
         ([f'drafter.path="{foreign}"'], "drafter.path", "vocabulary 400"),
         (["drafter.enabled=true", "drafter.draft_vocab_size=321"], "drafter.draft_vocab_size=321",
          "(320 tokens)"),
