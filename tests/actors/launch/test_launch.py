@@ -236,8 +236,27 @@ def test_generator_config_errors_exit_2_with_one_line(tmp_path: Path) -> None:
          "tcp://127.0.0.1:9"], capture_output=True, text=True, timeout=guard(60)).stderr
 
 
+def refused(tmp_path: Path, config: Path, extra: list[str], capsys: pytest.CaptureFixture[str],
+            in_process: bool) -> tuple[int, str]:
+    """``specroll launch CONFIG EXTRA...`` refused before anything starts: (exit code, stderr). A real
+    ``specroll launch`` process, or (``in_process``, the same code without an interpreter's start) its
+    entry called here, roles not forked (nothing is started either way)."""
+    from specroll.actors.launch.entry import run_launch
+
+    if not in_process:
+        code, out, err = finish(launch(tmp_path, config, *extra))
+        assert out == "", out
+        return code, err
+    capsys.readouterr()
+    code = run_launch(str(config), [*extra[1::2], "launch.fork_roles=false"])
+    captured = capsys.readouterr()
+    assert captured.out == "", captured.out
+    return code, captured.err
+
+
 @pytest.mark.integration
-def test_missing_inputs_and_a_taken_port_exit_2_before_anything_starts(tmp_path: Path, tiny_checkpoint) -> None:
+def test_missing_inputs_and_a_taken_port_exit_2_before_anything_starts(tmp_path: Path, tiny_checkpoint,
+                                                                       capsys) -> None:
     import socket
 
     model = tiny_checkpoint()
@@ -257,8 +276,8 @@ def test_missing_inputs_and_a_taken_port_exit_2_before_anything_starts(tmp_path:
             (["--set", f'model.name="{tmp_path / "no-model"}"'], "model.name"),
             (["--set", f"network.trainer_port={port}"], f"network.trainer_port={port}"),
         ]
-        for extra, key in cases:
-            code, _, err = finish(launch(tmp_path, config, *extra))
+        for i, (extra, key) in enumerate(cases):
+            code, err = refused(tmp_path, config, extra, capsys, in_process=i > 0)
             assert code == 2 and key in err and err.count("\n") == 1, err
             assert "Traceback" not in err and not (tmp_path / "run").exists()
 
@@ -318,7 +337,7 @@ def test_drafter_trainer_publishes_and_its_death_stops_nothing(tmp_path: Path, t
 
 
 @pytest.mark.integration
-def test_a_bad_drafter_exits_2_before_anything_starts(tmp_path: Path, tiny_checkpoint) -> None:
+def test_a_bad_drafter_exits_2_before_anything_starts(tmp_path: Path, tiny_checkpoint, capsys) -> None:
     import torch
 
     from specroll.actors.config import load_config
@@ -353,9 +372,9 @@ def test_a_bad_drafter_exits_2_before_anything_starts(tmp_path: Path, tiny_check
          "(320 tokens)"),
     ]
     before = children_of(os.getpid())
-    for sets, key, words in cases:
-        code, out, err = finish(launch(tmp_path, config, *[x for s in sets for x in ("--set", s)]))
-        assert code == 2 and out == "" and err.count("\n") == 1, err
+    for i, (sets, key, words) in enumerate(cases):
+        code, err = refused(tmp_path, config, [x for s in sets for x in ("--set", s)], capsys, in_process=i > 0)
+        assert code == 2 and err.count("\n") == 1, err
         assert err.startswith(f"specroll launch: error: {key}") and words in err, err
         assert "Traceback" not in err and not (tmp_path / "run").exists()
     assert children_of(os.getpid()) <= before
