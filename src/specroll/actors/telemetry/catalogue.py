@@ -172,6 +172,10 @@ ACCEPTANCE = _t("specroll:acceptance_length", "gauge",
                 "speculation).")
 GENERATORS = Metric("specroll:generators_registered", "gauge", "hub", "Generators registered with the hub and alive.")
 GENERATOR_DEATHS = Metric("specroll:generators_dead", "counter", "hub", "Generators the hub saw die or time out.")
+GROUPS_DROPPED = Metric("specroll:groups_dropped", "counter", "hub",
+                        "Groups dropped whole, never trained, after more than trainer.max_group_retries failures, by "
+                        "the last one's reason: refused (a chunk the hub refused, or the generator refused the group), "
+                        "lost (its generator died or left), failed (an episode failed).", ("reason",))
 RESTARTS = _t("specroll:restarts", "counter",
               "Processes the launcher restarted, by process (trainer, generator-0, ...).", ("process",))
 
