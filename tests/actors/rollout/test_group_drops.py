@@ -10,6 +10,7 @@ from helpers.fake_peers import FakeGenerator, fake_generators
 
 from specroll.actors import QueueFull  # the embedding API's names
 from specroll.actors.rollout.client import RolloutClient
+from specroll.actors.telemetry.server_metrics import collect_hub
 from specroll.protocol.messages import Abort, Dead, Error, RolloutChunk, SubmitGroup
 from specroll.protocol.sampling import SamplingParams
 from specroll.rl.group_retries import GroupDropped
@@ -17,6 +18,7 @@ from specroll.rl.group_retries import GroupDropped
 pytestmark = pytest.mark.anyio
 
 SAMPLING = SamplingParams(max_tokens=8)
+GROUPS_DROPPED = "specroll:groups_dropped"
 VOCAB = 100
 
 
@@ -54,6 +56,9 @@ async def test_a_generator_whose_chunks_are_always_refused_gets_its_group_droppe
         assert "outside" in dropped.detail and "dropped after 3 failures" in str(caught.value)
         assert client.coordinator.groups_dropped == {"refused": 1} and group_id not in client.coordinator.groups
         assert client.pop_dropped() == []  # reported once
+        # Prometheus: the hub's drops by reason, plus those its holder made itself (episode groups)
+        [family] = [f for f in collect_hub(client, "trainer", "trainer", {"failed": 2}) if f.name == GROUPS_DROPPED]
+        assert {m.labels["reason"]: m.value for m in family.samples} == {"refused": 1, "lost": 0, "failed": 2}
 
         good = await client.submit([8, 9], 1, SAMPLING)  # it goes on serving
         assert (await bad.expect(SubmitGroup)).group_id == good
