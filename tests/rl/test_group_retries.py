@@ -57,6 +57,18 @@ def test_a_refused_chunk_sends_the_group_elsewhere_from_the_tokens_held() -> Non
     assert c.pop_finished() == [done] and c.pop_dropped() == [] and not c.groups_dropped
 
 
+def test_a_retried_group_goes_to_another_generator_while_one_has_room() -> None:
+    c = coordinator(2, "a", "b")
+    g = c.add_group([5], 1, SAMPLING)
+    [(first, _)] = c.dispatch()
+    other = "b" if first == "a" else "a"
+    assert refuse(c, first, chunk(g, 0, 3, [1], finish="stop"))  # its last chunk: nothing runs there now
+    c.on_heartbeat(first, free_groups=8, policy_version=0, free_seqs=16)  # the most room, yet not chosen
+    c.on_heartbeat(other, free_groups=1, policy_version=0, free_seqs=1)
+    [(actor, _)] = c.dispatch()
+    assert actor == other and c.groups[g].failed_on == {first}
+
+
 def test_a_group_refused_past_max_group_retries_is_dropped_whole_and_never_emitted() -> None:
     dropped: list[Group] = []
     c = coordinator(1, "a")

@@ -35,7 +35,8 @@ def anyio_backend() -> str:
 
 
 @pytest.mark.parametrize("mode", ["skip", "retry"])
-def test_a_dropped_group_gives_its_place_back_and_its_prompt_is_skipped_or_served_again(mode: str) -> None:
+def test_a_dropped_group_gives_its_place_back_and_its_prompt_is_skipped_or_served_again(
+        mode: str, caplog: pytest.LogCaptureFixture) -> None:
     config = load_config(None, ["trainer.batch_groups=1", f"trainer.dropped_prompts='{mode}'"])
     prompts = PromptCycle(IDS, PROMPTS, seed=0)
     admission = Admission(1, 1, 8)
@@ -45,6 +46,7 @@ def test_a_dropped_group_gives_its_place_back_and_its_prompt_is_skipped_or_serve
         untrained[group_id] = prompts.next().position
         admission.on_submit()
     drops.drop("g1", "p1", "refused", "a gap", by_hub=True)
+    assert "group g1 (prompt p1) dropped, none of it trained (refused: a gap)" in caplog.text
     assert untrained == {"g0": 0} and admission.submitted == 1  # out of the window and the checkpoint
     assert prompts.next().position == (1 if mode == "retry" else 2)
     assert drops.metrics() == {"groups_dropped": {"refused": 1}, "groups_dropped_total": 1}
