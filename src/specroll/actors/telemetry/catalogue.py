@@ -183,7 +183,8 @@ RESTARTS = _t("specroll:restarts", "counter",
 SERVER_REQUESTS = Metric("specroll:server_requests", "counter", "server",
                          "Requests the server accepted and submitted to the generators.")
 SERVER_REJECTED = Metric("specroll:server_requests_rejected", "counter", "server",
-                         "Requests answered 429 at server.max_requests_in_flight.")
+                         "Requests answered 429: at server.max_requests_in_flight, or with the hub's queue full "
+                         "(trainer.max_queued_groups).")
 SERVER_IN_FLIGHT = Metric("specroll:server_requests_in_flight", "gauge", "server",
                           "Requests accepted and unfinished (running, queued in the hub, or held while paused).")
 SERVER_PAUSED = Metric("specroll:server_paused", "gauge", "server", "1 while POST /pause holds new requests.")
