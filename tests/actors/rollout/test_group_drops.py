@@ -95,3 +95,20 @@ async def test_submit_past_the_queue_capacity_raises_queue_full_naming_it() -> N
         assert caught.value.capacity == 2 and len(client.coordinator.groups) == 2
         await client.abort(first)  # room again
         await client.submit([7], 1, SAMPLING)
+
+
+async def test_a_training_group_its_generator_refuses_is_resumed_on_another() -> None:
+    async with RolloutClient(heartbeat_timeout_s=60) as client, \
+            fake_generators(client.endpoint, "small-gen", "big-gen") as (small, big):
+        await small.register(free_groups=4, free_seqs=8)
+        await big.register(free_groups=4, free_seqs=4)
+        await client.wait_for_generators(2, timeout=30)
+        group_id = await client.submit([5, 6, 7], 2, SAMPLING)
+        assert (await small.expect(SubmitGroup)).group_id == group_id  # the most room
+        await small.channel.send(Error(code="bad_request", message="n=2 is over its max_num_seqs", group_id=group_id))
+        assert (await big.expect(SubmitGroup)).group_id == group_id
+        for i in range(2):
+            await big.stream(group_id, i, 0, token=3, count=2, reason="stop")
+        group = await client.next_finished(timeout=30)
+    assert group.group_id == group_id and group.retries.failures == 1 and group.retries.reason == "refused"
+    assert "refused it: n=2 is over its max_num_seqs" in group.retries.detail

@@ -2,15 +2,15 @@
 speaks only as its own role, and one handler per role (generator, drafter trainer).
 
 The receive loop never waits on a send: replies go through the peers' outboxes (the hub's
-``send``), so credit grants are always read.
+``send``), so credit grants are always read. It reports every moment its socket is empty to the
+liveness rules, so a peer's silence is measured by the clock even when nothing arrives at all.
 
 A chunk that cannot be merged (a token id outside the vocabulary, a gap, a disagreement, tokens past
 ``max_tokens``) is refused — answered with ``Error``, nothing of it kept — and its group is taken from
 the generator that sent it (``Abort``) to resume elsewhere, a failure under the retry rule
 (``specroll/rl/group_retries.py``); so is a training or evaluation group its generator refuses. A
 generator that sends such chunks cannot hold a group: past ``max_group_retries`` failures the group
-is dropped. It reports every moment its socket is empty to the
-liveness rules, so a peer's silence is measured by the clock even when nothing arrives at all.
+is dropped.
 """
 
 from __future__ import annotations
@@ -253,7 +253,8 @@ class Receiver:
         if group is None or group.generator != actor:
             return
         if group.lane != "serve":
-            self._take_back(actor, group_id, f"generator {actor} refused it: {why[:300]}", range(len(group.samples)))
+            self._take_back(actor, group_id, f"generator {actor} refused it: {why[:300]}", range(len(group.samples)),
+                            abort=False)  # nothing of it runs there
             return
         group.refused = why[:500]
         for i, sample in enumerate(group.samples):
@@ -286,13 +287,14 @@ class Receiver:
         if self.on_chunk is not None:
             self.on_chunk(actor, chunk)
 
-    def _take_back(self, actor: str, group_id: str, why: str, ended: Iterable[int]) -> None:
-        """Take ``group_id`` from ``actor`` (a failure, ``RolloutCoordinator.take_back``): abort it
-        there (once: its late chunks are not answered with a second ``Abort``) and dispatch it again,
-        unless it was dropped."""
+    def _take_back(self, actor: str, group_id: str, why: str, ended: Iterable[int], abort: bool = True) -> None:
+        """Take ``group_id`` from ``actor`` (a failure, ``RolloutCoordinator.take_back``): with ``abort``
+        abort it there (once: its late chunks are not answered with a second ``Abort``); dispatch it
+        again, unless it was dropped."""
         if not self.coordinator.take_back(actor, group_id, why, ended):
             return
-        self._send(actor, Abort(group_id=group_id), None)
+        if abort:
+            self._send(actor, Abort(group_id=group_id), None)
         self.foreign.aborted(actor, group_id)
         group = self.coordinator.groups.get(group_id)
         if group is not None:
