@@ -88,10 +88,12 @@ class Feeder:
                 groups dropped in a row (:class:`GroupDrops`).
         """
         batch = self.config.trainer.batch_groups
-        while self.client.num_finished < batch:
-            self.watch.check()
-            for dropped in self.client.pop_dropped():
+        while True:
+            for dropped in self.client.pop_dropped():  # first: each one gives its place in the window back
                 await self._on_dropped(dropped)
+            if self.client.num_finished >= batch:
+                break
+            self.watch.check()
             with anyio.move_on_after(self.watch.check_s):  # woken by the client when groups finish or drop
                 try:
                     await self.client.wait_finished(batch)
