@@ -38,13 +38,16 @@ class Served:
 async def served(model: Path, tmp_path: Path, generators: int = 1, overrides: tuple[str, ...] = (),
                  generator_args: tuple[str, ...] = (), heartbeat_timeout_s: float = 60) -> AsyncIterator[Served]:
     """A server (port 0) and its hub in this loop, ``generators`` generator processes (``gen-0``...)
-    connected to it; weights updates from ``tmp_path / "weights"``."""
+    connected to it; weights updates from ``tmp_path / "weights"``. The hub's retry rule and queue
+    follow ``trainer.max_group_retries`` and ``trainer.max_queued_groups`` (``overrides``)."""
     config = load_config(None, [f'model.name="{model}"', f'run_dir="{tmp_path / "run"}"', "server.port=0",
                                 *overrides])
     config_model, tokenizer = load_metadata(model)
     weights_dir = tmp_path / "weights"
     weights_dir.mkdir(exist_ok=True)
-    async with RolloutClient(max_groups_in_flight=64, heartbeat_timeout_s=heartbeat_timeout_s) as client:
+    async with RolloutClient(max_groups_in_flight=64, heartbeat_timeout_s=heartbeat_timeout_s,
+                             max_group_retries=config.trainer.max_group_retries,
+                             max_queued_groups=config.trainer.max_queued_groups) as client:
         update = FolderWeights(client, config_model, weights_dir, 60)
         state = make_state(config, client, tokenizer, config_model, update)
         sock = bind(config.server)

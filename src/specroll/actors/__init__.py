@@ -5,8 +5,8 @@ built-in GRPO trainer, ``generator``, ``drafter_trainer``, ``peer`` for what bot
 
 This module is also the embedding API for another RL stack: the rollout client, the run config and
 the built-in tasks, importable as ``from specroll.actors import RolloutClient, SyncRolloutClient,
-load_config, builtin_prompts, ...``. Names are resolved on first use (PEP 562), so importing a role
-or the CLI never pays for what it does not use.
+GroupDropped, QueueFull, load_config, builtin_prompts, ...``. Names are resolved on first use (PEP
+562), so importing a role or the CLI never pays for what it does not use.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from specroll.actors.rollout.client import RolloutClient
     from specroll.actors.rollout.prefix_cache import PrefixCacheStats
     from specroll.actors.rollout.sync_client import SyncRolloutClient
-    from specroll.rl.coordinator import Group, Sample
+    from specroll.rl.coordinator import Group, QueueFull, Sample
+    from specroll.rl.group_retries import DroppedGroup, GroupDropped
     from specroll.rl.tasks import Prompt, builtin_prompts, format_question, gsm8k_reward, load_prompts
 
 _EXPORTS = {
@@ -32,6 +33,9 @@ _EXPORTS = {
     "load_config": "specroll.actors.config",
     "Group": "specroll.rl.coordinator",
     "Sample": "specroll.rl.coordinator",
+    "QueueFull": "specroll.rl.coordinator",
+    "DroppedGroup": "specroll.rl.group_retries",
+    "GroupDropped": "specroll.rl.group_retries",
     "Prompt": "specroll.rl.tasks",
     "builtin_prompts": "specroll.rl.tasks",
     "format_question": "specroll.rl.tasks",
@@ -40,9 +44,12 @@ _EXPORTS = {
 }
 __all__ = [
     "ConfigError",
+    "DroppedGroup",
     "Group",
+    "GroupDropped",
     "PrefixCacheStats",
     "Prompt",
+    "QueueFull",
     "RolloutClient",
     "RunConfig",
     "Sample",

@@ -22,6 +22,13 @@ and acceptance falls geometrically with depth (EAGLE and vLLM run 1–10)."""
 MAX_NUM_THREADS = 1024
 """Most torch CPU threads a role may ask for: OpenMP cannot create ~100,000 (libgomp's thread creation
 fails and the process dies with SIGSEGV), and no machine this runs on has more than a few hundred cores."""
+MAX_TOKENS = 1 << 20
+"""Most tokens of a context (``max_model_len``) or of one step (``max_num_batched_tokens``): the wire's
+longest sequence (``protocol.limits.MAX_SEQUENCE_TOKENS``)."""
+MAX_NUM_SEQS = 1 << 16
+"""Most sequences decoded in one step (``max_num_seqs``; a group's samples, ``protocol.limits.MAX_GROUP_SIZE``)."""
+MAX_KV_CACHE_GB = 4096.0
+"""Most GiB the KV cache may be asked to allocate (``kv_cache_memory_gb``)."""
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -41,15 +48,15 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Weight and KV dtype; ``auto`` is bfloat16 on CUDA and on CPUs with native bf16, else float32.
     float32 is the reference: the parity tests run in it."""
     page_size: int = 16
-    """Tokens per KV-cache page."""
+    """Tokens per KV-cache page: a power of two, at most 4096."""
     kv_cache_memory_gb: float = 1.0
-    """Memory given to the paged KV cache, in GiB; the number of pages follows from it."""
+    """Memory given to the paged KV cache, in GiB (at most 4096); the number of pages follows from it."""
     max_num_seqs: int = 64
-    """Most sequences decoded in one step."""
+    """Most sequences decoded in one step, 1 to 65536."""
     max_num_batched_tokens: int = 2048
-    """Token budget of one step (prefill chunks + decode tokens)."""
+    """Token budget of one step (prefill chunks + decode tokens), 1 to 1,048,576."""
     max_model_len: int | None = None
-    """Context length cap in tokens; ``None`` takes the checkpoint's."""
+    """Context length cap in tokens (at most 1,048,576); ``None`` takes the checkpoint's."""
     enable_prefix_caching: bool = True
     """Share full prompt pages between requests (the n samples of a group prefill once)."""
     seed: int = 0
@@ -106,18 +113,18 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             allowed = typing.get_args(kind)
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}, expected one of {', '.join(map(repr, allowed))}")
-        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
-            raise ValueError(f"page_size={self.page_size}, expected a positive power of two")
-        if not self.kv_cache_memory_gb > 0:
-            raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb}, expected a positive number")
-        if self.max_num_seqs <= 0:
-            raise ValueError(f"max_num_seqs={self.max_num_seqs}, expected a positive integer")
-        if self.max_num_batched_tokens <= 0:
-            raise ValueError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens}, expected a positive integer"
-            )
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError(f"max_model_len={self.max_model_len}, expected a positive integer or None")
+        if not 0 < self.page_size <= 4096 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size={self.page_size}, expected a power of two in [1, 4096]")
+        if not 0 < self.kv_cache_memory_gb <= MAX_KV_CACHE_GB:
+            raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb}, expected a number of GiB in "
+                             f"(0, {MAX_KV_CACHE_GB:g}]")
+        if not 0 < self.max_num_seqs <= MAX_NUM_SEQS:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs}, expected an integer in [1, {MAX_NUM_SEQS}]")
+        if not 0 < self.max_num_batched_tokens <= MAX_TOKENS:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens}, expected an integer in "
+                             f"[1, {MAX_TOKENS}]")
+        if self.max_model_len is not None and not 0 < self.max_model_len <= MAX_TOKENS:
+            raise ValueError(f"max_model_len={self.max_model_len}, expected an integer in [1, {MAX_TOKENS}] or None")
         if not 0 < self.num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_draft_tokens={self.num_draft_tokens}, expected an integer from 1 to "
                              f"{MAX_DRAFT_TOKENS}")

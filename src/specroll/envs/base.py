@@ -15,8 +15,9 @@ the server recorded, never text the environment rewrote::
         return float(reply.choices[0].message.content.strip() == prompt.answer)
 
 and in the run's config ``task.environment = "my_package.my_module:my_env"``. An exception, or more
-than ``task.episode_timeout_s`` seconds, fails the episode: it runs again from the start (at most
-``task.max_retries`` times), then its whole group is dropped (never a partial group).
+than ``task.episode_timeout_s`` seconds, fails the episode: it runs again from the start while its
+group's failures number at most ``trainer.max_group_retries``, then its whole group is dropped
+(never a partial group).
 """
 
 from __future__ import annotations

@@ -13,99 +13,36 @@ carrying every token already streamed, so a rollout continues from prompt + its 
   tokens after the finish or beyond the group's ``max_tokens`` are refused (:class:`ChunkError`);
 - chunks from a generator that no longer serves the group (it was declared dead, or the group was
   aborted) are ignored and counted, never merged.
+
+A group that keeps failing is retried a bounded number of times, then dropped whole
+(``group_retries.py``): a generator that dies with it (``lost``) or sends a chunk of it that is
+refused (``refused``; :meth:`RolloutCoordinator.take_back`) costs it one of ``max_group_retries``
+retries — it resumes on another generator while one has room — and one failure more drops it: it
+leaves the coordinator, none of its samples kept, and its submitter is told
+(:meth:`RolloutCoordinator.pop_dropped`). So no generator holds a group for ever by sending chunks
+that cannot be merged. The queue is bounded too: past ``max_queued_groups`` groups waiting for a
+generator, :meth:`RolloutCoordinator.add_group` raises :class:`QueueFull`.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal
 
-from specroll.protocol.limits import MAX_ID_CHARS
-from specroll.protocol.messages import RolloutChunk, SampleResume, SubmitGroup
+from specroll.protocol.messages import RolloutChunk, SubmitGroup
 from specroll.protocol.sampling import SamplingParams
+from specroll.rl.coordinator_errors import ChunkError, QueueFull, check_chunk_group_id
+from specroll.rl.group_retries import DroppedGroup, DropReason, GroupRetries
+from specroll.rl.groups import DEFAULT_MAX_GROUP_RETRIES, LANES, Group, Lane, Sample
 
-Lane = Literal["train", "eval", "serve"]
-"""What a group is for: ``train`` groups count against ``max_groups_in_flight`` and feed training;
-``eval`` groups (held-out evaluation) are dispatched before any queued training group, do not count
-against that bound, and finish into a queue of their own, so training never sees them; ``serve``
-groups (requests of the HTTP server, ``actors/server/``) likewise, dispatched after evaluation and
-before training, and never queued when finished: whoever submitted one holds it
-(:attr:`RolloutCoordinator.groups` while it is live) and is told by the hub's chunk callback."""
-LANES: tuple[Lane, ...] = ("eval", "serve", "train")  # dispatch order
+__all__ = ["LANES", "ChunkError", "GeneratorState", "Group", "Lane", "QueueFull", "RolloutCoordinator", "Sample",
+           "check_chunk_group_id"]
 
-
-class ChunkError(ValueError):
-    """A rollout chunk that cannot be merged: unknown group or sample, a gap, a disagreement with
-    tokens already held, tokens after the sample finished or beyond its ``max_tokens``, or a group
-    id longer than :data:`~specroll.protocol.limits.MAX_ID_CHARS`."""
-
-
-def check_chunk_group_id(chunk: RolloutChunk) -> None:
-    """Bound the chunk's group id before it is looked up or parsed anywhere.
-
-    Raises:
-        ChunkError: an id longer than :data:`~specroll.protocol.limits.MAX_ID_CHARS`.
-    """
-    if len(chunk.group_id) > MAX_ID_CHARS:
-        raise ChunkError(f"RolloutChunk.len(group_id) = {len(chunk.group_id)} is over the limit {MAX_ID_CHARS} "
-                         "(protocol limit)")
-
-
-@dataclass
-class Sample:
-    """One response of a group, as streamed so far."""
-
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    """Behavior logprobs (natural log, under the processed distribution that sampled each token)."""
-    versions: list[int] = field(default_factory=list)
-    """The policy version of the weights that produced each token."""
-    finish_reason: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class Group:
-    """n samples of one prompt, in flight or finished."""
-
-    group_id: str
-    prompt_token_ids: list[int]
-    samples: list[Sample]
-    sampling: SamplingParams
-    payload: object = None
-    """Whatever the caller attached to the prompt (e.g. the reference answer for the reward)."""
-    lane: Lane = "train"
-    generator: str | None = None
-    """Actor id serving it now; None while queued."""
-    dispatches: int = 0
-    """Times it was sent to a generator (1 + resumes after deaths)."""
-    pin: str | None = None
-    """A generator it should run on while that one is connected (an HTTP session's: prefix-cache
-    reuse across turns); it waits in the queue while that generator is full, and goes anywhere once
-    it is gone. None: wherever there is most room."""
-    refused: str | None = None
-    """Why its generator refused it (a served request's group; its samples then end as aborted)."""
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finished for s in self.samples)
-
-    def submit_message(self) -> SubmitGroup:
-        """The ``SubmitGroup`` for this group now: fresh, or resuming its unfinished samples."""
-        resume: tuple[SampleResume, ...] = ()
-        if any(s.token_ids or s.finished for s in self.samples):
-            resume = tuple(
-                SampleResume(index=i, token_ids=list(s.token_ids), logprobs=list(s.logprobs),
-                             versions=list(s.versions))
-                for i, s in enumerate(self.samples) if not s.finished
-            )
-        return SubmitGroup(group_id=self.group_id, prompt_token_ids=list(self.prompt_token_ids),
-                           n=len(self.samples), sampling=self.sampling, resume=resume)
+DEFAULT_MAX_QUEUED_GROUPS = 1024
+"""``trainer.max_queued_groups``'s default: groups waiting for a generator, at most."""
+MAX_QUEUED_GROUPS = 1 << 20
+"""The largest ``max_queued_groups`` accepted (each queued group holds its prompt in memory)."""
 
 
 @dataclass
@@ -125,17 +62,29 @@ class GeneratorState:
 
 
 class RolloutCoordinator:
-    """Dispatch groups to generators by free capacity, assemble streamed chunks, resume after deaths.
+    """Dispatch groups to generators by free capacity, assemble streamed chunks, resume after deaths
+    and refusals, drop a group that keeps failing (module docstring).
 
     Args:
-        max_groups_in_flight: most groups dispatched and unfinished at once (bounds staleness:
-            the off-step pipeline never runs further ahead than this).
+        max_groups_in_flight: most training groups dispatched and unfinished at once (bounds
+            staleness: the off-step pipeline never runs further ahead than this).
+        max_group_retries: failures (refused, lost) a group survives; one more drops it.
+        max_queued_groups: most groups waiting for a generator, every lane together; one more is
+            refused (:class:`QueueFull`). Groups queued again after a failure are not refused.
+
+    Raises:
+        ValueError: a bound out of range.
     """
 
-    def __init__(self, max_groups_in_flight: int) -> None:
+    def __init__(self, max_groups_in_flight: int, max_group_retries: int = DEFAULT_MAX_GROUP_RETRIES,
+                 max_queued_groups: int = DEFAULT_MAX_QUEUED_GROUPS) -> None:
         if max_groups_in_flight <= 0:
             raise ValueError(f"max_groups_in_flight={max_groups_in_flight}, expected a positive integer")
+        if not 1 <= max_queued_groups <= MAX_QUEUED_GROUPS:
+            raise ValueError(f"max_queued_groups={max_queued_groups}, expected an integer in [1, {MAX_QUEUED_GROUPS}]")
+        GroupRetries(max_group_retries)  # checks its range
         self.max_groups_in_flight = max_groups_in_flight
+        self.max_group_retries, self.max_queued_groups = max_group_retries, max_queued_groups
         self.groups: dict[str, Group] = {}
         """Every group queued or in flight, by id."""
         self.generators: dict[str, GeneratorState] = {}
@@ -146,7 +95,12 @@ class RolloutCoordinator:
         self.ignored_chunks = 0
         """Chunks from a generator that no longer serves their group (late after a death or abort)."""
         self.resumed_groups = 0
-        """Groups sent to another generator after theirs died."""
+        """Groups queued again to resume after a failure (their generator died, or sent a refused chunk)."""
+        self._dropped: dict[Lane, deque[DroppedGroup]] = {lane: deque() for lane in LANES}
+        self.groups_dropped: Counter[DropReason] = Counter()
+        """Groups dropped by the retry rule, by their last failure's reason, every lane."""
+        self.on_drop: Callable[[Group], None] | None = None
+        """Called with each group as it is dropped (:attr:`Group.dropped` set), after it left."""
 
     # ---- prompts and generators -----------------------------------------------------------
 
@@ -157,6 +111,7 @@ class RolloutCoordinator:
 
         Raises:
             ValueError: empty prompt or ``n`` < 1.
+            QueueFull: ``max_queued_groups`` groups are waiting already; nothing was queued.
         """
         if not prompt_token_ids:
             raise ValueError("empty prompt: expected at least one token id")
@@ -164,10 +119,12 @@ class RolloutCoordinator:
             raise ValueError(f"n={n}, expected at least one sample per group")
         if lane not in LANES:
             raise ValueError(f"lane={lane!r}, expected one of {LANES}")
+        if sum(len(q) for q in self._queues.values()) >= self.max_queued_groups:
+            raise QueueFull(self.max_queued_groups)
         group_id = f"g{self._next_id}"
         self._next_id += 1
         self.groups[group_id] = Group(group_id, list(prompt_token_ids), [Sample() for _ in range(n)], sampling,
-                                      payload, lane, pin=pin)
+                                      payload, lane, pin=pin, retries=GroupRetries(self.max_group_retries))
         self._queues[lane].append(group_id)
         return group_id
 
@@ -193,19 +150,69 @@ class RolloutCoordinator:
         """The policy version each connected generator serves, by actor id."""
         return {a: g.policy_version for a, g in self.generators.items()}
 
-    def remove_generator(self, actor_id: str) -> list[str]:
-        """A generator died or left: its unfinished groups go back to the front of the queue, to
-        resume elsewhere from what they streamed. Returns their ids."""
+    def remove_generator(self, actor_id: str, why: str = "it is gone") -> list[str]:
+        """A generator died or left (``why``): each of its unfinished groups fails (``lost``) and goes
+        back to the front of the queue, to resume elsewhere from what it streamed — or, past
+        ``max_group_retries``, is dropped. Returns the ids of those that resume."""
         gen = self.generators.pop(actor_id, None)
         if gen is None:
             return []
-        orphans = sorted(gen.groups, key=lambda g: int(g[1:]))
-        for group_id in reversed(orphans):  # oldest first at the front
+        resumed = []
+        for group_id in sorted(gen.groups, key=lambda g: int(g[1:]), reverse=True):  # oldest first at the front
             group = self.groups[group_id]
             group.generator = None
-            self._queues[group.lane].appendleft(group_id)
-        self.resumed_groups += len(orphans)
-        return orphans
+            group.failed_on.add(actor_id)
+            if self._fail(group, "lost", f"generator {actor_id} is gone ({why})"):
+                resumed.append(group_id)
+        for group in self.groups.values():  # its last chunks will never come: nothing to wait for
+            group.draining.pop(actor_id, None)
+        return resumed[::-1]
+
+    def take_back(self, actor_id: str, group_id: str, why: str, ended: Iterable[int] = ()) -> bool:
+        """``actor_id`` serves ``group_id`` and sent a chunk of it that was refused, or refused the group
+        (``why``): the group fails (``refused``) and is taken from it, to resume on another generator
+        from the tokens held — or, past ``max_group_retries``, is dropped. Send that generator
+        ``Abort``: the group is not sent back to it before the last chunk of every sample it may
+        still run (all unfinished ones but ``ended``, which it ended already) arrived
+        (:meth:`on_stale_chunk`). Returns whether it was taken (False: ``actor_id`` does not serve it;
+        nothing changed)."""
+        group = self.groups.get(group_id)
+        if group is None or group.generator != actor_id:
+            return False
+        live = {i for i, s in enumerate(group.samples) if not s.finished} - set(ended)
+        if live:
+            group.draining[actor_id] = live
+        self._release(group)
+        group.generator = None
+        group.failed_on.add(actor_id)
+        self._fail(group, "refused", why)
+        return True
+
+    def on_stale_chunk(self, actor_id: str, chunk: RolloutChunk) -> None:
+        """A chunk from a generator that no longer serves its group: a sample's last one (``finished``)
+        means that generator no longer runs that sample (:meth:`take_back`)."""
+        group = self.groups.get(chunk.group_id)
+        live = group.draining.get(actor_id) if group is not None and chunk.finished else None
+        if live is not None:
+            live.discard(chunk.sample_index)
+            if not live:
+                del group.draining[actor_id]  # type: ignore[union-attr]
+
+    def _fail(self, group: Group, reason: DropReason, why: str) -> bool:
+        """A failure of ``group`` (not queued, no generator): queue it again at the front and return
+        True, or past ``max_group_retries`` drop it and return False."""
+        if group.retries.fail(reason, why):
+            self._queues[group.lane].appendleft(group.group_id)
+            self.resumed_groups += 1
+            return True
+        del self.groups[group.group_id]
+        group.dropped = group.drop_record()
+        self.groups_dropped[reason] += 1
+        if group.lane != "serve":  # a served request's submitter holds it
+            self._dropped[group.lane].append(group.dropped)
+        if self.on_drop is not None:
+            self.on_drop(group)
+        return False
 
     # ---- dispatch ---------------------------------------------------------------------------
 
@@ -224,27 +231,32 @@ class RolloutCoordinator:
     def dispatch(self) -> list[tuple[str, SubmitGroup]]:
         """Assign queued groups to generators with room for them, most room first (a pinned group to
         its generator while that one is connected: it waits while that one is full, without holding
-        up the groups behind it): evaluation groups first, then served requests, then training groups
-        while fewer than ``max_groups_in_flight`` of them are in flight. Returns (actor id, message)
-        pairs to send."""
+        up the groups behind it; a group that failed on a generator to another while one has room, and
+        never to one still running some of it): evaluation groups first, then served requests, then
+        training groups while fewer than ``max_groups_in_flight`` of them are in flight. Returns
+        (actor id, message) pairs to send."""
         out = []
         for lane in LANES:
             queue = self._queues[lane]
             budget = self.max_groups_in_flight - self.num_in_flight("train") if lane == "train" else len(queue)
-            waiting: list[str] = []  # pinned groups whose generator is full: they keep their place
-            while queue and budget > 0:
+            waiting: list[str] = []  # groups that cannot go where there is room yet: they keep their place
+            while queue and budget > 0 and self.generators:
                 group = self.groups[queue[0]]
                 size = sum(not s.finished for s in group.samples)
                 pinned = self.generators.get(group.pin) if group.pin is not None else None
-                if pinned is not None:
+                if pinned is not None and pinned.actor_id not in group.failed_on:
                     if self._room(pinned, size) <= 0:
                         waiting.append(queue.popleft())
                         continue
                     gen = pinned
                 else:
-                    gen = max(self.generators.values(), key=lambda g: (self._room(g, size), -len(g.groups)),
-                              default=None)
-                    if gen is None or self._room(gen, size) <= 0:
+                    allowed = [g for g in self.generators.values() if g.actor_id not in group.draining]
+                    if not allowed:  # every generator still runs some of it: wait for their last chunks
+                        waiting.append(queue.popleft())
+                        continue
+                    elsewhere = [g for g in allowed if g.actor_id not in group.failed_on] or allowed
+                    gen = max(elsewhere, key=lambda g: (self._room(g, size), -len(g.groups)))
+                    if self._room(gen, size) <= 0:
                         break
                 queue.popleft()
                 group.generator = gen.actor_id
@@ -278,6 +290,7 @@ class RolloutCoordinator:
             if group is None and not self._issued(chunk.group_id):
                 raise ChunkError(f"chunk for unknown group {chunk.group_id!r}")
             self.ignored_chunks += 1  # late: the group finished, was aborted or moved elsewhere
+            self.on_stale_chunk(actor_id, chunk)
             return None
         if chunk.sample_index >= len(group.samples):
             raise ChunkError(f"group {chunk.group_id!r} has {len(group.samples)} samples; "
@@ -318,6 +331,10 @@ class RolloutCoordinator:
 
     def _retire(self, group: Group) -> None:
         del self.groups[group.group_id]
+        self._release(group)
+
+    def _release(self, group: Group) -> None:
+        """Give ``group``'s place on its generator back (until that one's next heartbeat says otherwise)."""
         if group.generator is not None and group.generator in self.generators:
             gen = self.generators[group.generator]
             gen.groups.discard(group.group_id)
@@ -348,6 +365,16 @@ class RolloutCoordinator:
     def num_finished(self, lane: Lane = "train") -> int:
         """Finished groups of ``lane`` not yet popped."""
         return len(self._finished[lane])
+
+    def pop_dropped(self, limit: int | None = None, lane: Lane = "train") -> list[DroppedGroup]:
+        """Groups of ``lane`` dropped by the retry rule and not yet popped, oldest first (at most
+        ``limit``). A served request's group is never queued here (its submitter holds it)."""
+        dropped = self._dropped[lane]
+        return [dropped.popleft() for _ in range(len(dropped) if limit is None else min(limit, len(dropped)))]
+
+    def num_dropped(self, lane: Lane = "train") -> int:
+        """Dropped groups of ``lane`` not yet popped."""
+        return len(self._dropped[lane])
 
     def groups_of(self, actor_id: str) -> Iterable[str]:
         """Ids of the groups a generator serves now."""

@@ -59,16 +59,23 @@ async def test_the_client_refuses_chunks_past_max_tokens_and_bad_group_ids_and_k
         await gen.channel.send(chunk(group_id, 0, 10**6))
         err = await gen.expect(Error)
         assert err.code == "bad_request" and "len(token_ids) = 1000000" in err.message and "limit 8" in err.message
+        assert (await gen.expect(Abort)).group_id == group_id  # taken from it, to resume (rl/group_retries.py)
         await gen.channel.send(chunk("g" + "1" * 5000, 0, 1))  # int() of it would raise
         err = await gen.expect(Error)
         assert err.code == "bad_request" and "len(group_id) = 5001" in err.message
         await gen.channel.send(chunk("g²", 0, 1))  # a digit int() does not read: foreign, aborted
         assert (await gen.expect(Abort)).group_id == "g²"
 
+        for i in range(2):  # the Abort ends both samples there; then it gets the group again
+            await gen.channel.send(RolloutChunk(group_id=group_id, sample_index=i, offset=0, token_ids=[], logprobs=[],
+                                                versions=[], finished=True, finish_reason="abort"))
+        sub = await gen.expect(SubmitGroup)
+        assert sub.group_id == group_id and sub.resume == ()  # nothing of it was kept
         await gen.channel.send(chunk(group_id, 0, 8, finished=True))
         await gen.channel.send(chunk(group_id, 1, 8, finished=True))
         group = await client.next_finished(timeout=guard(30))
     assert group.group_id == group_id and [len(s.token_ids) for s in group.samples] == [8, 8]
+    assert group.retries.failures == 1 and group.dispatches == 2
 
 
 async def test_a_frame_over_the_clients_cap_is_dropped_unread_and_the_generator_goes_on() -> None:

@@ -231,7 +231,8 @@ def test_restarts_come_from_the_launcher_s_file_so_a_restarted_trainer_never_rea
 
     from specroll.actors.telemetry.trainer_metrics import TrainerExport
 
-    hub = SimpleNamespace(coordinator=SimpleNamespace(generators={"generator-0": None}), dead_generators={},
+    hub = SimpleNamespace(coordinator=SimpleNamespace(generators={"generator-0": None}, groups_dropped=Counter()),
+                          dead_generators={},
                           mail=SimpleNamespace(errors_sent=Counter()))
     export = TrainerExport(hub, tmp_path)  # type: ignore[arg-type]
     (tmp_path / "restarts.json").write_text(json.dumps({"restarts_by_role": {"generator-1": 2}}))

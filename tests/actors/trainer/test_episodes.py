@@ -98,7 +98,7 @@ async def test_parse_failures_are_counted_and_a_failing_group_is_dropped_whole(t
             raise RuntimeError("sandbox crashed")
         return await _turns_env(2, [], tools=True)(client, prompt)
 
-    overrides = ("task.max_turns=4", "task.max_retries=2", "trainer.group_size=2", "trainer.batch_groups=1")
+    overrides = ("task.max_turns=4", "trainer.max_group_retries=2", "trainer.group_size=2", "trainer.batch_groups=1")
     async with served(tiny_llama, tmp_path, overrides=overrides) as s:
         runner = EpisodeRunner(s.config, s.state, s.url, flaky)
         ok = await runner.group("g-ok", PROMPT, 2, seed=0, sampling={"temperature": 1.0})
@@ -106,18 +106,17 @@ async def test_parse_failures_are_counted_and_a_failing_group_is_dropped_whole(t
         dropped = await runner.group("g-bad", PROMPT, 2, seed=1, sampling={"temperature": 1.0})
         assert len(s.state.router.episodes) == 0  # every session closed, the cancelled ones too
         await runner.aclose()
-    assert dropped is None and len(attempts) == 3  # one episode, tried 1 + max_retries times
+    assert dropped is None and len(attempts) == 3  # one episode, tried 1 + max_group_retries times
     assert runner.failures["environment error"] == 3
     assert isinstance(ok, EpisodeGroup) and all(t.tool_call_errors == 1 for e in ok.episodes for t in e.turns)
 
     class _Feeder:  # what episode_metrics reads of a feeder
-        groups_dropped, dropped_ids = 1, ["g-bad"]
-        take_dropped = EpisodeFeeder.take_dropped
+        pass
     feeder = _Feeder()
     feeder.runner = runner
     metrics = episode_metrics([ok], feeder)  # type: ignore[arg-type]
     assert metrics["tool_call_errors"] == 4 and metrics["tool_call_errors_mean"] == 2
-    assert metrics["groups_dropped"] == 1 and metrics["env_turns_seen_mean"] == 2.0
+    assert metrics["env_turns_seen_mean"] == 2.0
     assert metrics["episode_failures"] == {"environment error": 3}
 
 
@@ -126,7 +125,7 @@ async def test_an_episode_without_a_finite_reward_or_past_its_turns_fails(tiny_l
         await _turns_env(1, [])(client, prompt)
         return float("nan")
 
-    async with served(tiny_llama, tmp_path, overrides=("task.max_turns=1", "task.max_retries=0")) as s:
+    async with served(tiny_llama, tmp_path, overrides=("task.max_turns=1", "trainer.max_group_retries=0")) as s:
         for env, reason in ((no_reward, "bad reward"), (_turns_env(2, []), "environment error")):
             runner = EpisodeRunner(s.config, s.state, s.url, env)
             assert await runner.group("g", PROMPT, 1, seed=0, sampling={}) is None
@@ -139,7 +138,7 @@ async def test_an_episode_without_a_finite_reward_or_past_its_turns_fails(tiny_l
 
 async def test_a_run_whose_every_group_is_dropped_ends_with_the_last_failure():
     class Failing:  # a runner whose every group is dropped
-        max_retries, last_failure, started = 0, "environment error: RuntimeError: sandbox down", 0
+        last_failure, started = "environment error: RuntimeError: sandbox down", 0
 
         async def group(self, *args):
             self.started += 1
@@ -155,7 +154,7 @@ async def test_a_run_whose_every_group_is_dropped_ends_with_the_last_failure():
         leaf = leaf.exceptions[0]
     assert isinstance(leaf, TrainerError) and "9 groups in a row were dropped" in str(leaf)
     assert "sandbox down" in str(leaf)
-    assert 9 <= feeder.groups_dropped <= runner.started <= 9 + 2 * 4  # bounded: a batch or two of 4 in flight
+    assert 9 <= feeder.drops.total["failed"] <= runner.started <= 9 + 2 * 4  # bounded: a batch or two of 4 in flight
     assert leaf.exit_code == 2  # refused, not restarted: it would fail the same way
     assert feeder.admission.submitted == 0  # dropped groups give their place back
 

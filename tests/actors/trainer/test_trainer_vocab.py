@@ -21,6 +21,7 @@ from helpers.trainer_runs import free_port, metrics, run_config, wait_for
 from specroll.actors.trainer.process import ENDPOINT_FILENAME, run_trainer
 from specroll.protocol.messages import (
     PROTOCOL_VERSION,
+    Abort,
     AckWeights,
     Dead,
     Error,
@@ -94,20 +95,26 @@ async def test_the_trainer_refuses_token_ids_outside_the_vocabulary_and_trains_o
             await gen.channel.send(Heartbeat(policy_version=0, batch_size=0, free_groups=1, free_seqs=2))
             group_id = (await gen.expect(SubmitGroup, timeout=guard(120))).group_id
 
-            # Each bad chunk finishes its sample: were both merged, the group would go to the training step.
-            await gen.channel.send(chunk(group_id, 0, [7, TINY_VOCAB], finished=True))
-            await gen.channel.send(chunk(group_id, 1, [-1], finished=True))
-            replies = await next_messages(gen, 2)
-            if isinstance(replies[-1], Dead):
-                await wait_for(lambda: "code" in result, guard(60), "the trainer to finish")
-            assert all(isinstance(r, Error) for r in replies), (result, replies, caplog.text[-2000:])
-            for index, err, needle in ((0, replies[0], f"token_ids[1] = {TINY_VOCAB}"),
-                                       (1, replies[1], "token_ids[0] = -1")):
-                assert err.code == "bad_request", err
+            # Each bad chunk finishes its sample: were it merged, the group would go to the training step.
+            # Refused, it takes the group from its generator (Abort) to run again, nothing of it held, a
+            # failure under the retry rule (rl/group_retries.py; 2 of trainer.max_group_retries = 3 here).
+            for index, bad, needle in ((0, [7, TINY_VOCAB], f"token_ids[1] = {TINY_VOCAB}"),
+                                       (1, [-1], "token_ids[0] = -1")):
+                await gen.channel.send(chunk(group_id, index, bad, finished=True))
+                replies = await next_messages(gen, 2)
+                if isinstance(replies[-1], Dead):
+                    await wait_for(lambda: "code" in result, guard(60), "the trainer to finish")
+                err, abort = replies
+                assert isinstance(err, Error) and err.code == "bad_request", (result, replies, caplog.text[-2000:])
                 assert needle in err.message and f"vocabulary [0, {TINY_VOCAB})" in err.message, err
                 assert f"group {group_id!r} sample {index}" in err.message, err
+                assert isinstance(abort, Abort) and abort.group_id == group_id, replies
+                await gen.channel.send(RolloutChunk(group_id=group_id, sample_index=1 - index, offset=0, token_ids=[],
+                                                    logprobs=[], versions=[], finished=True, finish_reason="abort"))
+                again = await gen.expect(SubmitGroup, timeout=guard(120))  # its only generator, once it ended the rest
+                assert again.group_id == group_id and again.resume == ()
 
-            # The group was kept in flight, nothing of the refused chunks held: good tokens finish it.
+            # Good tokens finish it.
             await gen.channel.send(chunk(group_id, 0, [7, 8], finished=True))
             await gen.channel.send(chunk(group_id, 1, [9], finished=True))
             await serve_until_dead(gen)

@@ -9,11 +9,12 @@ from typing import Literal
 from specroll.actors.config.section import Section as _Section
 from specroll.actors.config.section import check_literals as _check_literals
 from specroll.actors.config.section import require as _require
+from specroll.actors.config.section import require_seconds as _require_seconds
 
 
 def _check_quantity(name: str, value: float) -> None:
     """A Ray resource quantity: finite, >= 0, and a whole number when above 1 (Ray refuses 1.5 GPUs)."""
-    _require(math.isfinite(value) and value >= 0, name, value, "a number >= 0")
+    _require(math.isfinite(value) and 0 <= value <= 4096, name, value, "a number in [0, 4096]")
     _require(value <= 1 or value == int(value), name, value, "a fraction below 1 or a whole number")
 
 
@@ -25,10 +26,10 @@ class RoleResources(_Section):
     num_cpus: float = 1.0
     """CPUs reserved (Ray's logical ``num_cpus``; a fraction below 1 shares a core). Under
     ``backend = "ray"`` an unset ``trainer.train_threads`` / ``generator.engine.num_threads`` becomes
-    this, rounded up. Default 1."""
+    this, rounded up. At most 4096. Default 1."""
     num_gpus: float = 0.0
     """GPUs reserved (Ray's ``num_gpus``; a fraction below 1 shares a GPU). Default 0: a CPU role;
-    set 1 for a role that runs on CUDA."""
+    set 1 for a role that runs on CUDA. At most 4096."""
 
     def __post_init__(self) -> None:
         _check_quantity("num_cpus", self.num_cpus)
@@ -53,7 +54,7 @@ class ClusterConfig(_Section):
     Unset (default): a Ray instance on this host is started for the launch and stopped at its end."""
     placement_timeout_s: float = 300.0
     """Seconds a role's actor may wait for a node with its resources (and its process to start)
-    before the launch fails naming the role and the cluster's free resources. Default 300."""
+    before the launch fails naming the role and the cluster's free resources; at most 86400. Default 300."""
     trainer: RoleResources = RoleResources()
     """Resources of the trainer: of each rank when ``trainer.world_size`` > 1 (the ranks are packed on
     one node, a ``STRICT_PACK`` placement group, so their ``127.0.0.1`` rendezvous works)."""
@@ -66,8 +67,7 @@ class ClusterConfig(_Section):
         _check_literals(self)
         _require(self.address is None or bool(self.address.strip()), "address", self.address,
                  'unset, "auto", "HOST:PORT" or "ray://HOST:PORT"')
-        _require(math.isfinite(self.placement_timeout_s) and self.placement_timeout_s > 0, "placement_timeout_s",
-                 self.placement_timeout_s, "a positive number of seconds")
+        _require_seconds("placement_timeout_s", self.placement_timeout_s, 86400)
 
     def resources_of(self, role: str) -> RoleResources:
         """The resources of the role named ``role`` (``trainer``, ``trainer-<rank>``, ``generator-<i>``,

@@ -10,12 +10,22 @@ from typing import Literal
 from specroll.actors.config.section import Section as _Section
 from specroll.actors.config.section import check_literals as _check_literals
 from specroll.actors.config.section import require as _require
+from specroll.actors.config.section import require_count as _require_count
+from specroll.actors.config.section import require_seconds as _require_seconds
 from specroll.drafter.learner_config import LearnerConfig
-from specroll.engine.config import MAX_NUM_THREADS
+from specroll.engine.config import MAX_DRAFT_TOKENS, MAX_NUM_THREADS
+from specroll.protocol.limits import MAX_SEQUENCE_TOKENS
 
 MAX_WARM_START_ROLLOUTS = 100_000
 """The most responses a warm start generates (``warm_start_rollouts``, ``drafter init --rollouts``):
 hours of generation on a CPU; a bound so that no setting asks for unbounded work."""
+MAX_KV_CACHE_GB = 1024.0
+"""The most GiB of drafter K/V a generator may be asked to allocate (``kv_cache_gb``)."""
+_COUNTS = {"window_rollouts": 1_000_000, "publish_every_steps": 1_000_000, "batch": 4096,
+           "window_tokens": MAX_SEQUENCE_TOKENS, "ttt_steps": MAX_DRAFT_TOKENS, "min_rollouts": 1_000_000,
+           "draft_vocab_size": 1 << 20, "num_threads": MAX_NUM_THREADS}
+"""Each count's upper bound (its lower is 1): the replay buffer and a training step's windows are held
+in memory, and a draft vocabulary is at most a model's."""
 
 
 class DrafterConfig(_Section):
@@ -36,16 +46,16 @@ class DrafterConfig(_Section):
     learning_rate: float = 1e-3
     """AdamW learning rate of the drafter. Default 1e-3."""
     window_rollouts: int = 256
-    """Replay buffer: the most recent finished rollouts the drafter trains on. Default 256."""
+    """Replay buffer: the most recent finished rollouts the drafter trains on, 1 to 1,000,000. Default 256."""
     publish_every_steps: int = 20
-    """Drafter training steps between published drafter versions. Default 20."""
+    """Drafter training steps between published drafter versions, 1 to 1,000,000. Default 20."""
     batch: int = 4
-    """Windows per drafter training step. Default 4."""
+    """Windows per drafter training step, 1 to 4096. Default 4."""
     window_tokens: int = 128
     """Tokens per training window (ending in the response); at least ``ttt_steps + 2``, as the first
-    draft predicts the token two past a window position. Default 128."""
+    draft predicts the token two past a window position; at most 1,048,576. Default 128."""
     ttt_steps: int = 3
-    """Unrolled draft steps of EAGLE-3's training-time-test loss. Default 3."""
+    """Unrolled draft steps of EAGLE-3's training-time-test loss, 1 to 32. Default 3."""
     hidden_weight: float = 0.0
     """Weight of the optional hidden-state regression (SmoothL1 to the target's final hidden state,
     as TLT adds it); 0 (default, as EAGLE-3) trains on the soft cross-entropy only."""
@@ -53,7 +63,7 @@ class DrafterConfig(_Section):
     """Each unrolled step's training term: ``kl`` (soft cross-entropy, as EAGLE-3; default), ``tv``
     (total variation, one minus a sampled draft's acceptance probability; DistillSpec) or ``kl+tv``."""
     min_rollouts: int = 8
-    """Rollouts needed before a cold start's first step. Default 8."""
+    """Rollouts needed before a cold start's first step; at most ``window_rollouts``. Default 8."""
     draft_vocab_size: int = 4096
     """Draft vocabulary of a cold-started drafter (the rollouts' most frequent tokens); at most the
     model's vocabulary (``specroll launch`` and ``specroll drafter serve`` refuse more). Default 4096."""
@@ -80,9 +90,9 @@ class DrafterConfig(_Section):
     kv_cache_gb: float = 0.25
     """Memory of each generator for the drafter's own K/V, in GiB: at least one request's worth (a
     ``generator.engine.max_model_len``-token request plus its drafts, at the drafter's one layer of
-    K/V per token), or a generator that drafts with ``eagle`` refuses to start. Default 0.25."""
+    K/V per token), or a generator that drafts with ``eagle`` refuses to start; at most 1024. Default 0.25."""
     linger_s: float = 1.0
-    """On shutdown: seconds the drafter trainer's ``Dead`` may take to be delivered. Default 1.0."""
+    """On shutdown: seconds the drafter trainer's ``Dead`` may take to be delivered, at most 60. Default 1.0."""
     device: str = "cpu"
     """Torch device the drafter trainer trains on. Default ``cpu``."""
     warm_start_minutes: float = 0.0
@@ -109,11 +119,11 @@ class DrafterConfig(_Section):
         _require(self.path is None or bool(self.path), "path", self.path, "a directory or unset")
         _require(self.learning_rate > 0 and math.isfinite(self.learning_rate), "learning_rate",
                  self.learning_rate, "a positive finite number")
-        for name in ("window_rollouts", "publish_every_steps", "batch", "window_tokens", "ttt_steps", "min_rollouts",
-                     "draft_vocab_size", "num_threads"):
-            _require(getattr(self, name) >= 1, name, getattr(self, name), "a positive integer")
-        _require(self.num_threads <= MAX_NUM_THREADS, "num_threads", self.num_threads,
-                 f"an integer in [1, {MAX_NUM_THREADS}]")
+        for name, most in _COUNTS.items():
+            _require_count(name, getattr(self, name), 1, most)
+        _require(self.min_rollouts <= self.window_rollouts, "min_rollouts", self.min_rollouts,
+                 f"at most window_rollouts = {self.window_rollouts} (the replay buffer never holds more: a cold "
+                 "start would never train)")
         _require(self.window_tokens >= self.ttt_steps + 2, "window_tokens", self.window_tokens,
                  f"an integer >= ttt_steps + 2 = {self.ttt_steps + 2} (ttt_steps={self.ttt_steps}; the first draft "
                  f"predicts x_(t+2))")
@@ -123,10 +133,9 @@ class DrafterConfig(_Section):
         _require(0 <= self.train_below <= 1, "train_below", self.train_below, "a number in [0, 1]")
         _require(self.acceptance_floor >= 0 and math.isfinite(self.acceptance_floor), "acceptance_floor",
                  self.acceptance_floor, "a finite number >= 0 (0 never warns)")
-        _require(self.kv_cache_gb > 0 and math.isfinite(self.kv_cache_gb), "kv_cache_gb", self.kv_cache_gb,
-                 "a positive number of GiB")
-        _require(self.linger_s > 0 and math.isfinite(self.linger_s), "linger_s", self.linger_s,
-                 "a positive number of seconds")
+        _require(0 < self.kv_cache_gb <= MAX_KV_CACHE_GB, "kv_cache_gb", self.kv_cache_gb,
+                 f"a number of GiB in (0, {MAX_KV_CACHE_GB:g}]")
+        _require_seconds("linger_s", self.linger_s, 60)
         _require(bool(self.device), "device", self.device, "a torch device, e.g. 'cpu'")
         _require(0 <= self.warm_start_minutes <= 10080 and math.isfinite(self.warm_start_minutes),
                  "warm_start_minutes", self.warm_start_minutes, "CPU-minutes in [0, 10080] (0: no warm start)")

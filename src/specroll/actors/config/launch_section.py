@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-import math
-
 from specroll.actors.config.section import Section as _Section
 from specroll.actors.config.section import require as _require
+from specroll.actors.config.section import require_count as _require_count
+from specroll.actors.config.section import require_seconds as _require_seconds
+
+MAX_RESTARTS = 1000
+"""The most restarts of one role ``max_restarts`` may allow in a window."""
+MAX_BACKOFF_S = 3600.0
+"""The longest back-off before a restart, in seconds."""
 
 
 class LaunchConfig(_Section):
@@ -21,14 +26,15 @@ class LaunchConfig(_Section):
     """
 
     max_restarts: int = 5
-    """Restarts of one role allowed within ``restart_window_s``; 0 ends the run at the first death
-    (the drafter trainer's excepted). Default 5."""
+    """Restarts of one role allowed within ``restart_window_s``, 0 to 1000; 0 ends the run at the first
+    death (the drafter trainer's excepted). Default 5."""
     restart_window_s: float = 600.0
-    """Seconds over which restarts are counted against ``max_restarts``. Default 600."""
+    """Seconds over which restarts are counted against ``max_restarts``, at most a week. Default 600."""
     restart_backoff_s: float = 1.0
-    """Seconds before the first restart of a role in the window; doubled for each further one. Default 1."""
+    """Seconds before the first restart of a role in the window; doubled for each further one. At most
+    3600. Default 1."""
     restart_backoff_max_s: float = 30.0
-    """Longest back-off, in seconds. Default 30."""
+    """Longest back-off, in seconds, at most 3600. Default 30."""
     fork_roles: bool = True
     """Start each role (and each restart) by forking the launcher, which has imported torch and the
     role modules once, instead of a fresh ``python -m`` interpreter: a restart skips the ~3
@@ -42,12 +48,10 @@ class LaunchConfig(_Section):
     uses its ``cuda:0``. Not used under Ray, which assigns GPUs by ``num_gpus``. Default true."""
 
     def __post_init__(self) -> None:
-        _require(self.max_restarts >= 0, "max_restarts", self.max_restarts, "an integer >= 0")
-        _require(self.restart_window_s > 0 and math.isfinite(self.restart_window_s), "restart_window_s",
-                 self.restart_window_s, "a positive number of seconds")
+        _require_count("max_restarts", self.max_restarts, 0, MAX_RESTARTS)
+        _require_seconds("restart_window_s", self.restart_window_s)
         for name in ("restart_backoff_s", "restart_backoff_max_s"):
-            value = getattr(self, name)
-            _require(value >= 0 and math.isfinite(value), name, value, "a number of seconds >= 0")
+            _require_seconds(name, getattr(self, name), MAX_BACKOFF_S, zero=True)
         _require(self.restart_backoff_max_s >= self.restart_backoff_s, "restart_backoff_max_s",
                  self.restart_backoff_max_s, f"at least restart_backoff_s = {self.restart_backoff_s}")
 

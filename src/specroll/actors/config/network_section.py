@@ -7,9 +7,12 @@ import math
 from pathlib import Path
 from typing import Literal
 
+from specroll.actors.config.section import MAX_SECONDS
 from specroll.actors.config.section import Section as _Section
 from specroll.actors.config.section import check_literals as _check_literals
 from specroll.actors.config.section import require as _require
+from specroll.actors.config.section import require_count as _require_count
+from specroll.actors.config.section import require_seconds as _require_seconds
 from specroll.protocol.curve import KEYS_DIRNAME, ClientKeys, ServerKeys
 
 
@@ -35,7 +38,7 @@ class NetworkConfig(_Section):
     can join as a generator (and feed training fabricated rollouts), read the policy's weights or
     publish a drafter. Default false; a warning is printed when it is used."""
     hwm: int = 1000
-    """ZeroMQ high-water mark: messages queued per peer and direction. Default 1000
+    """ZeroMQ high-water mark: messages queued per peer and direction, 1 to 1,000,000. Default 1000
     (``protocol.sockets.DEFAULT_HWM``)."""
     window: int = 64
     """Credit window: data messages a sender may have unconsumed at one receiver; below ``hwm``.
@@ -44,11 +47,11 @@ class NetworkConfig(_Section):
     """Seconds of silence (while the trainer keeps up reading) after which a peer is declared dead;
     above ``generator.heartbeat_s``. A peer whose connection closes is declared dead within about 2 s
     without waiting for it. A generator also waits this long for a trainer that said it is exiting
-    to come back, and for the handshake. Default 10.0."""
+    to come back, and for the handshake. At most 86400. Default 10.0."""
     reconnect_timeout_s: float | None = None
     """Seconds a generator or the drafter trainer waits for a trainer that vanished without saying
     it is exiting (it crashed; ``specroll launch`` restarts it from its checkpoint, on the same port)
-    to come back, before it exits with code 3; at least ``heartbeat_timeout_s``. Default (unset): the
+    to come back, before it exits with code 3; at least ``heartbeat_timeout_s``, at most a week. Default (unset): the
     larger of 60 and ``heartbeat_timeout_s`` (:meth:`reconnect_s`)."""
     weights_transport: Literal["zmq", "collective"] = "zmq"
     """How policy weights reach the generators: ``zmq`` (default; chunks on the trainer's socket, the
@@ -60,7 +63,7 @@ class NetworkConfig(_Section):
     groups' stores and sockets bind ``host`` and accept whoever connects, so ``collective`` needs a
     cluster-internal network (``zmq`` is the choice where that cannot be assured)."""
     weights_bucket_mb: int = 64
-    """MiB per broadcast with ``collective`` (each bucket is checksummed with CRC-32). Default 64."""
+    """MiB per broadcast with ``collective`` (each bucket is checksummed with CRC-32), 1 to 16384. Default 64."""
     weights_backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Backend of the weights groups: ``auto`` (default) is NCCL when the trainer trains on CUDA
     (``trainer.device``) and the generator's engine is on CUDA (distinct GPUs: NCCL refuses two
@@ -68,7 +71,7 @@ class NetworkConfig(_Section):
 
     def __post_init__(self) -> None:
         _check_literals(self)
-        _require(self.weights_bucket_mb >= 1, "weights_bucket_mb", self.weights_bucket_mb, "a positive number of MiB")
+        _require_count("weights_bucket_mb", self.weights_bucket_mb, 1, 16384)
         _require(bool(self.host), "host", self.host, "an address")
         _require(not _looks_numeric(self.host) or _is_ip(self.host), "host", self.host,
                  "a valid IP address, a host name or an interface name")
@@ -78,13 +81,13 @@ class NetworkConfig(_Section):
         _require(0 <= self.trainer_port <= 65535, "trainer_port", self.trainer_port, "a port in [0, 65535]")
         _require(self.keys_dir == self.keys_dir.strip() and "\0" not in self.keys_dir, "keys_dir", self.keys_dir,
                  "a directory path without leading or trailing spaces (empty: RUN_DIR/keys)")
-        _require(self.hwm >= 1, "hwm", self.hwm, "a positive integer")
+        _require_count("hwm", self.hwm, 1, 1_000_000)
         _require(2 <= self.window < self.hwm, "window", self.window, f"an integer in [2, hwm = {self.hwm})")
-        _require(self.heartbeat_timeout_s > 0 and math.isfinite(self.heartbeat_timeout_s), "heartbeat_timeout_s",
-                 self.heartbeat_timeout_s, "a positive number of seconds")
+        _require_seconds("heartbeat_timeout_s", self.heartbeat_timeout_s, 86400)
         r = self.reconnect_timeout_s
-        _require(r is None or (math.isfinite(r) and r >= self.heartbeat_timeout_s), "reconnect_timeout_s", r,
-                 f"a number of seconds >= heartbeat_timeout_s = {self.heartbeat_timeout_s}")
+        _require(r is None or (math.isfinite(r) and self.heartbeat_timeout_s <= r <= MAX_SECONDS),
+                 "reconnect_timeout_s", r,
+                 f"a number of seconds in [heartbeat_timeout_s = {self.heartbeat_timeout_s}, {MAX_SECONDS:g}]")
 
     def public_bind_allowed(self) -> bool:
         """A non-loopback ``host`` is allowed: CURVE security, or ``allow_insecure``."""

@@ -213,8 +213,15 @@ def _all_keys(kind: mi.Type, prefix: str = "") -> list[str]:
     return keys
 
 
+MOVED = {"task.max_retries": "trainer.max_group_retries"}
+"""Keys that moved, each to the key that replaced it (named when the old one is used)."""
+
+
 def _suggest(name: str, table_type: mi.Type, key: str, root: type[msgspec.Struct]) -> str:
-    """``"; did you mean X?"`` from the same table, else the same name in another table, else the valid keys."""
+    """``"; did you mean X?"`` from the same table, else the same name in another table, else the valid keys;
+    for a key that moved (:data:`MOVED`), where it went."""
+    if key in MOVED:
+        return f"; it moved to {MOVED[key]} (docs/configuration.md)"
     names = [f.name for f in table_type.fields] if isinstance(table_type, mi.StructType) else []
     close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
     prefix = key[: -len(name)]

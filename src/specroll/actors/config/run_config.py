@@ -45,10 +45,14 @@ from specroll.actors.config.model_section import ModelSection
 from specroll.actors.config.network_section import NetworkConfig
 from specroll.actors.config.section import Section as _Section
 from specroll.actors.config.section import require as _require
+from specroll.actors.config.section import require_count as _require_count
 from specroll.actors.config.server_section import ServerConfig
 from specroll.actors.config.task_section import EvalConfig, TaskConfig
 from specroll.actors.config.trainer_section import TrainerConfig
 from specroll.engine.loaders.registry import DEFAULT_MODEL
+
+MAX_STEPS = 10_000_000
+"""The most GRPO steps a run may ask for (``steps``)."""
 
 
 class RunConfig(_Section):
@@ -59,7 +63,7 @@ class RunConfig(_Section):
     seed: int = 0
     """Seed of the run: prompt order, per-request sampling seeds, initialisation. Default 0."""
     steps: int = 3
-    """GRPO steps to train. Default 3."""
+    """GRPO steps to train, 1 to 10,000,000. Default 3."""
     model: ModelSection = ModelSection()
     task: TaskConfig = TaskConfig()
     trainer: TrainerConfig = TrainerConfig()
@@ -80,7 +84,7 @@ class RunConfig(_Section):
     def __post_init__(self) -> None:
         _require(bool(self.run_dir), "run_dir", self.run_dir, "a directory path")
         _require(self.seed >= 0, "seed", self.seed, "an integer >= 0")
-        _require(self.steps >= 1, "steps", self.steps, "a positive integer")
+        _require_count("steps", self.steps, 1, MAX_STEPS)
         engine = self.generator.engine
         if engine.model != self.model.name:
             # The generators serve the policy: an engine model left at its default follows model.name.
@@ -102,6 +106,16 @@ class RunConfig(_Section):
         _require(server.max_n <= self.generator.engine.max_num_seqs, "server.max_n", server.max_n,
                  f"at most generator.engine.max_num_seqs = {self.generator.engine.max_num_seqs} (a request's n "
                  "samples run on one generator)")
+        tc = self.trainer
+        queued = tc.max_groups_in_flight + (self.eval.count if self.eval.every else 0) + server.max_requests_in_flight
+        _require(tc.max_queued_groups >= queued, "trainer.max_queued_groups", tc.max_queued_groups,
+                 f"at least trainer.max_groups_in_flight + eval.count + server.max_requests_in_flight = "
+                 f"{tc.max_groups_in_flight} + {self.eval.count if self.eval.every else 0} + "
+                 f"{server.max_requests_in_flight} = {queued} (what the trainer, its evaluation and its server may "
+                 "queue at once)")
+        _require(self.task.environment is not None or tc.group_size <= engine.max_num_seqs, "trainer.group_size",
+                 tc.group_size, f"at most generator.engine.max_num_seqs = {engine.max_num_seqs} (a group's samples "
+                 "run on one generator; a larger group would never be dispatched)")
         metrics = self.metrics
         _require(not metrics.enabled or metrics.is_loopback() or bool(metrics.api_key) or self.network.allow_insecure,
                  "metrics.host", metrics.host, "a loopback address (127.0.0.1, ::1, localhost) unless metrics.api_key "

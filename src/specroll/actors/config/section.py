@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 import typing
 from typing import Literal
 
@@ -14,6 +15,26 @@ def require(ok: bool, name: str, value: object, expected: str) -> None:
     """Raise ``ValueError("name=value, expected ...")`` unless ``ok``."""
     if not ok:
         raise ValueError(f"{name}={value!r}, expected {expected}")
+
+
+MAX_COUNT = 1 << 20
+"""The default upper bound of a count in the config (prompts, groups, requests, messages queued):
+far above any run's need, low enough that no setting asks an actor for unbounded work or memory."""
+MAX_SECONDS = 7 * 86400.0
+"""The longest duration a ``*_s`` setting may ask for (a week): beyond it a timeout is no bound."""
+
+
+def require_count(name: str, value: int, low: int = 1, high: int = MAX_COUNT) -> None:
+    """Raise ``ValueError("name=value, expected an integer in [low, high]")`` unless ``low <= value <= high``."""
+    require(low <= value <= high, name, value, f"an integer in [{low}, {high}]")
+
+
+def require_seconds(name: str, value: float, high: float = MAX_SECONDS, zero: bool = False) -> None:
+    """Raise ``ValueError`` naming the value unless it is a finite number of seconds in ``(0, high]``
+    (``[0, high]`` with ``zero``)."""
+    low_ok = value >= 0 if zero else value > 0
+    require(low_ok and math.isfinite(value) and value <= high, name, value,
+            f"a number of seconds in {'[' if zero else '('}0, {high:g}]")
 
 
 def check_literals(struct: msgspec.Struct) -> None:

@@ -8,6 +8,10 @@ from typing import Literal
 from specroll.actors.config.section import Section as _Section
 from specroll.actors.config.section import check_literals as _check_literals
 from specroll.actors.config.section import require as _require
+from specroll.actors.config.section import require_count as _require_count
+
+MAX_EVAL_PROMPTS = 100_000
+"""The most evaluation prompts (``eval.count``): each evaluation submits one group per prompt at once."""
 
 
 class TaskConfig(_Section):
@@ -23,8 +27,8 @@ class TaskConfig(_Section):
     """Use at most this many prompts of the file; ``None`` (default) uses them all."""
     builtin_count: int = 256
     """Training prompts the built-in task draws (used when ``prompts`` is ``None``; fewer when its
-    problems run out: one-digit ``+-*`` problems number 255, of which ``eval.count`` are held out).
-    Default 256."""
+    problems run out: one-digit ``+-*`` problems number 255, of which ``eval.count`` are held out); at
+    most 1,048,576. Default 256."""
     digits: int = 1
     """The built-in task's difficulty: digits of each operand, 1 to 3. Default 1 (SmolLM2-135M-Instruct
     answers about 20% of one-digit ``+-*`` problems correctly at temperature 1)."""
@@ -40,9 +44,6 @@ class TaskConfig(_Section):
     false). ``None`` (default): single-turn GRPO on ``prompts`` with ``reward``."""
     max_turns: int = 4
     """Model turns an episode may take; one more fails it. Default 4."""
-    max_retries: int = 2
-    """Times a failed episode (an error of its environment, a timeout, too many turns) runs again
-    from the start; past that its whole group is dropped and counted. Default 2."""
     episode_timeout_s: float = 600.0
     """Seconds an episode may take, tools and turns together; then it fails. Default 600."""
     tool_latency_median_s: float = 0.0
@@ -59,11 +60,10 @@ class TaskConfig(_Section):
         _require(self.prompts is None or bool(self.prompts), "prompts", self.prompts, "a file path or unset")
         _require(self.max_prompts is None or self.max_prompts >= 1, "max_prompts", self.max_prompts,
                  "a positive integer or unset")
-        _require(self.builtin_count >= 1, "builtin_count", self.builtin_count, "a positive integer")
+        _require_count("builtin_count", self.builtin_count)
         _require(self.environment is None or bool(self.environment.strip()), "environment", self.environment,
                  "'calculator', 'verifiers:<taskset id>', 'package.module:function' or unset")
         _require(1 <= self.max_turns <= 256, "max_turns", self.max_turns, "an integer in [1, 256]")
-        _require(0 <= self.max_retries <= 100, "max_retries", self.max_retries, "an integer in [0, 100]")
         _require(0 < self.episode_timeout_s <= 86400, "episode_timeout_s", self.episode_timeout_s,
                  "seconds in (0, 86400]")
         _require(0 <= self.tool_latency_median_s <= 3600, "tool_latency_median_s", self.tool_latency_median_s,
@@ -83,7 +83,7 @@ class EvalConfig(_Section):
     count: int = 64
     """Evaluation prompts. Built-in task: a held-out set fixed by ``task.digits`` and ``task.operators``
     (the same for every seed); a prompt file without ``eval.prompts``: its last ``count`` prompts, which
-    training then never draws. Default 64."""
+    training then never draws. At most 100,000 (each evaluation submits them all at once). Default 64."""
     prompts: str | None = None
     """A JSONL file of evaluation prompts (its first ``count``), e.g. GSM8K's test split; ``None``
     (default): held out from the task as above."""
@@ -94,5 +94,5 @@ class EvalConfig(_Section):
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, "every", self.every, "an integer >= 0 (0 disables evaluation)")
-        _require(self.count >= 1, "count", self.count, "a positive integer")
+        _require_count("count", self.count, 1, MAX_EVAL_PROMPTS)
         _require(self.prompts is None or bool(self.prompts), "prompts", self.prompts, "a file path or unset")

@@ -9,7 +9,16 @@ from typing import Literal
 from specroll.actors.config.section import Section as _Section
 from specroll.actors.config.section import check_literals as _check_literals
 from specroll.actors.config.section import require as _require
+from specroll.actors.config.section import require_count as _require_count
 from specroll.engine.config import MAX_NUM_THREADS
+from specroll.protocol.limits import MAX_GROUP_SIZE
+from specroll.rl.coordinator import MAX_QUEUED_GROUPS
+from specroll.rl.group_retries import MAX_GROUP_RETRIES
+
+MAX_BATCH_GROUPS = 1 << 16
+"""The most groups a step may take (``batch_groups``): every sample of a batch is held in memory."""
+MAX_STALENESS = 10_000
+"""The largest ``max_staleness``: a bound of more versions than that bounds nothing."""
 
 
 class TrainerConfig(_Section):
@@ -23,9 +32,11 @@ class TrainerConfig(_Section):
     resolves to ``off`` and the drafter trainer is not started)."""
 
     batch_groups: int = 4
-    """B: finished groups that make one training step. Default 4."""
+    """B: finished groups that make one training step, 1 to 65536. Default 4."""
     group_size: int = 4
-    """n: samples per prompt (a GRPO group). Default 4; at least 2, as one sample has no advantage."""
+    """n: samples per prompt (a GRPO group). Default 4; at least 2, as one sample has no advantage, and at
+    most 65536 (with single-turn groups, at most ``generator.engine.max_num_seqs``: a group's samples
+    run on one generator)."""
     learning_rate: float = 1e-6
     """AdamW learning rate. Default 1e-6."""
     weight_decay: float = 0.0
@@ -44,7 +55,8 @@ class TrainerConfig(_Section):
     clip_eps: float = 0.2
     """ε of the ``ppo`` loss: ratios are clipped to [1-ε, 1+ε]. Default 0.2."""
     max_staleness: int = 1
-    """η: most policy versions a trained token may lag behind the version being trained. Default 1."""
+    """η: most policy versions a trained token may lag behind the version being trained, 0 to 10,000.
+    Default 1."""
     staleness_policy: Literal["mask", "drop"] = "mask"
     """What happens to tokens older than η: ``mask`` (default) removes them from the loss;
     ``drop`` discards their whole sample. Both are counted in the metrics."""
@@ -59,7 +71,25 @@ class TrainerConfig(_Section):
     """Groups queued, generating or finished and not yet taken by a step, at most; at least
     ``batch_groups``. The staleness bound also holds the groups not through a finished step (the one
     being trained included) to ``(max_staleness + 1) × batch_groups`` (``specroll/rl/admission.py``;
-    the trainer and ``specroll launch`` warn when this is above it). Default 8."""
+    the trainer and ``specroll launch`` warn when this is above it). At most 1,048,576. Default 8."""
+    max_group_retries: int = 3
+    """Times a group is retried after one of its samples failed — a chunk the trainer refused (a token
+    id outside the vocabulary, a gap in the stream), a generator that died with it or refused it, an
+    episode that failed (``task.environment``) — each failure of any of its samples counting once; one
+    failure more drops the whole group: none of its samples is trained (a partial group's advantages
+    would favour whatever fails less), and ``groups_dropped`` counts it by reason
+    (``specroll/rl/group_retries.py``). A retried group resumes on another generator from the tokens
+    already streamed; a failed episode runs again from its start. 0 to 100. Default 3."""
+    dropped_prompts: Literal["skip", "retry"] = "skip"
+    """What happens to the prompt of a dropped group: ``skip`` (default) leaves it out until the next
+    pass over the prompts (a prompt that failed a group ``max_group_retries + 1`` times would most
+    likely fail again at once); ``retry`` serves it again next, with the same sampling seed."""
+    max_queued_groups: int = 1024
+    """Groups waiting in the rollout hub for a generator with room, every kind together (training,
+    held-out evaluation, served requests); one more is refused — the embedding client's ``submit``
+    raises ``QueueFull``, the HTTP server answers 429. At least ``max_groups_in_flight`` + ``eval.count``
+    + ``server.max_requests_in_flight`` (what the trainer, its evaluation and its server may queue
+    at once), at most 1,048,576. Default 1024."""
     train_threads: int | None = None
     """Torch intra-op CPU threads of the trainer (of each rank); ``None`` (default): under ``specroll
     launch`` on a CPU, half the cores divided among the ranks (the launcher's CPU budget,
@@ -98,13 +128,13 @@ class TrainerConfig(_Section):
 
     def __post_init__(self) -> None:
         _check_literals(self)
-        _require(self.batch_groups >= 1, "batch_groups", self.batch_groups, "a positive integer")
+        _require_count("batch_groups", self.batch_groups, 1, MAX_BATCH_GROUPS)
         _require(1 <= self.world_size <= self.batch_groups, "world_size", self.world_size,
                  f"an integer in [1, batch_groups = {self.batch_groups}] (every rank trains at least one group)")
         _require(self.borrow_threads is None or 0 <= self.borrow_threads <= MAX_NUM_THREADS, "borrow_threads",
                  self.borrow_threads, f"an integer in [0, {MAX_NUM_THREADS}] or unset")
-        _require(self.group_size >= 2, "group_size", self.group_size,
-                 "an integer >= 2 (a group of one sample has zero advantage)")
+        _require(2 <= self.group_size <= MAX_GROUP_SIZE, "group_size", self.group_size,
+                 f"an integer in [2, {MAX_GROUP_SIZE}] (a group of one sample has zero advantage)")
         _require(self.learning_rate > 0 and math.isfinite(self.learning_rate), "learning_rate",
                  self.learning_rate, "a positive finite number")
         _require(self.weight_decay >= 0 and math.isfinite(self.weight_decay), "weight_decay", self.weight_decay,
@@ -116,11 +146,16 @@ class TrainerConfig(_Section):
                  f"an integer in [1, batch_groups * group_size = {samples}]")
         _require(self.tis_cap > 0, "tis_cap", self.tis_cap, "a positive number")
         _require(0 < self.clip_eps < 1, "clip_eps", self.clip_eps, "a number in (0, 1)")
-        _require(self.max_staleness >= 0, "max_staleness", self.max_staleness, "an integer >= 0")
+        _require_count("max_staleness", self.max_staleness, 0, MAX_STALENESS)
         _require(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every,
                  "an integer >= 0 (0 never checkpoints)")
-        _require(self.max_groups_in_flight >= self.batch_groups, "max_groups_in_flight", self.max_groups_in_flight,
-                 f"an integer >= batch_groups ({self.batch_groups}), or a step could never fill")
+        _require(self.batch_groups <= self.max_groups_in_flight <= MAX_QUEUED_GROUPS, "max_groups_in_flight",
+                 self.max_groups_in_flight, f"an integer in [batch_groups = {self.batch_groups}, {MAX_QUEUED_GROUPS}] "
+                 "(below batch_groups a step could never fill)")
+        _require(0 <= self.max_group_retries <= MAX_GROUP_RETRIES, "max_group_retries", self.max_group_retries,
+                 f"an integer in [0, {MAX_GROUP_RETRIES}]")
+        _require(1 <= self.max_queued_groups <= MAX_QUEUED_GROUPS, "max_queued_groups", self.max_queued_groups,
+                 f"an integer in [1, {MAX_QUEUED_GROUPS}]")
         _require(0 <= self.head_chunk <= 1 << 20, "head_chunk", self.head_chunk,
                  "an integer in [0, 1048576] (0: the whole head at once)")
         _require(self.train_threads is None or 1 <= self.train_threads <= MAX_NUM_THREADS, "train_threads",

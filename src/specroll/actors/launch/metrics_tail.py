@@ -9,11 +9,13 @@ import os
 from pathlib import Path
 
 PROGRESS_FIELDS = ("policy_version", "reward_mean", "accuracy", "eval_accuracy", "eval_step", "loss",
-                   "turns_mean", "tool_calls_mean", "tool_call_errors", "sequences_mean", "groups_dropped",
+                   "turns_mean", "tool_calls_mean", "tool_call_errors", "sequences_mean", "groups_dropped_total",
                    "logprob_diff_mean", "logprob_kl_k3", "gen_tokens_per_s", "max_lag",
                    "tokens_masked_stale", "samples_dropped_stale", "acceptance_length", "acceptance_length_window",
                    "drafter_version", "drafter_train_s", "step_s", "wait_s", "restarts")
 """Fields of a metrics record shown in the launcher's progress line, when present (in this order)."""
+ONLY_NONZERO = ("restarts", "groups_dropped_total")
+"""Of those, the ones shown only when not 0."""
 
 RERUN = "re-run"
 """The key :class:`MetricsTail` sets (true) on a record of a step trained before — a restarted
@@ -33,7 +35,7 @@ def format_metrics(record: dict[str, object]) -> str:
     def numeric(value: object) -> bool:
         return isinstance(value, int | float) and not isinstance(value, bool)
 
-    keys = [k for k in PROGRESS_FIELDS if numeric(record.get(k)) and (k != "restarts" or record[k])]
+    keys = [k for k in PROGRESS_FIELDS if numeric(record.get(k)) and (k not in ONLY_NONZERO or record[k])]
     if not keys:
         keys = [k for k, v in record.items() if numeric(v) and k != "step"][:10]
     parts = [f"{k}={v:.4g}" if isinstance(v := record[k], float) else f"{k}={v}" for k in keys]

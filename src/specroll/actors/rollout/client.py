@@ -8,7 +8,10 @@ same way::
     async with RolloutClient(bind="tcp://127.0.0.1:5555") as client:
         await client.wait_for_generators(2)
         group_id = await client.submit(prompt_ids, n=8, sampling=SamplingParams(max_tokens=256))
-        group = await client.next_finished()          # every sample's tokens, logprobs, versions
+        try:
+            group = await client.next_finished()      # every sample's tokens, logprobs, versions
+        except GroupDropped as e:                     # it kept failing: none of it is kept
+            await client.submit(e.dropped.prompt_token_ids, n=8, sampling=...)  # or skip it
         await client.publish_weights(model.state_dict(), version=1)
 
 :class:`~specroll.actors.rollout.sync_client.SyncRolloutClient` wraps it for code without an event loop.
@@ -27,6 +30,7 @@ import torch
 from anyio.abc import TaskGroup
 
 from specroll.actors.rollout.drafter_relay import DrafterRelay
+from specroll.actors.rollout.drops import DropNotice
 from specroll.actors.rollout.foreign_groups import ForeignGroups
 from specroll.actors.rollout.hub_socket import HubSocket
 from specroll.actors.rollout.liveness import PeerLiveness
@@ -34,6 +38,7 @@ from specroll.actors.rollout.outboxes import Mail
 from specroll.actors.rollout.peers import HubEvents, Peers
 from specroll.actors.rollout.prefix_cache import RESET_TIMEOUT_S, PrefixCacheStats
 from specroll.actors.rollout.receive import Receiver
+from specroll.actors.rollout.results import GroupResults
 from specroll.actors.rollout.ticker import Ticker
 from specroll.actors.rollout.timeline import Timeline
 from specroll.actors.rollout.weights_groups import BackendChoice, WeightsGroups
@@ -45,7 +50,8 @@ from specroll.protocol.messages import Abort, RolloutChunk, WeightsTransport
 from specroll.protocol.sampling import SamplingParams
 from specroll.protocol.sockets import DEFAULT_HWM
 from specroll.protocol.weights_collective import endpoint_host
-from specroll.rl.coordinator import LANES, Group, Lane, RolloutCoordinator
+from specroll.rl.coordinator import DEFAULT_MAX_QUEUED_GROUPS, LANES, Group, Lane, RolloutCoordinator
+from specroll.rl.groups import DEFAULT_MAX_GROUP_RETRIES
 
 __all__ = ["RolloutClient"]
 
@@ -55,13 +61,18 @@ _FLUSH_S = 0.5
 """On close, seconds at most to send what is queued (a peer that grants no credit holds its queue)."""
 
 
-class RolloutClient:
-    """Coordinates generators: submit groups, receive rollouts, publish policy weights.
+class RolloutClient(GroupResults):
+    """Coordinates generators: submit groups, receive rollouts (finished and dropped groups:
+    :class:`~specroll.actors.rollout.results.GroupResults`), publish policy weights.
 
     Args:
         bind: the endpoint generators connect to (``tcp://127.0.0.1:0`` takes a free port; read
             :attr:`endpoint` after start).
-        max_groups_in_flight: most groups dispatched and unfinished at once.
+        max_groups_in_flight: most training groups dispatched and unfinished at once.
+        max_group_retries: times a group is resumed after one of its samples was refused or lost;
+            one failure more drops it whole (``specroll/rl/group_retries.py``).
+        max_queued_groups: most groups waiting for a generator; :meth:`submit` raises
+            :class:`~specroll.rl.coordinator.QueueFull` past it.
         heartbeat_timeout_s: a generator silent this long (while the client kept up reading) is declared dead.
         disconnect_grace_s: a peer whose connection closed and that sends nothing new for this long
             is declared dead (more than a generator's heartbeat interval).
@@ -102,6 +113,8 @@ class RolloutClient:
         bind: str = "tcp://127.0.0.1:0",
         *,
         max_groups_in_flight: int = 64,
+        max_group_retries: int = DEFAULT_MAX_GROUP_RETRIES,
+        max_queued_groups: int = DEFAULT_MAX_QUEUED_GROUPS,
         heartbeat_timeout_s: float = 10.0,
         disconnect_grace_s: float = 2.0,
         window: int = DEFAULT_WINDOW,
@@ -120,7 +133,7 @@ class RolloutClient:
     ) -> None:
         self.refusals = RefusalLog(log)
         """Peers refused by the security layer (each distinct one logged once)."""
-        self.coordinator = RolloutCoordinator(max_groups_in_flight)
+        self.coordinator = RolloutCoordinator(max_groups_in_flight, max_group_retries, max_queued_groups)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.actor_id = actor_id
         self.timeline = timeline
@@ -129,6 +142,8 @@ class RolloutClient:
         self.drafters = DrafterRelay(self.mail.send, timeline=timeline)
         """Drafter trainers, the current drafter version and acceptance per (drafter, policy) version."""
         self._events = HubEvents()
+        self._drops = DropNotice(self._events, timeline)
+        self.coordinator.on_drop = self._drops
         self._weights = PublishedWeights(weights_transport, weights_bucket_mb << 20)
         self.weights_groups = WeightsGroups(
             self._weights, weights_host or endpoint_host(bind), weights_backend, heartbeat_timeout_s, self.mail.send,
@@ -217,38 +232,11 @@ class RolloutClient:
 
         Raises:
             ValueError: empty prompt, ``n`` < 1 or an unknown lane.
+            QueueFull: ``max_queued_groups`` groups wait for a generator already; nothing was queued.
         """
         group_id = self.coordinator.add_group(prompt_token_ids, n, sampling, payload, lane, pin)
         self._ticker.dispatch()
         return group_id
-
-    async def next_finished(self, timeout: float | None = None) -> Group:
-        """The oldest finished group, waiting for one if none is ready.
-
-        Raises:
-            TimeoutError: none finished within ``timeout`` seconds.
-        """
-        await self.wait_finished(1, timeout)
-        return self.coordinator.pop_finished(1)[0]
-
-    async def wait_finished(self, count: int, timeout: float | None = None, lane: Lane = "train") -> None:
-        """Wait until at least ``count`` finished groups of ``lane`` are ready (none is taken).
-
-        Raises:
-            TimeoutError: fewer finished within ``timeout`` seconds.
-        """
-        with anyio.fail_after(timeout):
-            while self.coordinator.num_finished(lane) < count:
-                await self._events.finished.wait()
-
-    def pop_finished(self, limit: int | None = None, lane: Lane = "train") -> list[Group]:
-        """Finished groups of ``lane`` ready now, oldest first, without waiting."""
-        return self.coordinator.pop_finished(limit, lane)
-
-    @property
-    def num_finished(self) -> int:
-        """Finished training groups not yet popped."""
-        return self.coordinator.num_finished()
 
     @property
     def generator_versions(self) -> dict[str, int]:
@@ -261,11 +249,6 @@ class RolloutClient:
         empty, so its cores are free. Safe to call from a worker thread (a racy but harmless read)."""
         c = self.coordinator
         return not any(c.num_queued(lane) or c.num_in_flight(lane) for lane in LANES)
-
-    @property
-    def num_pending(self) -> int:
-        """Training groups queued or in flight."""
-        return self.coordinator.num_pending()
 
     async def abort(self, group_id: str) -> None:
         """Drop a group; its generator stops it. Chunks arriving later are ignored.
@@ -369,6 +352,15 @@ class RolloutClient:
     @on_chunk.setter
     def on_chunk(self, callback: Callable[[str, RolloutChunk], None] | None) -> None:
         self._receiver.on_chunk = callback
+
+    @property
+    def on_drop(self) -> Callable[[Group], None] | None:
+        """Called with every group the retry rule drops, any lane (its ``dropped`` set), after it left."""
+        return self._drops.on_drop
+
+    @on_drop.setter
+    def on_drop(self, callback: Callable[[Group], None] | None) -> None:
+        self._drops.on_drop = callback
 
     @property
     def vocab_size(self) -> int | None:

@@ -1,5 +1,5 @@
-"""The hub of a run: a :class:`RolloutClient` built from its config (``[network]``, ``[trainer]``),
-for the trainer process and the server process alike."""
+"""The hub of a run: a :class:`RolloutClient` built from its config (``[network]``, and ``[trainer]``'s
+groups in flight, retry rule and queue capacity), for the trainer process and the server process alike."""
 
 from __future__ import annotations
 
@@ -42,7 +42,9 @@ def client_from_config(config: RunConfig, timeline: Timeline | None) -> RolloutC
                  net.keys_path(config.run_dir))
     if net.insecure_warning() is not None:
         log.warning("%s", net.insecure_warning())
-    return RolloutClient(bind_address(config), max_groups_in_flight=config.trainer.max_groups_in_flight,
+    tc = config.trainer
+    return RolloutClient(bind_address(config), max_groups_in_flight=tc.max_groups_in_flight,
+                         max_group_retries=tc.max_group_retries, max_queued_groups=tc.max_queued_groups,
                          heartbeat_timeout_s=net.heartbeat_timeout_s, window=net.window, hwm=net.hwm,
                          allow_public=net.public_bind_allowed(), curve=keys, timeline=timeline,
                          weights_transport=net.weights_transport, weights_bucket_mb=net.weights_bucket_mb,

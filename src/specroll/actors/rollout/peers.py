@@ -124,14 +124,14 @@ class Peers:
             return
         self.drafters.remove(actor)
         self.load.pop(actor, None)
-        orphans = self.coordinator.remove_generator(actor)
+        resumed = self.coordinator.remove_generator(actor, why)  # a failure of each of its groups: some dropped
         self.capacity_known.discard(actor)
         self.dead_generators.append(actor)
         self.weights_groups.forget(actor)
         self.prefix_caches.gone(actor)
         self._forget(actor)
         self.events.version.notify()  # one fewer generator to wait for
-        log.warning("generator %s is gone (%s); %d groups resume elsewhere", actor, why, len(orphans))
+        log.warning("generator %s is gone (%s); %d groups resume elsewhere", actor, why, len(resumed))
         self._dispatch()
 
     def lost_messages(self, peer: bytes | None, expected: int, seq: int) -> bool:

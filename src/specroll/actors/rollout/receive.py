@@ -4,13 +4,20 @@ speaks only as its own role, and one handler per role (generator, drafter traine
 The receive loop never waits on a send: replies go through the peers' outboxes (the hub's
 ``send``), so credit grants are always read. It reports every moment its socket is empty to the
 liveness rules, so a peer's silence is measured by the clock even when nothing arrives at all.
+
+A chunk that cannot be merged (a token id outside the vocabulary, a gap, a disagreement, tokens past
+``max_tokens``) is refused — answered with ``Error``, nothing of it kept — and its group is taken from
+the generator that sent it (``Abort``) to resume elsewhere, a failure under the retry rule
+(``specroll/rl/group_retries.py``); so is a training or evaluation group its generator refuses. A
+generator that sends such chunks cannot hold a group: past ``max_group_retries`` failures the group
+is dropped.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -122,6 +129,9 @@ class Receiver:
                 self.protocol_errors += 1
                 log.warning("%s from %s refused: %s", type(received.msg).__name__, actor, e)
                 self._send(actor, Error(code="bad_request", message=str(e)[:500], seq=received.seq), None)
+                if isinstance(chunk := received.msg, RolloutChunk):  # its group is taken from the sender
+                    self._take_back(actor, chunk.group_id, f"generator {actor} sent a chunk refused: {str(e)[:300]}",
+                                    [chunk.sample_index] if chunk.finished else [])
 
     def _key_speaks_for(self, actor: str, received: Received[Any]) -> bool:
         """With CURVE: whether the role kind of the sender's key (its ZAP ``User-Id``) is the role
@@ -236,11 +246,15 @@ class Receiver:
                                                                     "trainer to send"), None)
 
     def _refused(self, actor: str, group_id: str, why: str) -> None:
-        """A generator refused a served request's group: its samples end now as aborted (as if the
-        generator had aborted it), with the reason on the group. Other lanes' groups stay as they
-        are: the built-in trainer submits only what every generator takes."""
+        """A generator refused a group. A served request's: its samples end now as aborted (as if the
+        generator had aborted it), with the reason on the group, for the server to answer. Another
+        lane's: a failure under the retry rule (nothing of it runs there), resumed elsewhere or dropped."""
         group = self.coordinator.groups.get(group_id)
-        if group is None or group.generator != actor or group.lane != "serve":
+        if group is None or group.generator != actor:
+            return
+        if group.lane != "serve":
+            self._take_back(actor, group_id, f"generator {actor} refused it: {why[:300]}", range(len(group.samples)),
+                            abort=False)  # nothing of it runs there
             return
         group.refused = why[:500]
         for i, sample in enumerate(group.samples):
@@ -259,6 +273,7 @@ class Receiver:
                 # are not this hub's (the group is someone else's now, or was never this hub's).
                 log.info("generator %s streams group %s, %s; aborting it there", actor, chunk.group_id, stale)
                 self._send(actor, Abort(group_id=chunk.group_id), None)
+            self.coordinator.on_stale_chunk(actor, chunk)  # a taken-back group's last chunk from it
             return
         self._check_chunk_tokens(chunk)  # before a token is held, resumed elsewhere or trained on
         finished = self.coordinator.on_chunk(actor, chunk)
@@ -271,6 +286,21 @@ class Receiver:
             self.events.finished.notify()
         if self.on_chunk is not None:
             self.on_chunk(actor, chunk)
+
+    def _take_back(self, actor: str, group_id: str, why: str, ended: Iterable[int], abort: bool = True) -> None:
+        """Take ``group_id`` from ``actor`` (a failure, ``RolloutCoordinator.take_back``): with ``abort``
+        abort it there (once: its late chunks are not answered with a second ``Abort``); dispatch it
+        again, unless it was dropped."""
+        if not self.coordinator.take_back(actor, group_id, why, ended):
+            return
+        if abort:
+            self._send(actor, Abort(group_id=group_id), None)
+        self.foreign.aborted(actor, group_id)
+        group = self.coordinator.groups.get(group_id)
+        if group is not None:
+            log.warning("group %s taken from generator %s, to resume elsewhere (failure %d of %d allowed): %s",
+                        group_id, actor, group.retries.failures, group.retries.limit, why)
+            self._dispatch()
 
     def _check_chunk_tokens(self, chunk: RolloutChunk) -> None:
         """Refuse token ids outside the policy's vocabulary: the training step's embedding lookup

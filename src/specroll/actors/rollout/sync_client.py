@@ -14,6 +14,7 @@ from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.rollout.prefix_cache import RESET_TIMEOUT_S, PrefixCacheStats
 from specroll.protocol.sampling import SamplingParams
 from specroll.rl.coordinator import Group
+from specroll.rl.group_retries import DroppedGroup
 
 
 class SyncRolloutClient:
@@ -52,7 +53,7 @@ class SyncRolloutClient:
         return self._portal.call(self.client.submit, prompt_token_ids, n, sampling, payload)
 
     def next_finished(self, timeout: float | None = None) -> Group:
-        """See :meth:`RolloutClient.next_finished`."""
+        """See :meth:`RolloutClient.next_finished` (raises ``GroupDropped`` for a dropped group)."""
         return self._portal.call(self.client.next_finished, timeout)
 
     def publish_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int, dtype: str = "bfloat16") -> None:
@@ -62,6 +63,10 @@ class SyncRolloutClient:
     def pop_finished(self, limit: int | None = None) -> list[Group]:
         """See :meth:`RolloutClient.pop_finished`."""
         return self._portal.call(self.client.pop_finished, limit)
+
+    def pop_dropped(self, limit: int | None = None) -> list[DroppedGroup]:
+        """See :meth:`RolloutClient.pop_dropped`."""
+        return self._portal.call(self.client.pop_dropped, limit)
 
     @property
     def num_finished(self) -> int:

@@ -20,7 +20,10 @@ event                  fields
                        groups that resumed after a generator died) and ``resumed_tokens`` (their samples'
                        token ids as trained: group id → one list per sample)
 ``group_resumed``      ``group_id``, ``actor`` (the generator it resumes on), ``held`` (the token ids of
-                       each sample it carries: ``{index: ids}``, everything streamed before the death)
+                       each sample it carries: ``{index: ids}``, everything streamed before the death
+                       or the refusal)
+``group_dropped``      ``group_id``, ``lane``, ``reason`` (``refused`` or ``lost``: its last failure's),
+                       ``failures`` (``trainer.max_group_retries`` + 1; ``rl/group_retries.py``)
 ``trainer_start``      ``step``, ``policy_version`` (where this trainer process starts: 0, or a checkpoint's)
 ``policy_published``   ``version``
 ``policy_served``      ``actor``, ``version`` (the generator's acknowledgement)

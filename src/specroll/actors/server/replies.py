@@ -83,7 +83,8 @@ async def follow(router: Router, requests: Sequence[ServeRequest],
 
     Raises:
         ApiError: from :meth:`Router.run` (429, 503) for any of them, 400 when a generator refused
-            one (a limit of its own, e.g. a shorter ``--max-model-len``), or 504 past the deadline.
+            one (a limit of its own, e.g. a shorter ``--max-model-len``), 503 when the hub dropped one
+            (its group refused or lost more than ``trainer.max_group_retries`` times), or 504 past the deadline.
     """
     async with contextlib.AsyncExitStack() as stack:
         generations = [await stack.enter_async_context(router.run(r)) for r in requests]
@@ -97,6 +98,9 @@ async def follow(router: Router, requests: Sequence[ServeRequest],
                 if generation.group.refused is not None:  # past a limit of the generator's the server did not know
                     raise ApiError(400, f"the generator refused this request: {generation.group.refused}",
                                    code="refused_by_generator")
+                if (dropped := generation.group.dropped) is not None:  # it kept failing on the generators
+                    raise ApiError(503, f"this request kept failing on the generators: {dropped.describe()}",
+                                   code="group_dropped")
                 if generation.finished:
                     await router.end_early(generation)
             yield generations
@@ -112,7 +116,7 @@ def _wake_when_finished(generation: Generation, wake: Wake) -> Callable[[], None
         except Exception:  # not in the hub's callback: the follower syncs again and meets it itself
             wake.set()
             return
-        if generation.finished:
+        if generation.finished or generation.group.dropped is not None:
             wake.set()
 
     return on_change

@@ -7,8 +7,11 @@ The :class:`Router` follows its groups through the hub's chunk callback (the hel
 :class:`~specroll.rl.coordinator.Group` has every sample's merged tokens; a :class:`Generation` turns
 them into choices' text, :mod:`choice_text`), ends a group early when every choice hit a stop
 string, aborts it when its client goes away, and bounds the work: at most
-``server.max_requests_in_flight`` requests at once (then 429), none without a generator (503), none
-waiting longer than ``server.request_timeout_s`` (504).
+``server.max_requests_in_flight`` requests at once (then 429), none past the hub's queue
+(``trainer.max_queued_groups`` groups waiting for a generator: 429), none without a generator (503),
+none waiting longer than ``server.request_timeout_s`` (504). A request whose group kept failing on the
+generators — refused or lost more than ``trainer.max_group_retries`` times — is dropped by the hub
+and answered 503 (``specroll/rl/group_retries.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from specroll.actors.server.stitch import Transcripts
 from specroll.engine.loaders.tokenizer import Tokenizer
 from specroll.protocol.messages import RolloutChunk
 from specroll.protocol.sampling import SamplingParams
-from specroll.rl.coordinator import Group
+from specroll.rl.coordinator import Group, QueueFull
 
 log = logging.getLogger("specroll.server")
 
@@ -159,6 +162,8 @@ class Router:
         self._idle = anyio.Event()
         self._before: Callable[[str, RolloutChunk], None] | None = client.on_chunk
         client.on_chunk = self._on_chunk
+        self._before_drop: Callable[[Group], None] | None = client.on_drop
+        client.on_drop = self._on_drop
         self.requests_total = 0
         self.rejected_total = 0
 
@@ -173,14 +178,22 @@ class Router:
         if generation is not None:
             generation.notify()
 
+    def _on_drop(self, group: Group) -> None:
+        if self._before_drop is not None:
+            self._before_drop(group)
+        generation = self.live.get(group.group_id)
+        if generation is not None:
+            generation.notify()  # its route sees group.dropped and answers 503
+
     @contextlib.asynccontextmanager
     async def run(self, request: ServeRequest) -> AsyncIterator[Generation]:
         """Submit ``request`` and yield its :class:`Generation`; on leaving (finished, the client gone,
         an error) an unfinished group is aborted, which frees its pages on the generator.
 
         Raises:
-            ApiError: 429 at ``server.max_requests_in_flight``; 503 with no generator connected; 504
-                when paused past ``server.request_timeout_s``.
+            ApiError: 429 at ``server.max_requests_in_flight`` or a full hub queue
+                (``trainer.max_queued_groups``); 503 with no generator connected; 504 when paused past
+                ``server.request_timeout_s``.
         """
         if self.num_in_flight >= self.config.max_requests_in_flight:
             self.rejected_total += 1
@@ -193,8 +206,13 @@ class Router:
             raise ApiError(503, "no generator is connected; retry once one is", code="no_generator",
                            retry_after_s=NO_GENERATOR_RETRY_S)
         pin = self.sessions.get(request.session_id) if request.session_id is not None else None
-        group_id = await self.client.submit(request.prompt_token_ids, request.n, request.sampling, lane="serve",
-                                            pin=pin)
+        try:
+            group_id = await self.client.submit(request.prompt_token_ids, request.n, request.sampling, lane="serve",
+                                                pin=pin)
+        except QueueFull as e:
+            self.rejected_total += 1
+            raise ApiError(429, f"the generators' queue is full: {e}; retry later", code="queue_full",
+                           retry_after_s=RETRY_AFTER_S) from None
         generation = Generation(self.client.coordinator.groups[group_id], request, self.tokenizer)
         generation.notify()  # dispatched already, if a generator had room
         self.live[group_id] = generation

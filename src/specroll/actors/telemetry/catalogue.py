@@ -172,6 +172,10 @@ ACCEPTANCE = _t("specroll:acceptance_length", "gauge",
                 "speculation).")
 GENERATORS = Metric("specroll:generators_registered", "gauge", "hub", "Generators registered with the hub and alive.")
 GENERATOR_DEATHS = Metric("specroll:generators_dead", "counter", "hub", "Generators the hub saw die or time out.")
+GROUPS_DROPPED = Metric("specroll:groups_dropped", "counter", "hub",
+                        "Groups dropped whole, never trained, after more than trainer.max_group_retries failures, by "
+                        "the last one's reason: refused (a chunk the hub refused, or the generator refused the group), "
+                        "lost (its generator died or left), failed (an episode failed).", ("reason",))
 RESTARTS = _t("specroll:restarts", "counter",
               "Processes the launcher restarted, by process (trainer, generator-0, ...).", ("process",))
 
@@ -179,7 +183,8 @@ RESTARTS = _t("specroll:restarts", "counter",
 SERVER_REQUESTS = Metric("specroll:server_requests", "counter", "server",
                          "Requests the server accepted and submitted to the generators.")
 SERVER_REJECTED = Metric("specroll:server_requests_rejected", "counter", "server",
-                         "Requests answered 429 at server.max_requests_in_flight.")
+                         "Requests answered 429: at server.max_requests_in_flight, or with the hub's queue full "
+                         "(trainer.max_queued_groups).")
 SERVER_IN_FLIGHT = Metric("specroll:server_requests_in_flight", "gauge", "server",
                           "Requests accepted and unfinished (running, queued in the hub, or held while paused).")
 SERVER_PAUSED = Metric("specroll:server_paused", "gauge", "server", "1 while POST /pause holds new requests.")

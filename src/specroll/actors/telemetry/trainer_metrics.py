@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,10 +50,13 @@ class TrainerExport:
         run_dir: the run directory: the launcher's restart counts (``restarts.json``), read at scrape
             time — so a restarted trainer goes on from the launcher's totals, never from 0.
         step: the step the trainer starts at (a resumed run's checkpoint).
+        dropped: groups the trainer dropped that the hub did not (episode groups), by reason: added
+            to the hub's in ``specroll:groups_dropped``; read at scrape time.
     """
 
-    def __init__(self, client: RolloutClient, run_dir: Path, step: int = 0) -> None:
-        self.client = client
+    def __init__(self, client: RolloutClient, run_dir: Path, step: int = 0,
+                 dropped: Mapping[str, int] | None = None) -> None:
+        self.client, self.dropped = client, dropped
         self.last: dict[str, float] = {}
         """The last trained step's gauges, by record key."""
         self.step = step
@@ -120,4 +123,4 @@ class TrainerExport:
         shown = restarts[:MAX_ROLES] + ([("other", sum(n for _, n in restarts[MAX_ROLES:]))]
                                         if len(restarts) > MAX_ROLES else [])
         yield family(c.RESTARTS, [((role,), n) for role, n in shown])
-        yield from collect_hub(self.client, "trainer", "trainer")
+        yield from collect_hub(self.client, "trainer", "trainer", self.dropped)

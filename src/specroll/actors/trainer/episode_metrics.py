@@ -31,8 +31,8 @@ def episode_metrics(groups: Sequence[EpisodeGroup], feeder: EpisodeFeeder) -> di
     """The episode fields of a step's metrics line: per episode, the means of its turns, tool calls
     parsed and failed to parse, sequences it trained as (1 when every turn's prompt extended the
     previous turn's tokens), tokens (the policy's and the environment's), seconds, and each figure
-    the environment reported (``env_<name>``); the retries, the groups dropped since the last step
-    and over the run, failures by reason, and the server's stitching outcomes so far."""
+    the environment reported (``env_<name>``); the retries, failures by reason, and the server's
+    stitching outcomes so far (the groups dropped are in every metrics line: ``group_drops.py``)."""
     episodes = [e for g in groups for e in g.episodes]
     count = max(len(episodes), 1)
 
@@ -50,8 +50,6 @@ def episode_metrics(groups: Sequence[EpisodeGroup], feeder: EpisodeFeeder) -> di
         "episode_tokens_mean": mean([sum(len(x.token_ids) for x in s) for s in segments]),
         "episode_s_mean": mean([e.seconds for e in episodes]),
         "episode_retries": sum(g.retries for g in groups),
-        "groups_dropped": len(feeder.take_dropped()),
-        "groups_dropped_total": feeder.groups_dropped,
         "episode_failures": dict(feeder.runner.failures),
         "stitch": dict(feeder.runner.server.router.transcripts.outcomes),
     }

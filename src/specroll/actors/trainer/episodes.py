@@ -6,10 +6,12 @@ log, call the environment with an ``openai.AsyncOpenAI`` client that sends it (s
 is stitched from the tokens before it, ``actors/server/stitch.py``), take its reward, close the
 session and keep its turns. It fails — an exception of the environment, more than
 ``task.episode_timeout_s`` seconds, more than ``task.max_turns`` turns, no turn at all, a reward that
-is not a finite number — and then runs again from the start with a new seed, at most
-``task.max_retries`` times; past that its whole group is dropped and counted, its other episodes
+is not a finite number — and then runs again from the start with a new seed while its group's
+failures number at most ``trainer.max_group_retries`` (the retry rule of every group,
+``specroll/rl/group_retries.py``); one failure more drops the whole group, its other episodes
 cancelled (a group is never trained partial: its advantages would be normalised over the episodes
-that happened to succeed, a bias towards whatever fails less).
+that happened to succeed, a bias towards whatever fails less), and the feeder counts it
+(``group_drops.py``).
 
 :class:`EpisodeFeeder` is :class:`~specroll.actors.trainer.feeder.Feeder`'s counterpart: the same
 admission (``rl/admission.py``), a group being n episodes of one prompt run concurrently; its
@@ -31,15 +33,15 @@ from anyio.abc import TaskGroup
 
 from specroll.actors.config import RunConfig
 from specroll.actors.server.state import ServerState
-from specroll.actors.shared.exit_codes import EXIT_REFUSED
 from specroll.actors.shared.wakeup import Wakeup
 from specroll.actors.trainer.generator_watch import GeneratorWatch
+from specroll.actors.trainer.group_drops import GroupDrops
 from specroll.actors.trainer.prompt_cycle import PromptCycle
-from specroll.actors.trainer.setup import TrainerError
 from specroll.envs.base import Environment, EpisodeOutcome, EpisodePrompt
 from specroll.protocol.sampling import SamplingParams
 from specroll.rl.admission import Admission, run_ahead_warning
 from specroll.rl.episodes import Episode, EpisodeGroup
+from specroll.rl.group_retries import GroupRetries
 from specroll.rl.tasks import Prompt
 
 log = logging.getLogger("specroll.trainer")
@@ -73,7 +75,7 @@ class EpisodeRunner:
     """Runs episodes of an environment against the server in this process (module docstring).
 
     Args:
-        config: the run (``[task]``: timeout, turns, retries; ``[server]``: the key).
+        config: the run (``[task]``: timeout, turns; ``trainer.max_group_retries``; ``[server]``: the key).
         server: the server's state (its episode log and transcripts).
         url: its base URL (``http://HOST:PORT/v1``).
         environment: the environment.
@@ -82,7 +84,8 @@ class EpisodeRunner:
     def __init__(self, config: RunConfig, server: ServerState, url: str, environment: Environment) -> None:
         task = config.task
         self.environment, self.server, self.model = environment, server, server.model_name
-        self.timeout_s, self.max_turns, self.max_retries = task.episode_timeout_s, task.max_turns, task.max_retries
+        self.timeout_s, self.max_turns = task.episode_timeout_s, task.max_turns
+        self.max_group_retries = config.trainer.max_group_retries
         import openai  # the agentic extra: imported by runs with an environment only
 
         self.api = openai.AsyncOpenAI(base_url=url, api_key=config.server.api_key or "unused", max_retries=0,
@@ -135,14 +138,14 @@ class EpisodeRunner:
 
     async def group(self, group_id: str, prompt: Prompt, n: int, seed: int,
                     sampling: Mapping[str, Any]) -> EpisodeGroup | None:
-        """n episodes of ``prompt`` at once, each failed one run again up to ``task.max_retries``
-        times; None (the group dropped) when one still fails."""
+        """n episodes of ``prompt`` at once, each failed one run again while the group's failures
+        number at most ``trainer.max_group_retries``; None (the group dropped) past that."""
         episodes: list[Episode | None] = [None] * n
-        retries = 0
+        retries = GroupRetries(self.max_group_retries)
 
         async def slot(i: int) -> None:
-            nonlocal retries
-            for attempt in range(self.max_retries + 1):
+            attempt = 0
+            while True:
                 try:
                     episodes[i] = await self.episode(prompt, episode_seed(seed, i, attempt), sampling)
                     return
@@ -150,10 +153,12 @@ class EpisodeRunner:
                     reason = str(e).partition(":")[0]
                     self.failures[reason] += 1
                     self.last_failure = str(e)
-                    log.warning("group %s episode %d (attempt %d of %d) failed: %s", group_id, i, attempt + 1,
-                                self.max_retries + 1, e)
-                    retries += attempt < self.max_retries
-            raise _GroupFailed
+                    again = retries.fail("failed", str(e))
+                    log.warning("group %s episode %d (attempt %d) failed, failure %d of the group (at most %d "
+                                "retried): %s", group_id, i, attempt + 1, retries.failures, retries.limit, e)
+                    if not again:
+                        raise _GroupFailed from None
+                    attempt += 1
 
         dropped = False
         try:
@@ -162,7 +167,8 @@ class EpisodeRunner:
                     tg.start_soon(slot, i)
         except* _GroupFailed:
             dropped = True  # the other episodes were cancelled
-        return None if dropped else EpisodeGroup(group_id, prompt, [e for e in episodes if e is not None], retries)
+        return None if dropped else EpisodeGroup(group_id, prompt, [e for e in episodes if e is not None],
+                                                 retries.failures)
 
 
 class EpisodeFeeder:
@@ -185,14 +191,9 @@ class EpisodeFeeder:
         """Groups started and not yet trained: group id → its position in the prompt order."""
         self.finished: deque[EpisodeGroup] = deque()
         self.running = 0
-        self.groups_dropped = 0
-        """Groups dropped over the run (an episode failed past ``task.max_retries``)."""
-        self.dropped_ids: list[str] = []
-        """Their ids, until the next step reads them (:meth:`take_dropped`)."""
-        self.dropped_in_row = 0
-        """Groups dropped since the last group that finished."""
-        self.gave_up = False
-        """The run was ended for groups dropped in a row."""
+        self.drops = GroupDrops(config, prompts, self.admission, self.untrained)
+        """Groups dropped (an episode failed past ``trainer.max_group_retries``): logged, counted, their
+        prompts skipped or served again."""
         self._room, self._changed = Wakeup(), Wakeup()
         self._tg: TaskGroup | None = None
         self._count = 0
@@ -238,17 +239,6 @@ class EpisodeFeeder:
         self.admission.on_batch_done()
         self._room.notify()
 
-    @property
-    def max_dropped_in_row(self) -> int:
-        """Groups dropped in a row, none finishing, after which the run ends with an error (an
-        environment that fails every episode would otherwise start groups without end): 4·B."""
-        return 4 * self.config.trainer.batch_groups
-
-    def take_dropped(self) -> list[str]:
-        """The ids of the groups dropped since the last call."""
-        dropped, self.dropped_ids = self.dropped_ids, []
-        return dropped
-
     def _start_next(self) -> None:
         assert self._tg is not None
         draw = self.prompts.next()
@@ -265,23 +255,11 @@ class EpisodeFeeder:
         finally:
             self.running -= 1
         if group is None:
-            self.groups_dropped += 1
-            self.dropped_in_row += 1
-            self.dropped_ids.append(group_id)
-            self.untrained.pop(group_id, None)
-            self.admission.on_drop()
-            log.warning("group %s (prompt %s) dropped: an episode failed %d times", group_id, prompt.prompt_id,
-                        self.runner.max_retries + 1)
-            if self.dropped_in_row > self.max_dropped_in_row and not self.gave_up:
-                self.gave_up = True  # once: groups dropping in the same tick must not each raise
-                raise TrainerError(
-                    f"{self.dropped_in_row} groups in a row were dropped and none finished: every episode fails "
-                    f"(last: {self.runner.last_failure}); fix the environment or its settings (task.*)",
-                    EXIT_REFUSED)  # not restarted: it would fail the same way
+            self.drops.drop(group_id, prompt.prompt_id, "failed", self.runner.last_failure, by_hub=False)
             if self.config.trainer.mode == "sync":
                 self._start_next()  # the step still needs its batch
         else:
-            self.dropped_in_row = 0
+            self.drops.finished()
             self.finished.append(group)
         self._changed.notify()
         self._room.notify()

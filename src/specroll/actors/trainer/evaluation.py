@@ -7,7 +7,9 @@ Evaluating version v (the weights after step s; s = 0 before training):
 2. submit one group of one sample per evaluation prompt in the ``eval`` lane (dispatched before any
    queued training group, never trained on, never sent to the drafter trainer), each decoded with
    :func:`~specroll.rl.evaluation.eval_sampling` — the training sampling (or greedy) and a fixed seed;
-3. score the responses (:func:`~specroll.rl.evaluation.score`).
+3. score the responses (:func:`~specroll.rl.evaluation.score`); a prompt whose group the hub dropped
+   (refused or lost past ``trainer.max_group_retries``) is left out, with a warning (``eval_prompts``
+   counts the prompts scored).
 
 Meanwhile training goes on; the trainer holds its next publish until the evaluation finished, so every
 evaluation token carries version v (checked: ``eval_versions`` in the result).
@@ -24,9 +26,11 @@ from anyio.abc import TaskGroup
 
 from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.rollout.timeline import Timeline
+from specroll.actors.trainer.setup import TrainerError
 from specroll.engine.loaders.tokenizer import Tokenizer
 from specroll.protocol.sampling import SamplingParams
 from specroll.rl.evaluation import EvalResult, eval_sampling, score
+from specroll.rl.group_retries import GroupDropped
 from specroll.rl.tasks import Prompt, RewardFn
 
 log = logging.getLogger("specroll.trainer")
@@ -103,14 +107,22 @@ class Evaluator:
             group_id = await self.client.submit(ids, 1, eval_sampling(self.sampling, i, self.greedy), payload=prompt,
                                                 lane="eval")
             by_id[group_id] = i
-        groups = []
-        while len(groups) < len(by_id):
-            await self.client.wait_finished(1, lane="eval")
+        groups, dropped = [], 0
+        while len(groups) + dropped < len(by_id):
+            try:
+                await self.client.wait_finished(1, lane="eval")
+            except GroupDropped as e:  # it kept failing (the retry rule): scored without it
+                dropped += 1
+                log.warning("evaluation of policy version %d goes on without one prompt: %s", version, e)
             groups += self.client.pop_finished(lane="eval")
+        if not groups:
+            raise TrainerError(f"every one of the {dropped} evaluation prompts was dropped by the retry rule (the "
+                               "log's 'dropped' lines say why)")
         groups.sort(key=lambda g: by_id[g.group_id])
         samples = [g.samples[0] for g in groups]
         responses = await anyio.to_thread.run_sync(lambda: [self.tokenizer.decode(s.token_ids) for s in samples])
-        result = score([p for p, _ in self.prompts], responses, [len(s.token_ids) for s in samples], self.reward_fn)
+        prompts = [self.prompts[by_id[g.group_id]][0] for g in groups]
+        result = score(prompts, responses, [len(s.token_ids) for s in samples], self.reward_fn)
         return result, [v for s in samples for v in s.versions]
 
     async def _run(self, step: int, version: int, done: anyio.Event) -> None:

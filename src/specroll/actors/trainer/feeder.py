@@ -11,6 +11,11 @@ above that. In ``trainer.mode = "sync"`` there is no feeder task: each step subm
 Every training group submitted and not yet trained is remembered with its position in the prompt
 order (:attr:`Feeder.untrained`): a step trains its batch in submission order, and a checkpoint saves
 those positions, so a restarted trainer submits them again.
+
+A group the hub dropped (its samples refused or lost past ``trainer.max_group_retries``,
+``specroll/rl/group_retries.py``) is taken out of all of this while the feeder waits for a batch
+(:class:`~specroll.actors.trainer.group_drops.GroupDrops`: logged, counted, its prompt skipped or
+served again); in sync mode a group is submitted in its place, as the step still needs its batch.
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ from specroll.actors.config import RunConfig
 from specroll.actors.rollout.client import RolloutClient
 from specroll.actors.shared.wakeup import Wakeup
 from specroll.actors.trainer.generator_watch import GeneratorWatch
+from specroll.actors.trainer.group_drops import GroupDrops
 from specroll.actors.trainer.prompt_cycle import PromptCycle
 from specroll.rl.admission import Admission, run_ahead_warning
 from specroll.rl.coordinator import Group
+from specroll.rl.group_retries import DroppedGroup, GroupDropped
+from specroll.rl.tasks import Prompt
 
 log = logging.getLogger("specroll.trainer")
 
@@ -48,8 +56,10 @@ class Feeder:
         self.untrained: dict[str, int] = {}
         """Training groups submitted and not yet trained: group id → its position in the prompt order
         (saved in checkpoints, so a restarted trainer submits them again)."""
+        self.drops = GroupDrops(config, prompts, self.admission, self.untrained)
+        """The groups the hub dropped: logged, counted, their prompts skipped or served again."""
         self._room = Wakeup()
-        """Notified when a step takes finished groups or finishes, so the feeder submits more."""
+        """Notified when a step takes finished groups or finishes, or a group is dropped: the feeder submits more."""
 
     async def run(self) -> None:
         """The feeder task: submit groups while :class:`Admission` has room: at most
@@ -74,16 +84,35 @@ class Feeder:
         """The ``batch_groups`` oldest finished groups, once there are that many.
 
         Raises:
-            TrainerError: no generator connected for too long (:class:`GeneratorWatch`).
+            TrainerError: no generator connected for too long (:class:`GeneratorWatch`), or too many
+                groups dropped in a row (:class:`GroupDrops`).
         """
         batch = self.config.trainer.batch_groups
-        while self.client.num_finished < batch:
+        while True:
+            for dropped in self.client.pop_dropped():  # first: each one gives its place in the window back
+                await self._on_dropped(dropped)
+            if self.client.num_finished >= batch:
+                break
             self.watch.check()
-            with anyio.move_on_after(self.watch.check_s):  # woken by the client when groups finish
-                await self.client.wait_finished(batch)
+            with anyio.move_on_after(self.watch.check_s):  # woken by the client when groups finish or drop
+                try:
+                    await self.client.wait_finished(batch)
+                except GroupDropped as e:
+                    await self._on_dropped(e.dropped)
         groups = self.client.pop_finished(batch)
+        self.drops.finished()
         self._room.notify()  # the feeder refills what this step takes
         return groups
+
+    async def _on_dropped(self, dropped: DroppedGroup) -> None:
+        """A group the hub dropped: out of the window and the untrained positions (:class:`GroupDrops`);
+        in sync mode another is submitted in its place."""
+        prompt = dropped.payload.prompt_id if isinstance(dropped.payload, Prompt) else "?"
+        self.drops.drop(dropped.group_id, prompt, dropped.reason, dropped.detail, by_hub=True)
+        if self.config.trainer.mode == "sync":
+            await self._submit_next()  # the step still needs its batch
+            self.admission.on_submit()
+        self._room.notify()
 
     def batch_done(self) -> None:
         """A step took its batch and finished (trained and published, or skipped): room for B more."""

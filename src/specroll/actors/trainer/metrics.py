@@ -24,6 +24,7 @@ from specroll.actors.shared.restarts import read_restarts
 from specroll.actors.telemetry.sinks import RecordSinks
 from specroll.actors.telemetry.trainer_metrics import TrainerExport
 from specroll.actors.trainer.episode_metrics import response_lengths
+from specroll.actors.trainer.group_drops import GroupDrops
 from specroll.rl.coordinator import Group
 from specroll.rl.episodes import EpisodeGroup
 from specroll.rl.grpo_step import StepResult
@@ -39,10 +40,12 @@ class StepMetrics:
     Args:
         client: the trainer's client (generator stats, versions, deaths; drafter versions).
         acceptance_floor: ``drafter.acceptance_floor``: the drafter report warns below it.
+        drops: the feeder's dropped groups (``groups_dropped`` by reason since the previous line,
+            ``groups_dropped_total``); None leaves them out.
     """
 
-    def __init__(self, client: RolloutClient, acceptance_floor: float) -> None:
-        self.client, self.acceptance_floor = client, acceptance_floor
+    def __init__(self, client: RolloutClient, acceptance_floor: float, drops: GroupDrops | None = None) -> None:
+        self.client, self.acceptance_floor, self.drops = client, acceptance_floor, drops
         self._gen_rate: dict[str, tuple[int, float, float]] = {}  # actor → (tokens, clock s, tokens/s)
 
     def _generation_rate(self) -> float | None:
@@ -122,6 +125,7 @@ class StepMetrics:
             "generators_dead": len(self.client.dead_generators),
             "generator_versions": dict(self.client.generator_versions),
             "groups_resumed": self.client.coordinator.resumed_groups,
+            **(self.drops.metrics() if self.drops is not None else {}),
             "step_s": step_s,
             "wait_s": wait_s,
             "train_s": train_s,
@@ -143,14 +147,16 @@ class RecordLog:
         self.run_dir, self.export, self.sinks = run_dir, export, sinks
 
     @classmethod
-    def open(cls, config: RunConfig, client: RolloutClient, step: int) -> RecordLog:
-        """The trainer's record log, from step ``step``, with the sinks ``[metrics]`` enables.
+    def open(cls, config: RunConfig, client: RolloutClient, step: int, drops: GroupDrops | None = None) -> RecordLog:
+        """The trainer's record log, from step ``step``, with the sinks ``[metrics]`` enables; ``drops``:
+        the feeder's dropped groups (those the hub did not drop are added to ``specroll:groups_dropped``).
 
         Raises:
             ~specroll.actors.telemetry.sinks.MetricsSinkUnavailable: a sink's package is not installed.
         """
         run_dir = Path(config.run_dir)
-        return cls(run_dir, TrainerExport(client, run_dir, step), RecordSinks.open(config, run_dir))
+        export = TrainerExport(client, run_dir, step, drops.not_in_hub if drops is not None else None)
+        return cls(run_dir, export, RecordSinks.open(config, run_dir))
 
     def close(self) -> None:
         """Close the sinks (idempotent)."""

@@ -135,8 +135,8 @@ class Trainer:
         """Submits the training groups (or runs the episode groups) and takes finished batches."""
         self._skipped_in_row = 0
         """Batches in a row with no token to train (``_skip``)."""
-        self.step_metrics = StepMetrics(client, config.drafter.acceptance_floor)
-        self.records = RecordLog.open(config, client, self.step)  # metrics.jsonl, /metrics, W&B / TensorBoard
+        self.step_metrics = StepMetrics(client, config.drafter.acceptance_floor, self.feeder.drops)
+        self.records = RecordLog.open(config, client, self.step, self.feeder.drops)  # metrics.jsonl, /metrics, sinks
         self.checkpoints = CheckpointSchedule(config, self.step, self.resumed_from)
         evaluator = dict(client=client, prompts=setup.eval_prompts, sampling=config.generator.sampling,
                          greedy=config.eval.greedy, reward_fn=self.reward_fn, tokenizer=self.tokenizer,
