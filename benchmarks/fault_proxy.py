@@ -10,7 +10,8 @@ trainer's, and from any thread:
 * :meth:`~FaultProxy.stall` — nothing is forwarded either way for that many seconds (or until
   :meth:`~FaultProxy.resume`); every socket stays open, so the peers see a silent link, not a close.
   Connections made meanwhile stall too (the whole link), or with ``new_connections=False`` are
-  relayed at once (only the flows open at the stall hang, as behind a stuck middlebox);
+  relayed at once (only the flows open at the stall hang, as behind a stuck middlebox); a stall
+  may be limited to one peer's connections (below);
 * :meth:`~FaultProxy.cut` ``"reset"`` — the connections are closed with RST on both sides
   (``SO_LINGER`` 0, then close), as a rebooted router or a killed host's kernel would;
 * :meth:`~FaultProxy.cut` ``"half-open"`` — the connections stop forwarding for good and are never
@@ -19,9 +20,9 @@ trainer's, and from any thread:
   the actors' own liveness can tell. New connections are relayed as usual, unless
   :meth:`~FaultProxy.refuse_new` (a host gone for good: every new connection is reset at once).
 
-A cut may be limited to the connections of one ZeroMQ peer: the relay reads the routing id each
-connection announces in its ZMTP ``READY`` (plain ZMTP only; under CURVE it is encrypted, and only
-cuts of every connection apply).
+A stall or a cut may be limited to the connections of one ZeroMQ peer: the relay reads the routing
+id each connection announces in its ZMTP ``READY`` (plain ZMTP only; under CURVE it is encrypted,
+and only faults of every connection apply).
 
 The relay runs its own asyncio loop in a daemon thread, so a test's or a benchmark's own loop (or
 none) can drive it; every control returns once it is in force.
@@ -93,7 +94,7 @@ class FaultProxy:
         self._stall_new = False
         """Connections accepted now start stalled (a stall of the whole link is in force)."""
         self._refuse = False
-        self._stall_end: asyncio.TimerHandle | None = None
+        self._stall_ends: list[asyncio.TimerHandle] = []
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
@@ -154,20 +155,22 @@ class FaultProxy:
             raise ValueError(f"throttle {bytes_per_s} bytes/s: expected a positive rate, or None for none")
         self._rate = bytes_per_s
 
-    def stall(self, seconds: float | None = None, new_connections: bool = True) -> None:
+    def stall(self, seconds: float | None = None, new_connections: bool = True, identity: bytes | None = None) -> int:
         """Forward nothing either way for ``seconds`` (None: until :meth:`resume`); sockets stay open.
         ``new_connections``: connections accepted meanwhile stall too; False: they are relayed.
+        ``identity``: stall only the connections of that ZeroMQ peer (new ones are relayed). Returns
+        how many open connections were stalled.
 
         Raises:
             ValueError: a negative duration.
         """
         if seconds is not None and seconds < 0:
             raise ValueError(f"stall {seconds} s: expected a number of seconds >= 0, or None until resume()")
-        self._call(self._stall(seconds, new_connections))
+        return self._call(self._stall(seconds, new_connections and identity is None, identity))
 
     def resume(self) -> None:
-        """End a stall now: every stalled connection forwards what it holds."""
-        self._call(self._stall(0, False))
+        """End every stall now: each stalled connection forwards what it holds."""
+        self._call(self._resume())
 
     def refuse_new(self, refuse: bool = True) -> None:
         """Reset every connection accepted from now on (``refuse``), or relay them again."""
@@ -202,23 +205,28 @@ class FaultProxy:
         self._links.clear()
         self._held.clear()
 
-    async def _stall(self, seconds: float | None, new_connections: bool) -> None:
-        if self._stall_end is not None:
-            self._stall_end.cancel()
-            self._stall_end = None
-        self._stall_new = seconds != 0 and new_connections
-        for link in self._links:
-            if seconds == 0:
-                link.flowing.set()
-            else:
-                link.flowing.clear()
-        if seconds:
-            self._stall_end = self._loop.call_later(seconds, self._resume_all)
+    async def _stall(self, seconds: float | None, new_connections: bool, identity: bytes | None) -> int:
+        chosen = [link for link in self._links if identity is None or link.identity == identity]
+        for link in chosen:
+            link.flowing.clear()
+        self._stall_new = self._stall_new or new_connections
+        if seconds is not None:
+            self._stall_ends.append(self._loop.call_later(seconds, self._end_stall, chosen, new_connections))
+        return len(chosen)
 
-    def _resume_all(self) -> None:
-        self._stall_new = False
-        for link in self._links:
+    def _end_stall(self, links: list[_Link], new_connections: bool) -> None:
+        for link in links:
             link.flowing.set()
+        if new_connections:  # connections accepted during a stall of the whole link stalled too
+            self._stall_new = False
+            for link in self._links:
+                link.flowing.set()
+
+    async def _resume(self) -> None:
+        for handle in self._stall_ends:
+            handle.cancel()
+        self._stall_ends.clear()
+        self._end_stall(list(self._links), True)
 
     async def _cut(self, how: str, identity: bytes | None) -> int:
         chosen = [link for link in self._links if identity is None or link.identity == identity]
