@@ -1,6 +1,7 @@
 """How the chaos benchmark kills: SIGKILL a role of a launched run (read from its ``pids.json``), each
 generator kill at its kind of moment (a line in the generator's log), paced by the trainer's steps
-(``metrics.jsonl``), and a record of every kill."""
+(``metrics.jsonl``), and a record of every kill; network faults of the schedule are handed to
+``chaos_network.py``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from chaos_plan import Plan
+from chaos_network import NetworkChaos
+from chaos_plan import KILL_KINDS, Plan
 
 MARKERS = {"mid-weights-fetch": "fetching policy version", "mid-drafter-swap": "fetching drafter version",
            "after-rejoin": "welcomed by"}
@@ -38,8 +40,11 @@ class Kill:
 class Chaos:
     """Kills processes of a launched run (module docstring), each at its kind of moment."""
 
-    def __init__(self, run_dir: Path, launcher: subprocess.Popen[bytes], rng: random.Random, plan: Plan) -> None:
+    def __init__(self, run_dir: Path, launcher: subprocess.Popen[bytes], rng: random.Random, plan: Plan,
+                 network: NetworkChaos | None = None) -> None:
         self.run_dir, self.launcher, self.rng, self.plan = run_dir, launcher, rng, plan
+        self.network = network
+        """Makes the schedule's network faults (None: a schedule without any)."""
         self.start = time.monotonic()
         self.kills: list[Kill] = []
         self.kill_offsets: dict[str, int] = {}
@@ -153,5 +158,9 @@ class Chaos:
                 self.kill("drafter", "drafter trainer")
             elif slot.kind == "trainer":
                 self.kill("trainer", "trainer")
-            else:
+            elif slot.kind in KILL_KINDS:
                 self.kill_generator(slot.kind, give_up_at_step=slot.give_up_step)
+            else:
+                assert self.network is not None, f"{slot.kind}: a network fault, and no relay"
+                self.network.apply(slot.kind, [f"generator-{i}" for i in range(self.plan.generators)],
+                                   lambda: self.live_pid("trainer"))

@@ -1,5 +1,5 @@
-"""The chaos benchmark's plan: the size of the launched run, its kills and when each is due
-(:meth:`Plan.schedule`), the full and CI (``--quick``) presets, and the run's config file."""
+"""The chaos benchmark's plan: the size of the launched run, its kills and network faults and when
+each is due (:meth:`Plan.schedule`), the full and CI (``--quick``) presets, and the run's config file."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 KILL_KINDS = ("mid-chunk", "mid-weights-fetch", "mid-drafter-swap", "after-rejoin")
+NETWORK_KINDS = ("stall", "reset", "half-open", "slow")
+"""Faults of one generator's link to the trainer (``stall``, ``reset``, ``half-open``) or of every
+peer's (``slow``), made by the relay in front of the trainer (``chaos_network.py``)."""
 
 
 @dataclass(frozen=True)
@@ -25,16 +28,44 @@ class Plan:
     """``launch.fork_roles``: roles forked from the launcher, or fresh interpreters."""
     event_wait_s: float = 20.0
     """How long a kill waits for its moment (a log line) before it kills at a random moment instead."""
+    faults: int = 0
+    """Network faults (``--network``), cycling through ``NETWORK_KINDS``; with any, the trainer is
+    also paused once (SIGSTOP, then SIGCONT after ``pause_s``)."""
+    stall_s: float = 12.0
+    """How long a stalled link holds: past the trainer's heartbeat timeout and the generator's ZMTP
+    timeout (10 s), so the generator is declared gone and connects again while its old connection
+    still holds what it sent."""
+    slow_s: float = 8.0
+    """How long every link is slowed by ``slow``."""
+    slow_delay_ms: float = 20.0
+    """Delay of each chunk while slowed, in milliseconds."""
+    slow_bytes_per_s: float = 1_000_000.0
+    """Each direction of each connection while slowed, in bytes a second."""
+    pause_s: float = 12.0
+    """How long the trainer stays stopped: past its peers' ZMTP timeout, so they connect again
+    while it cannot read (the pause that made libzmq abort it)."""
+    takeover_s: float = 2.0
+    """After the pause, how long the relay still holds the trainer's old connections (the trainer
+    takes its peers' routes over onto their new connections meanwhile)."""
+    heartbeat_timeout_s: float = 5.0
+    """``network.heartbeat_timeout_s`` of a run with network faults (below ``stall_s``)."""
 
     @property
     def steps(self) -> int:
         return max(2, self.groups // self.batch_groups)
 
     def schedule(self) -> list[Slot]:
-        """The kills in order: generator kills cycling through ``KILL_KINDS``, the drafter trainer's
-        a third of the way and the trainer's two thirds of the way, due at steps spread evenly from
-        step 1 to about 70% of the run (``Chaos.run``)."""
-        kinds = [KILL_KINDS[i % len(KILL_KINDS)] for i in range(self.kills)]
+        """The kills and faults in order: generator kills cycling through ``KILL_KINDS``, each
+        followed by a network fault while there are faults left (the rest at the end), cycling
+        through ``NETWORK_KINDS``; the trainer's pause half way, the drafter trainer's kill a third of
+        the way and the trainer's two thirds of the way; due at steps spread evenly from step 1 to
+        about 70% of the run (``Chaos.run``)."""
+        kills = [KILL_KINDS[i % len(KILL_KINDS)] for i in range(self.kills)]
+        faults = [NETWORK_KINDS[i % len(NETWORK_KINDS)] for i in range(self.faults)]
+        kinds = [k for pair in zip(kills, faults, strict=False) for k in pair]
+        kinds += kills[len(faults):] + faults[len(kills):]
+        if self.faults:
+            kinds.insert(len(kinds) // 2, "trainer-pause")
         kinds.insert(len(kinds) // 3, "drafter")
         kinds.insert(2 * len(kinds) // 3, "trainer")
         last = max(1, int(0.7 * self.steps))
@@ -54,10 +85,20 @@ class Slot:
 
 FULL = Plan(groups=320, generators=3, kills=20)
 QUICK = Plan(groups=40, generators=2, kills=3, event_wait_s=10.0)
+FULL_FAULTS = 12
+QUICK_FAULTS = 4
 
 
-def run_config(plan: Plan, model: Path, run_dir: Path, seed: int) -> str:
-    """The launched run: tiny model, checkpoints every step, a drafter trained online, quick restarts."""
+def run_config(plan: Plan, model: Path, run_dir: Path, seed: int, relay: tuple[int, str] | None = None) -> str:
+    """The launched run: tiny model, checkpoints every step, a drafter trained online, quick restarts;
+    with ``relay`` (the trainer's port, the relay's endpoint) the peers connect through the relay,
+    and a heartbeat timeout below the stalls."""
+    network = "" if relay is None else f"""
+[network]
+trainer_port = {relay[0]}
+peer_endpoint = {json.dumps(relay[1])}
+heartbeat_timeout_s = {plan.heartbeat_timeout_s}
+"""
     return f"""
 run_dir = {json.dumps(str(run_dir))}
 seed = {seed}
@@ -108,4 +149,4 @@ max_restarts = {plan.kills + 10}
 restart_backoff_s = 0.5
 restart_backoff_max_s = 2.0
 fork_roles = {str(plan.fork_roles).lower()}
-"""
+""" + network

@@ -1,8 +1,10 @@
 """``benchmarks/bench_chaos.py --quick``: a launched run on a tiny random model during which generators
 (at random moments, mid-weights-fetch, mid-drafter-swap, right after one rejoined), the drafter
-trainer and the trainer are SIGKILLed — the CI version of the chaos benchmark. It must finish (exit 0)
+trainer and the trainer are SIGKILLed — the CI version of the chaos benchmark; with ``--network`` the
+peers also reach the trainer through a fault relay that stalls, resets, leaves half-open and slows
+their links, and the trainer is paused past their heartbeat timeout once. It must finish (exit 0)
 with every prompt trained exactly once, every resumed rollout continuing the tokens it carried, the
-staleness bound held, and no process left behind."""
+staleness bound held, the trainer started only at the launch and after its kill, and no process left behind."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 from helpers.bench_runs import run_benchmark
 from helpers.launch import live, members_of_groups, started_pids
+from helpers.timeouts import guard
 
 pytestmark = pytest.mark.integration  # every test here starts a process
 
@@ -21,10 +24,11 @@ TIMEOUT_S = 900  # about 2 minutes on a loaded 2-core machine (every restart imp
 
 
 @pytest.mark.slow
-def test_quick_chaos_run_trains_every_group_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("network", [False, True], ids=["kills", "kills-and-network-faults"])
+def test_quick_chaos_run_trains_every_group_once(tmp_path: Path, network: bool) -> None:
     out, work = tmp_path / "chaos.json", tmp_path / "work"
     cmd = [sys.executable, str(BENCH), "--quick", "--no-baseline", "--json", str(out), "--work-dir", str(work)]
-    log, pid = run_benchmark(cmd, TIMEOUT_S)
+    log, pid = run_benchmark(cmd + ["--network"] * network, guard(TIMEOUT_S))
 
     doc = json.loads(out.read_text())
     assert doc["ok"] and doc["exit_code"] == 0, log[-3000:]
@@ -34,7 +38,9 @@ def test_quick_chaos_run_trains_every_group_once(tmp_path: Path) -> None:
     checks = doc["checks"]
     assert checks["lost"] == [] and checks["duplicated"] == [] and checks["duplicated_groups"] == []
     assert checks["resume_mismatches"] == [] and checks["max_staleness"] <= 1
-    assert checks["trainer_starts"] == 2  # the first trainer and its restart from the checkpoint
+    assert checks["trainer_starts"] == 2  # the first trainer and its restart from the checkpoint: no fault killed it
+    if network:  # every kind of fault was made
+        assert doc["fault_kinds"] == {"stall": 1, "reset": 1, "half-open": 1, "slow": 1, "trainer-pause": 1}
     assert checks["groups_trained"] >= doc["plan"]["groups"]
 
     run_dir = work / "chaos"

@@ -18,6 +18,7 @@ S = TypeVar("S", bound=zmq.Socket)  # type: ignore[type-arg]
 DEFAULT_HWM = 1000
 """Messages queued per peer and direction before a send waits (credit windows stay well below)."""
 DEFAULT_HEARTBEAT_IVL_MS = 1000
+"""ZMTP PING interval of a connecting socket (a peer); a ROUTER sends none (:func:`make_socket`)."""
 DEFAULT_HEARTBEAT_TIMEOUT_MS = 10_000
 IPC_PATH_MAX = 107
 """Linux limit on a Unix socket path (``sockaddr_un.sun_path`` less the terminator)."""
@@ -57,7 +58,7 @@ def make_socket(
     identity: bytes | None = None,
     linger_ms: int = 0,
     allow_public: bool = False,
-    heartbeat_ivl_ms: int = DEFAULT_HEARTBEAT_IVL_MS,
+    heartbeat_ivl_ms: int | None = None,
     heartbeat_timeout_ms: int = DEFAULT_HEARTBEAT_TIMEOUT_MS,
     curve: ServerKeys | ClientKeys | None = None,
     monitor_events: int = 0,
@@ -74,6 +75,18 @@ def make_socket(
     ZMTP heartbeats, so a dead peer's connection is dropped; ``IMMEDIATE`` on connecting DEALER/PUSH
     sockets, so a send waits for a live connection instead of queueing for a peer not there yet.
 
+    A ROUTER sends no ZMTP PINGs of its own (``HEARTBEAT_IVL`` 0 unless ``heartbeat_ivl_ms`` says
+    otherwise): libzmq 4.3.5 (the newest release; its master as of 2026-07 too) aborts the whole
+    process with ``Assertion failed: !_io_error (src/stream_engine_base.cpp:310)`` when the PING
+    timer fires on a connection whose input had stopped and which then saw a reset or hang-up. A
+    ROUTER's input stops on a connection whose route a peer's new connection took over
+    (``ROUTER_HANDOVER``) while the old one still delivers — what a stalled link or a paused
+    trainer leaves — so the trainer aborted on network faults its peers recover from
+    (``benchmarks/zmq_abort.py`` reproduces it; docs/running-rl.md, "Network faults"). Without its
+    own PINGs the ROUTER still answers its peers' PINGs and drops a connection that stays silent past
+    the TTL they announce (their ``HEARTBEAT_TTL``), and the actors' own heartbeats say which peers
+    are alive.
+
     Args:
         kind: ``zmq.ROUTER``, ``zmq.DEALER``, ``zmq.PUSH`` or ``zmq.PULL``.
         bind / connect: exactly one endpoint. A bind to ``tcp://127.0.0.1:0`` (or ``:*``) takes a
@@ -82,6 +95,10 @@ def make_socket(
         allow_public: permit binding to a non-loopback address.
         curve: CURVE security (``protocol/curve.py``): a server's keys (bind; the context must run
             the ZAP authenticator, or every handshake fails) or a client's (connect).
+        heartbeat_ivl_ms: milliseconds between ZMTP PINGs; None: ``DEFAULT_HEARTBEAT_IVL_MS``, or 0
+            (none) on a ROUTER (above).
+        heartbeat_timeout_ms: a connection whose PING went unanswered this long is dropped; also
+            the TTL announced in this socket's PINGs.
         monitor_events: a ``zmq.EVENT_*`` mask: the socket monitor is attached before the bind or
             connect, so no event is missed (a refused first handshake included); read it with
             ``sock.get_monitor_socket()``, which returns that same monitor, and close it before the
@@ -117,6 +134,8 @@ def make_socket(
         sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)  # seconds
         sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 10)
         sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
+        if heartbeat_ivl_ms is None:
+            heartbeat_ivl_ms = 0 if kind == zmq.ROUTER else DEFAULT_HEARTBEAT_IVL_MS
         sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ivl_ms)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_timeout_ms)
         sock.setsockopt(zmq.HEARTBEAT_TTL, heartbeat_timeout_ms)

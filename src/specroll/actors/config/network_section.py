@@ -13,6 +13,7 @@ from specroll.actors.config.section import check_literals as _check_literals
 from specroll.actors.config.section import require as _require
 from specroll.actors.config.section import require_count as _require_count
 from specroll.actors.config.section import require_seconds as _require_seconds
+from specroll.actors.peer.endpoint import check_endpoint
 from specroll.protocol.curve import KEYS_DIRNAME, ClientKeys, ServerKeys
 
 
@@ -24,6 +25,12 @@ class NetworkConfig(_Section):
     address needs ``security = "curve"`` (or ``allow_insecure``)."""
     trainer_port: int = 0
     """TCP port of the trainer; 0 (default) picks a free one (``specroll launch`` passes it on)."""
+    peer_endpoint: str = ""
+    """The endpoint ``specroll launch`` tells the generators and the drafter trainer to connect to
+    instead of the trainer's own, ``tcp://HOST:PORT``: a relay that forwards to the trainer's port (a
+    TCP proxy, an SSH tunnel, a load balancer; ``bench_chaos.py --network`` puts a fault-injecting
+    one there). Needs a fixed ``trainer_port``, the port the relay forwards to. Empty (default):
+    the trainer's endpoint."""
     security: Literal["none", "curve"] = "none"
     """``curve``: the trainer's endpoint is a ZeroMQ CURVE server (every frame encrypted and
     authenticated) that admits only this run's generator and drafter keys (``keys_dir``), and a
@@ -79,6 +86,10 @@ class NetworkConfig(_Section):
                  "a loopback address (127.0.0.1, ::1, localhost) unless security = 'curve' (or allow_insecure = true: "
                  "then anyone who reaches the port can join the run)")
         _require(0 <= self.trainer_port <= 65535, "trainer_port", self.trainer_port, "a port in [0, 65535]")
+        _require(not self.peer_endpoint or _is_endpoint(self.peer_endpoint), "peer_endpoint", self.peer_endpoint,
+                 "tcp://HOST:PORT (a port in [1, 65535]) or ipc://PATH, or empty for the trainer's own endpoint")
+        _require(not self.peer_endpoint or self.trainer_port != 0, "trainer_port", self.trainer_port,
+                 f"a fixed port with peer_endpoint = {self.peer_endpoint!r} (the port the relay forwards to)")
         _require(self.keys_dir == self.keys_dir.strip() and "\0" not in self.keys_dir, "keys_dir", self.keys_dir,
                  "a directory path without leading or trailing spaces (empty: RUN_DIR/keys)")
         _require_count("hwm", self.hwm, 1, 1_000_000)
@@ -126,6 +137,14 @@ class NetworkConfig(_Section):
     def reconnect_s(self) -> float:
         """``reconnect_timeout_s``, or when unset the larger of 60 s and ``heartbeat_timeout_s``."""
         return self.reconnect_timeout_s if self.reconnect_timeout_s is not None else max(60.0, self.heartbeat_timeout_s)
+
+
+def _is_endpoint(text: str) -> bool:
+    try:
+        check_endpoint(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _looks_numeric(host: str) -> bool:

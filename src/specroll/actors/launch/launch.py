@@ -16,7 +16,8 @@ Lifecycle:
    rank 0 is the role ``trainer`` (the endpoint, the generators), rank r the role ``trainer-rank<r>``,
    each with ``--rank r --world-size N --master 127.0.0.1:PORT``, a fresh free PORT at every start.
 3. ``generator.count`` generators start (``python -m specroll.actors.generator --config ...
-   --connect ENDPOINT --actor-id generator-<i>``).
+   --connect ENDPOINT --actor-id generator-<i>``; ENDPOINT is ``network.peer_endpoint`` when set, a
+   relay in front of the trainer).
 4. Supervise (``[launch]``, :class:`~specroll.actors.config.launch_section.LaunchConfig`): the trainer
    exiting 0 is the end of the run. A role that dies otherwise is started again after an
    exponential back-off — a generator (its groups resume on the others meanwhile, and on it once it
@@ -164,6 +165,9 @@ class Launcher:
                                                     self._check_signal, self.cluster))
             self.say(f"trainer listening at {endpoint}")
             starts.roles[TRAINER_ROLE].module_args += port_pin(endpoint, self.config.network.trainer_port)
+            if self.config.network.peer_endpoint:
+                endpoint = self.config.network.peer_endpoint
+                self.say(f"generators and the drafter trainer connect to {endpoint} (network.peer_endpoint)")
             gpus = gpu_env(self.config, DRAFTER_ROLE) if self.cluster is None else {}  # Ray assigns its own
             for i in range(self.config.generator.count):
                 name = f"generator-{i}"
