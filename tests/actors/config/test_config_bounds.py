@@ -28,7 +28,6 @@ UPPER_BOUNDS = [
     ("trainer.max_queued_groups=2000000", "trainer.max_queued_groups=2000000, expected an integer in [1, 1048576]"),
     ("trainer.max_queued_groups=100", "trainer.max_queued_groups=100, expected at least trainer.max_groups_in_flight "
                                       "+ eval.count + server.max_requests_in_flight = 8 + 64 + 256 = 328"),
-    ("trainer.group_size=65", "trainer.group_size=65, expected at most generator.engine.max_num_seqs = 64"),
     ("generator.count=1025", "generator.count=1025, expected an integer in [1, 1024]"),
     ("generator.sampling.max_tokens=2000000", "generator.sampling.max_tokens=2000000, expected an integer in "
                                               "[1, 1048576]"),

@@ -275,6 +275,8 @@ def test_missing_inputs_and_a_taken_port_exit_2_before_anything_starts(tmp_path:
             (["--set", 'task.operators="-"', "--set", "eval.count=55"], "with '-' number 55"),
             (["--set", f'model.name="{tmp_path / "no-model"}"'], "model.name"),
             (["--set", f"network.trainer_port={port}"], f"network.trainer_port={port}"),
+            (["--set", "trainer.group_size=65"],
+             "trainer.group_size=65, expected at most generator.engine.max_num_seqs"),
         ]
         for i, (extra, key) in enumerate(cases):
             code, err = refused(tmp_path, config, extra, capsys, in_process=i > 0)

@@ -113,9 +113,6 @@ class RunConfig(_Section):
                  f"{tc.max_groups_in_flight} + {self.eval.count if self.eval.every else 0} + "
                  f"{server.max_requests_in_flight} = {queued} (what the trainer, its evaluation and its server may "
                  "queue at once)")
-        _require(self.task.environment is not None or tc.group_size <= engine.max_num_seqs, "trainer.group_size",
-                 tc.group_size, f"at most generator.engine.max_num_seqs = {engine.max_num_seqs} (a group's samples "
-                 "run on one generator; a larger group would never be dispatched)")
         metrics = self.metrics
         _require(not metrics.enabled or metrics.is_loopback() or bool(metrics.api_key) or self.network.allow_insecure,
                  "metrics.host", metrics.host, "a loopback address (127.0.0.1, ::1, localhost) unless metrics.api_key "

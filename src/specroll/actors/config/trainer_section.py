@@ -35,8 +35,8 @@ class TrainerConfig(_Section):
     """B: finished groups that make one training step, 1 to 65536. Default 4."""
     group_size: int = 4
     """n: samples per prompt (a GRPO group). Default 4; at least 2, as one sample has no advantage, and at
-    most 65536 (with single-turn groups, at most ``generator.engine.max_num_seqs``: a group's samples
-    run on one generator)."""
+    most 65536 (with single-turn groups, ``specroll launch`` also checks it is at most
+    ``generator.engine.max_num_seqs``: a group's samples run on one generator)."""
     learning_rate: float = 1e-6
     """AdamW learning rate. Default 1e-6."""
     weight_decay: float = 0.0

@@ -54,7 +54,12 @@ def preflight(config: RunConfig, serving: bool = False) -> str | None:
     _check_drafter(config)
     if config.cluster.backend == "local":  # under Ray the roles run on nodes this host knows nothing of
         _check_cuda(config)
-    tc = config.trainer
+    tc, engine = config.trainer, config.generator.engine
+    if not serving and config.task.environment is None and tc.group_size > engine.max_num_seqs:
+        # the run's own generators (one started alone may hold any number; the trainer cannot know)
+        raise LaunchError(f"trainer.group_size={tc.group_size}, expected at most generator.engine.max_num_seqs = "
+                          f"{engine.max_num_seqs} (a group's samples run on one generator; a larger group would "
+                          "never be dispatched)")
     if not serving and tc.mode == "async" and (
             warning := run_ahead_warning(tc.max_groups_in_flight, tc.batch_groups, tc.max_staleness)) is not None:
         print(f"specroll launch: warning: {warning}", file=sys.stderr)
