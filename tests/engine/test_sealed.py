@@ -129,6 +129,24 @@ def test_a_folder_holding_other_files_is_not_replaced(tmp_path: Path) -> None:
     assert sorted(p.name for p in target.iterdir()) == ["notes.txt"] and leftovers(tmp_path, "out") == []
 
 
+@pytest.mark.parametrize("what", ["a file", "a sealed folder with a stranger"])
+def test_a_target_that_cannot_be_replaced_keeps_the_previous_folder(tmp_path: Path, what: str) -> None:
+    """The check comes before the previous folder is removed: a refused write loses no good copy."""
+    target = tmp_path / "out"
+    for version in (1, 2):
+        write_folder(target, writer(version), keep_previous=True)
+    if what == "a file":
+        for p in target.iterdir():
+            p.unlink()
+        target.rmdir()
+        target.write_text("hi")
+    else:
+        (target / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="is not a folder" if what == "a file" else r"notes\.txt"):
+        write_folder(target, writer(3), keep_previous=True)
+    assert version_of(tmp_path / "out.prev") == 1 and leftovers(tmp_path, "out") == []
+
+
 # ---- a SIGKILL anywhere in a write ----------------------------------------------------------------
 
 KILLED_WRITER = """

@@ -135,3 +135,19 @@ def test_the_steps_a_restarted_trainer_runs_again_are_printed_again(tmp_path: Pa
     assert out.getvalue().splitlines() == [
         "step 2: loss=0.4", "step 3: loss=0.3", "step 3 (re-run): loss=0.25", "step 4: loss=0.2",
         "step 3 (evaluated again): eval_accuracy=0.5 loss=0.25", "step 4 (re-run): loss=0.21"]
+
+
+def test_a_pids_file_that_cannot_be_written_is_one_warning_not_the_launchers_end(tmp_path: Path) -> None:
+    """A full disk (here: a run directory below a file) makes pids.json unwritable: supervision goes on
+    with one warning line, said again only after a write succeeded in between."""
+    from specroll.actors.launch.role_starts import RoleStarts
+
+    (tmp_path / "file").write_text("")
+    said: list[str] = []
+    starts = RoleStarts(tmp_path / "file" / "run", said.append, lambda: None)
+    starts.write_pids()
+    starts.write_pids(launcher_running=False)
+    assert len(said) == 1 and said[0].startswith("warning: cannot write ") and "pids.json" in said[0], said
+    starts.run_dir = tmp_path
+    starts.write_pids()
+    assert json.loads((tmp_path / "pids.json").read_text())["processes"] == {}

@@ -68,3 +68,15 @@ def test_the_drafter_relay_records_versions_published_and_served(tmp_path: Path)
         {"event": "drafter_published", "version": 1, "train_steps": 20, "train_s": 3.5},
         {"event": "drafter_served", "actor": "gen-1", "version": 1},
     ]
+
+
+def test_a_line_cut_short_by_an_earlier_process_stays_on_its_own(tmp_path: Path) -> None:
+    """A killed process (or a full disk) left half a line: the next event starts on a line of its own,
+    so only the cut line is lost, not the next event with it."""
+    path = tmp_path / "timeline.jsonl"
+    path.write_text('{"t": 1.0, "event": "step_start"}\n{"t": 2.0, "ev')
+    timeline = Timeline(path)
+    timeline.record("trainer_start", step=3)
+    timeline.close()
+    lines = path.read_text().splitlines()
+    assert lines[1] == '{"t": 2.0, "ev' and json.loads(lines[2])["event"] == "trainer_start", lines

@@ -128,6 +128,31 @@ def test_a_checkpoint_written_before_checksums_still_loads(tiny_checkpoint, tmp_
     assert (setup.resumed_from, setup.state.step, setup.refused) == (run / CHECKPOINT_DIRNAME, 1, [])
 
 
+def test_a_damaged_checkpoint_written_before_checksums_is_passed_over_too(tiny_checkpoint, tmp_path: Path) -> None:
+    """Without checksums.json a file cut short fails to load (CheckpointError): refused as a checksum
+    failure is, for the one before — not a trainer failing at every restart."""
+    run = tmp_path / "run"
+    config = run_config(run, tiny_checkpoint("llama"), steps=5)
+    save_steps(load_setup(config), run, config.seed, 1, 2)
+    (run / CHECKPOINT_DIRNAME / CHECKSUMS_FILE).unlink()
+    damage(run / CHECKPOINT_DIRNAME / MODEL_FILE, "cut short")
+    setup = load_setup(config)
+    assert (setup.resumed_from, setup.state.step) == (run / PREV, 1)
+    assert len(setup.refused) == 1 and str(run / CHECKPOINT_DIRNAME / MODEL_FILE) in setup.refused[0], setup.refused
+
+
+@pytest.mark.parametrize("what", ["checkpoint", "drafter"])
+def test_a_run_folder_that_is_a_file_is_refused_at_launch(tiny_checkpoint, tmp_path: Path, what: str) -> None:
+    """Each checkpoint (drafter version) would fail to be written and the trainer be restarted for
+    nothing: the launcher refuses it at once, naming it."""
+    run = tmp_path / "run"
+    config = run_config(run, tiny_checkpoint("llama"), steps=5)
+    run.mkdir()
+    (run / what).write_text("hi")
+    with pytest.raises(LaunchError, match=re.escape(f"{run / what}: exists and is not a folder")):
+        preflight(config)
+
+
 # ---- a real trainer resuming ---------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from specroll.actors.drafter_trainer.actor import DRAFTER_DIRNAME
 from specroll.actors.launch.errors import LaunchError
 from specroll.actors.trainer.checkpoint import CHECKPOINT_DIRNAME, STATE_FILE, read_newest_checkpoint
 from specroll.actors.trainer.task_load import load_environment, load_task
@@ -20,7 +21,7 @@ from specroll.drafter.eagle_config import DrafterError
 from specroll.drafter.eagle_head import EagleHead
 from specroll.engine.loaders.checkpoint import CheckpointError, load_model_config
 from specroll.engine.loaders.registry import resolve_model
-from specroll.engine.loaders.sealed import check_folder
+from specroll.engine.loaders.sealed import check_folder, check_replaceable
 from specroll.envs.base import EnvironmentLoadError
 from specroll.rl.admission import run_ahead_warning
 from specroll.rl.tasks import PromptFileError
@@ -80,6 +81,11 @@ def preflight(config: RunConfig, serving: bool = False) -> str | None:
     _check_metrics(config, serving)
     if serving:
         return None
+    for folder in (Path(config.run_dir) / CHECKPOINT_DIRNAME, Path(config.run_dir) / DRAFTER_DIRNAME):
+        try:  # else each checkpoint (drafter version) would fail to be written, the run be restarted for nothing
+            check_replaceable(folder)
+        except FileExistsError as e:
+            raise LaunchError(f"{e.filename}: {e.strerror}; move it out of the run directory") from None
     found = read_newest_checkpoint(config.run_dir, _saved_step)
     refused = "".join(f"; refused {e}" for e in found.refused)
     if found.path is None:

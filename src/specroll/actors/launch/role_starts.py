@@ -89,6 +89,7 @@ class RoleStarts:
     """Every process started, in start order (the trainer first), restarted ones included."""
     exited: list[dict[str, object]] = field(default_factory=list, init=False)
     """The processes reaped, in order: ``{"role", "pid", "exit_code"}`` (``pids.json``'s ``exited``)."""
+    _pids_warned: bool = field(default=False, init=False, repr=False)
 
     def start(self, name: str, module_args: list[str], env: dict[str, str] | None = None) -> RoleProcess:
         """Start role ``name`` (``python -m module_args...``, ``env`` set in its environment) and
@@ -147,7 +148,8 @@ class RoleStarts:
 
     def write_pids(self, launcher_running: bool = True) -> None:
         """Write ``RUN_DIR/pids.json`` (:data:`PIDS_FILENAME`) as things stand: called after every start,
-        reap and death, and at the end of the launch (``launcher_running`` false)."""
+        reap and death, and at the end of the launch (``launcher_running`` false). A write that fails
+        (a full disk) is one warning line, not the launcher's end."""
         reaped = {int(str(e["pid"])) for e in self.exited}
         for p in self.processes:  # reaped elsewhere (teardown, the warm start): history now
             if p.reaped and p.pid not in reaped:
@@ -157,4 +159,12 @@ class RoleStarts:
             if not p.reaped:                # still unreaped (its group not yet empty) beside it
                 current[p.name if p.name not in current else f"{p.name}@{p.pid}"] = p.pid
         pids = {"launcher": os.getpid() if launcher_running else None, "processes": current, "exited": self.exited}
-        write_text_atomic(self.run_dir / PIDS_FILENAME, json.dumps(pids, indent=1) + "\n")
+        try:
+            write_text_atomic(self.run_dir / PIDS_FILENAME, json.dumps(pids, indent=1) + "\n")
+        except OSError as e:  # a full disk: the old file stays (atomic); supervision must go on
+            if not self._pids_warned:
+                self.say(f"warning: cannot write {self.run_dir / PIDS_FILENAME} ({e.strerror or e}); it may list "
+                         "processes that ended until it can be written again")
+            self._pids_warned = True
+        else:
+            self._pids_warned = False

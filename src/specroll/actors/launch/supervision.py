@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from specroll.actors.launch.errors import LaunchError
 from specroll.actors.launch.rank_roles import TRAINER_ROLE, is_trainer_rank
 from specroll.actors.launch.role_process import death_error, describe_exit, killpg, observe_exit, terminate
 from specroll.actors.launch.role_starts import Role, RoleStarts
@@ -60,7 +61,8 @@ class Supervisor:
         """Handle every role's process that exited since the last poll, then start the restarts now due.
 
         Raises:
-            ~specroll.actors.launch.errors.LaunchError: a death ends the run (:meth:`on_death`).
+            ~specroll.actors.launch.errors.LaunchError: a death ends the run (:meth:`on_death`), or a
+                restart cannot be started (its log cannot be written: a full disk).
         """
         roles = self.starts.roles
         for role in roles.values():
@@ -72,7 +74,11 @@ class Supervisor:
         for role in roles.values():
             if role.restart_at is not None and now >= role.restart_at:
                 role.restart_at = None
-                self.starts.respawn(role, self.config.trainer.world_size)
+                try:
+                    self.starts.respawn(role, self.config.trainer.world_size)
+                except OSError as e:  # its log cannot be opened (a full disk): the run cannot go on
+                    raise LaunchError(f"cannot start {role.name} again ({e.strerror or e}: {e.filename}); "
+                                      "stopping the run") from None
 
     def on_death(self, role: Role, code: int) -> None:
         """A role's process exited during the run: schedule its restart, or end the run (raise)."""
@@ -113,7 +119,10 @@ class Supervisor:
         role.restart_at = now + delay
         role.restarts += 1
         self.restarts[role.name] = role.restarts
-        write_restarts(self.starts.run_dir, self.restarts)
+        try:
+            write_restarts(self.starts.run_dir, self.restarts)
+        except OSError as e:  # a full disk: the restart goes on; the metrics lines miss this count until later
+            self.say(f"warning: cannot write the restart counts ({e.strerror or e}): {e.filename or ''}")
         why = "" if counted else " while the trainer was away (not counted)"
         what = "and rejoins"
         if role.name == TRAINER_ROLE:

@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import IO
 
+from specroll.actors.shared.files import ends_a_line
+
 TIMELINE_FILENAME = "timeline.jsonl"
 
 
@@ -58,13 +60,22 @@ class Timeline:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: IO[str] | None = open(self.path, "a", encoding="utf-8")
+        if not ends_a_line(self.path):  # a line an earlier process was killed in (or a full disk cut) ends here
+            self._file.write("\n")
 
     def record(self, event: str, /, **fields: object) -> None:
-        """Append one event now (``t`` = ``time.time()``). Fields must be JSON-serialisable."""
+        """Append one event now (``t`` = ``time.time()``). Fields must be JSON-serialisable.
+
+        Raises:
+            OSError: naming the file (a full disk).
+        """
         if self._file is None:
             return
-        self._file.write(json.dumps({"t": time.time(), "event": event, **fields}) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps({"t": time.time(), "event": event, **fields}) + "\n")
+            self._file.flush()
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(self.path)) from e
 
     def close(self) -> None:
         if self._file is not None:

@@ -79,13 +79,13 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
 def read_newest_checkpoint(run_dir: str | Path, read: Callable[[Path], T]) -> Newest[T]:
     """``read`` (a :func:`read_checkpoint` or :func:`load_trainer_checkpoint` of one folder) the
     newest checkpoint of ``run_dir`` whose files pass their checksums: ``checkpoint/``, else
-    ``checkpoint.prev/``. ``Newest.refused`` holds the :class:`ChecksumError` of each folder passed
-    over; ``Newest.path`` is None when none was read (none there, or every one refused).
-
-    Raises:
-        CheckpointError: a checkpoint that passes its checksums does not load (another model...).
+    ``checkpoint.prev/``. ``Newest.refused`` holds the :class:`ChecksumError` (or, for a folder
+    without checksums, the :class:`CheckpointError`: a file cut short, another model's shapes) of each
+    folder passed over; ``Newest.path`` is None when none was read (none there, or every one refused).
     """
-    return read_newest(checkpoint_dir(run_dir), read)
+    # A folder without checksums.json (written before them, or by hand) is read unchecked: a file of it
+    # cut short fails to load (CheckpointError), and is refused as a checksum failure would be.
+    return read_newest(checkpoint_dir(run_dir), read, refuse=(CheckpointError,))  # ChecksumError is one
 
 
 def save_checkpoint(run_dir: str | Path, model: CausalLM, optimizer: torch.optim.Optimizer,

@@ -19,7 +19,7 @@ import torch
 
 from specroll.actors.config import RunConfig
 from specroll.actors.rollout.client import RolloutClient
-from specroll.actors.shared.files import write_text_atomic
+from specroll.actors.shared.files import append_line, write_text_atomic
 from specroll.actors.shared.restarts import read_restarts
 from specroll.actors.telemetry.sinks import RecordSinks
 from specroll.actors.telemetry.trainer_metrics import TrainerExport
@@ -175,8 +175,7 @@ def append_metrics(run_dir: Path, metrics: dict[str, object]) -> None:
     """Append one record to ``RUN_DIR/metrics.jsonl``, with what the launcher restarted so far
     (``RUN_DIR/restarts.json``)."""
     metrics.update(read_restarts(run_dir))  # what the launcher restarted so far
-    with open(run_dir / METRICS_FILENAME, "a", encoding="utf-8") as f:
-        f.write(json.dumps(metrics) + "\n")
+    append_line(run_dir / METRICS_FILENAME, json.dumps(metrics))
 
 
 def progress(metrics: dict[str, object], result: StepResult) -> str:

@@ -88,6 +88,7 @@ def write_folder(target: Path, write: Callable[[Path], object], *, keep_previous
         shutil.rmtree(stale, ignore_errors=True)  # a killed writer's: this is the folder's one writer
     if prev.exists() and not target.exists():  # a writer killed in the swap: prev is the newest
         os.rename(prev, target)
+    check_replaceable(target)  # before prev goes: a target this write cannot replace keeps both
     if prev.exists():  # the one before the newest: the swap below makes the newest the previous
         _remove(prev)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.staging-"))
@@ -224,6 +225,28 @@ def usual_mode() -> int:
 
 def _prev(target: Path) -> Path:
     return target.with_name(target.name + PREV_SUFFIX)
+
+
+def check_replaceable(target: Path) -> None:
+    """``target`` is absent, or a folder :func:`write_folder` may replace: not a file or a link, and,
+    when sealed, holding only what its ``checksums.json`` lists (and dot files).
+
+    Raises:
+        FileExistsError: naming ``target`` and what is wrong with it.
+    """
+    if not os.path.lexists(target):
+        return
+    if not target.is_dir() or target.is_symlink():
+        raise FileExistsError(errno.EEXIST, "exists and is not a folder; expected a folder to replace", str(target))
+    try:
+        listed = set(msgspec.json.decode((target / CHECKSUMS_FILE).read_bytes(), type=Checksums).files)
+    except (OSError, msgspec.ValidationError, msgspec.DecodeError):
+        return  # not sealed (or its list unreadable): the check against the new folder's names decides
+    other = sorted(p.name for p in target.iterdir()
+                   if p.name not in listed and p.name != CHECKSUMS_FILE and not p.name.startswith("."))
+    if other:
+        raise FileExistsError(errno.EEXIST, f"holds files this write would not replace ({', '.join(other[:4])}); "
+                                            "expected a folder written by specroll", str(target))
 
 
 def _check_replaceable(target: Path, staging: Path) -> None:
