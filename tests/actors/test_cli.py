@@ -371,6 +371,8 @@ def test_help_says_what_launch_starts_and_what_a_generator_reads(capsys) -> None
     ("tcp://127.0.0.1:99999", "port '99999', expected an integer in [1, 65535]"),
     ("tcp://127.0.0.1:0", "port '0', expected an integer in [1, 65535]"),
     ("tcp://127.0.0.1", "expected tcp://HOST:PORT, e.g. tcp://127.0.0.1:5555"),
+    ("tcp://no such host:5555", "host 'no such host', expected a host name or an IP address (letters, digits, "
+                                "'.', '-', '_'; an IPv6 address in brackets)"),  # ZeroMQ: EINVAL at connect
 ])
 def test_a_bad_connect_endpoint_is_refused_before_anything_waits(tmp_path: Path, capsys, command: list[str],
                                                                    endpoint: str, words: str) -> None:

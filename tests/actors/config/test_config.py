@@ -252,6 +252,8 @@ FILE_ERRORS = [
      ["network.reconnect_timeout_s=5.0, expected a number of seconds in [heartbeat_timeout_s = 10.0, 604800]"]),
     ('[network]\npeer_endpoint = "127.0.0.1:5555"\ntrainer_port = 5000\n', [],
      ["network.peer_endpoint='127.0.0.1:5555', expected tcp://HOST:PORT"]),
+    ('[network]\npeer_endpoint = "tcp://no such host:5555"\ntrainer_port = 5000\n', [],
+     ["network.peer_endpoint='tcp://no such host:5555', expected tcp://HOST:PORT"]),
     ('[network]\npeer_endpoint = "tcp://127.0.0.1:5555"\n', [],
      ["network.trainer_port=0, expected a fixed port with peer_endpoint = 'tcp://127.0.0.1:5555'"]),
     ("[launch]\nmax_restarts = -1\n", [], ["launch.max_restarts=-1, expected an integer in [0, 1000]"]),
