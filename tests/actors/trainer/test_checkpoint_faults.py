@@ -185,6 +185,11 @@ async def test_the_trainer_resumes_from_the_checkpoint_before_a_damaged_one_in_o
                      f"{run / CHECKPOINT_DIRNAME / MODEL_FILE}: " + lines[0].split(f"{MODEL_FILE}: ", 1)[1]]
     assert [r.levelname for r in caplog.records if "refused" in r.getMessage()] == ["WARNING"]
     assert [m["step"] for m in metrics(run)] == [2, 3]
+    # the launcher checked sizes only and said "resuming from checkpoint": the first line tells it otherwise
+    warning = metrics(run)[0].get("checkpoint_warning", "")
+    damaged = run / CHECKPOINT_DIRNAME / MODEL_FILE
+    assert warning.startswith(f"resumed from {run / PREV} (step 1): refused {damaged}: "), metrics(run)[0]
+    assert "checkpoint_warning" not in metrics(run)[1]
     assert load_setup(config).state.step == 3  # the final checkpoint, over the damaged one
 
 

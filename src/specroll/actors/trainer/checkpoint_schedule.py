@@ -17,7 +17,7 @@ Any other ``OSError`` (permissions, I/O errors) ends the run as before.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from specroll.actors.config import RunConfig
@@ -35,16 +35,20 @@ class CheckpointSchedule:
         config: the run (``trainer.checkpoint_every``, 0: only the final one; ``steps``, the total).
         step: the step the trainer starts at (a resumed one: its checkpoint's).
         resumed_from: the checkpoint it resumed from, or None.
+        refused: why each newer checkpoint was passed over (``TrainerSetup.refused``): the first
+            metrics line carries it as ``checkpoint_warning``, so ``specroll launch`` prints it.
     """
 
-    def __init__(self, config: RunConfig, step: int, resumed_from: Path | None) -> None:
+    def __init__(self, config: RunConfig, step: int, resumed_from: Path | None, refused: Sequence[str] = ()) -> None:
         self.every, self.steps = config.trainer.checkpoint_every, config.steps
         self.last_step = step
         """Step of the newest checkpoint written or resumed from (the starting step without one)."""
         self.last_path = resumed_from
         """That checkpoint's folder; None while there is none."""
-        self.warning: str | None = None
-        """The line of a checkpoint a full disk stopped, until :meth:`add_warning` takes it."""
+        self.warning: str | None = (f"resumed from {resumed_from} (step {step}): refused {'; '.join(refused)}"
+                                    if refused and resumed_from is not None else None)
+        """The line of a checkpoint a full disk stopped (or, at first, of the newer checkpoints the resume
+        passed over: the launcher checks their sizes only), until :meth:`add_warning` takes it."""
 
     def due(self, step: int) -> bool:
         """Whether ``step`` (just trained, before the last) gets a checkpoint; the last step's is

@@ -137,7 +137,7 @@ class Trainer:
         """Batches in a row with no token to train (``_skip``)."""
         self.step_metrics = StepMetrics(client, config.drafter.acceptance_floor, self.feeder.drops)
         self.records = RecordLog.open(config, client, self.step, self.feeder.drops)  # metrics.jsonl, /metrics, sinks
-        self.checkpoints = CheckpointSchedule(config, self.step, self.resumed_from)
+        self.checkpoints = CheckpointSchedule(config, self.step, self.resumed_from, self.refused)
         evaluator = dict(client=client, prompts=setup.eval_prompts, sampling=config.generator.sampling,
                          greedy=config.eval.greedy, reward_fn=self.reward_fn, tokenizer=self.tokenizer,
                          version_timeout_s=config.network.heartbeat_timeout_s, check=self.watch.check,
