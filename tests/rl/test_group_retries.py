@@ -4,6 +4,8 @@ emitted partial, counted by reason, handed to its submitter); and the bound on q
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from specroll.protocol.messages import RolloutChunk
@@ -153,3 +155,16 @@ def test_groups_past_the_queue_capacity_are_refused_and_resumed_ones_always_come
         c.add_group([9], 1, SAMPLING)
     with pytest.raises(ValueError, match=r"max_queued_groups=0, expected an integer in \[1, 1048576\]"):
         RolloutCoordinator(4, max_queued_groups=0)
+
+
+@pytest.mark.parametrize(("kwargs", "words"), [
+    ({"max_group_retries": 2.5}, "max_group_retries=2.5, expected an integer in [0, 100]"),
+    ({"max_group_retries": True}, "max_group_retries=True, expected an integer"),
+    ({"max_queued_groups": "3"}, "max_queued_groups='3', expected an integer in [1, "),
+    ({"max_groups_in_flight": 1.5}, "max_groups_in_flight=1.5, expected a positive integer"),
+])
+def test_the_coordinators_counts_must_be_integers(kwargs: dict[str, object], words: str) -> None:
+    """An embedding stack passing a float or a string gets a ValueError naming it, not a TypeError later."""
+    args = {"max_groups_in_flight": 4, **kwargs}
+    with pytest.raises(ValueError, match=re.escape(words)):
+        RolloutCoordinator(**args)  # type: ignore[arg-type]

@@ -78,10 +78,11 @@ class RolloutCoordinator:
 
     def __init__(self, max_groups_in_flight: int, max_group_retries: int = DEFAULT_MAX_GROUP_RETRIES,
                  max_queued_groups: int = DEFAULT_MAX_QUEUED_GROUPS) -> None:
-        if max_groups_in_flight <= 0:
-            raise ValueError(f"max_groups_in_flight={max_groups_in_flight}, expected a positive integer")
-        if not 1 <= max_queued_groups <= MAX_QUEUED_GROUPS:
-            raise ValueError(f"max_queued_groups={max_queued_groups}, expected an integer in [1, {MAX_QUEUED_GROUPS}]")
+        if not _is_count(max_groups_in_flight) or max_groups_in_flight <= 0:
+            raise ValueError(f"max_groups_in_flight={max_groups_in_flight!r}, expected a positive integer")
+        if not _is_count(max_queued_groups) or not 1 <= max_queued_groups <= MAX_QUEUED_GROUPS:
+            raise ValueError(f"max_queued_groups={max_queued_groups!r}, expected an integer in "
+                             f"[1, {MAX_QUEUED_GROUPS}]")
         GroupRetries(max_group_retries)  # checks its range
         self.max_groups_in_flight = max_groups_in_flight
         self.max_group_retries, self.max_queued_groups = max_group_retries, max_queued_groups
@@ -380,3 +381,8 @@ class RolloutCoordinator:
         """Ids of the groups a generator serves now."""
         gen = self.generators.get(actor_id)
         return sorted(gen.groups) if gen is not None else []
+
+
+def _is_count(value: object) -> bool:
+    """An int and not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)

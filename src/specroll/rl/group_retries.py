@@ -51,7 +51,7 @@ class GroupRetries:
     """What the last failure said (at most 500 characters)."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.limit <= MAX_GROUP_RETRIES:
+        if not _is_int(self.limit) or not 0 <= self.limit <= MAX_GROUP_RETRIES:
             raise ValueError(f"max_group_retries={self.limit}, expected an integer in [0, {MAX_GROUP_RETRIES}]")
 
     def fail(self, reason: DropReason, detail: str) -> bool:
@@ -96,3 +96,8 @@ class GroupDropped(Exception):
     def __init__(self, dropped: DroppedGroup) -> None:
         super().__init__(dropped.describe())
         self.dropped = dropped
+
+
+def _is_int(value: object) -> bool:
+    """An int and not a bool (``True`` would pass for 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)

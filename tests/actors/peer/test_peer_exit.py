@@ -47,3 +47,23 @@ def test_the_run_s_own_code_passes_through() -> None:
     code = "from specroll.actors.peer.exit import run_stoppable; import logging, sys; " \
            "sys.exit(run_stoppable(lambda: 3, logging.getLogger('x'), 'generator', 'g-1'))"
     assert subprocess.run([sys.executable, "-c", code], timeout=TIMEOUT_S).returncode == 3
+
+
+def test_a_connection_reset_in_the_handshake_is_not_blamed_on_security(caplog) -> None:
+    """A trainer killed mid-handshake gives HANDSHAKE_FAILED_NO_DETAIL with ECONNRESET (0x68): no hint
+    about network.security then, which stays for a failure without a connection error."""
+    import errno
+    import logging
+
+    import zmq
+
+    from specroll.actors.peer.trainer_liveness import TrainerLiveness
+
+    log = logging.getLogger("test.liveness")
+    liveness = TrainerLiveness("tcp://127.0.0.1:9", 10.0, log)
+    with caplog.at_level(logging.INFO, logger="test.liveness"):
+        liveness._on_handshake_failed(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, errno.ECONNRESET)
+        assert "ended during its handshake (ECONNRESET)" in caplog.text and "security" not in caplog.text
+        assert liveness.why_unreached() == ""
+        liveness._on_handshake_failed(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 0)
+        assert "network.security" in caplog.text and "network.security" in liveness.why_unreached()

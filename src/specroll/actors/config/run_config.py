@@ -107,12 +107,13 @@ class RunConfig(_Section):
                  f"at most generator.engine.max_num_seqs = {self.generator.engine.max_num_seqs} (a request's n "
                  "samples run on one generator)")
         tc = self.trainer
-        queued = tc.max_groups_in_flight + (self.eval.count if self.eval.every else 0) + server.max_requests_in_flight
+        evaluated = self.eval.count if self.eval.every else 0
+        served = server.max_requests_in_flight if server.enabled or self.task.environment is not None else 0
+        queued = tc.max_groups_in_flight + evaluated + served
         _require(tc.max_queued_groups >= queued, "trainer.max_queued_groups", tc.max_queued_groups,
                  f"at least trainer.max_groups_in_flight + eval.count + server.max_requests_in_flight = "
-                 f"{tc.max_groups_in_flight} + {self.eval.count if self.eval.every else 0} + "
-                 f"{server.max_requests_in_flight} = {queued} (what the trainer, its evaluation and its server may "
-                 "queue at once)")
+                 f"{tc.max_groups_in_flight} + {evaluated} + {served} = {queued} (what the trainer, its evaluation "
+                 "and its server, when it serves, may queue at once)")
         metrics = self.metrics
         _require(not metrics.enabled or metrics.is_loopback() or bool(metrics.api_key) or self.network.allow_insecure,
                  "metrics.host", metrics.host, "a loopback address (127.0.0.1, ::1, localhost) unless metrics.api_key "

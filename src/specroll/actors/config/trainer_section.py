@@ -88,8 +88,8 @@ class TrainerConfig(_Section):
     """Groups waiting in the rollout hub for a generator with room, every kind together (training,
     held-out evaluation, served requests); one more is refused — the embedding client's ``submit``
     raises ``QueueFull``, the HTTP server answers 429. At least ``max_groups_in_flight`` + ``eval.count``
-    + ``server.max_requests_in_flight`` (what the trainer, its evaluation and its server may queue
-    at once), at most 1,048,576. Default 1024."""
+    (with evaluations) + ``server.max_requests_in_flight`` (with ``server.enabled`` or episodes): what
+    the trainer, its evaluation and its server may queue at once; at most 1,048,576. Default 1024."""
     train_threads: int | None = None
     """Torch intra-op CPU threads of the trainer (of each rank); ``None`` (default): under ``specroll
     launch`` on a CPU, half the cores divided among the ranks (the launcher's CPU budget,
@@ -148,7 +148,7 @@ class TrainerConfig(_Section):
         _require(0 < self.clip_eps < 1, "clip_eps", self.clip_eps, "a number in (0, 1)")
         _require_count("max_staleness", self.max_staleness, 0, MAX_STALENESS)
         _require(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every,
-                 "an integer >= 0 (0 never checkpoints)")
+                 "an integer >= 0 (0: only the final checkpoint)")
         _require(self.batch_groups <= self.max_groups_in_flight <= MAX_QUEUED_GROUPS, "max_groups_in_flight",
                  self.max_groups_in_flight, f"an integer in [batch_groups = {self.batch_groups}, {MAX_QUEUED_GROUPS}] "
                  "(below batch_groups a step could never fill)")

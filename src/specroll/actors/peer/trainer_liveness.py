@@ -4,6 +4,7 @@ told apart from its loss."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from collections.abc import Callable
@@ -17,6 +18,10 @@ from specroll.protocol.curve import MECHANISM_MISMATCH
 
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+CONNECTION_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED, errno.ECONNREFUSED,
+                               errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN})
+"""Values of ``EVENT_HANDSHAKE_FAILED_NO_DETAIL`` that say the connection ended during the handshake
+(e.g. 0x68, ECONNRESET: the trainer was killed), not that the two sides' security disagrees."""
 MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
 """The socket monitor's events a peer watches (``make_socket(monitor_events=...)``)."""
 
@@ -107,6 +112,11 @@ class TrainerLiveness:
         elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == MECHANISM_MISMATCH:
             why = (f"the trainer at {self.endpoint} and this peer disagree on network.security (one runs CURVE, the "
                    "other not); set the same network.security on both")
+        elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and value in CONNECTION_ERRNOS:
+            # the connection itself ended mid-handshake (a trainer killed or restarting): not security
+            self.log.info("the connection to the trainer at %s ended during its handshake (%s); retrying",
+                          self.endpoint, errno.errorcode.get(value, value))
+            return
         else:
             if not self._handshake_failed:
                 self._handshake_failed = True
