@@ -181,7 +181,7 @@ async def test_a_drafter_swap_splits_live_samples_chunks_by_drafter_version(tmp_
     long = SamplingParams(temperature=1.0, max_tokens=LONG_CONTEXT - 8, ignore_eos=True)
     async with client:
         with generator_process(client.endpoint, model, tmp_path / "gen.log", "--speculative", "eagle",
-                               "--stream-every", "1000000"):
+                               "--stream-every", "65536"):  # its bound: more than the budget
             await client.wait_for_generators(1, timeout=guard(60))
             publish_head(client, first, 1)
             await wait_until(lambda: served_version(client) == 1, guard(60), "the generator to serve drafter version 1")

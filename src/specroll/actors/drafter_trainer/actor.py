@@ -362,6 +362,7 @@ def build_learner(config: RunConfig) -> DrafterLearner:
                     f"from {d.path}" if d.path is not None else "cold")
     if head is None and d.path is not None:
         head = EagleHead.load(d.path)
+        log.info("warm start from %s (drafter.path)", d.path)
     vocab = checkpoint.config.vocab_size
     if head is None and d.draft_vocab_size > vocab:  # a cold start: never cap it silently
         raise DrafterError(f"drafter.draft_vocab_size={d.draft_vocab_size} exceeds the vocabulary of "
@@ -374,9 +375,8 @@ async def run_drafter(config: RunConfig, connect: str, actor_id: str) -> int:
     """Load the policy, connect to the trainer at ``connect`` as ``actor_id`` and train until stopped;
     return the exit code."""
     learner = build_learner(config)
-    init = config.drafter.path
     log.info("drafter trainer %s: model %s loaded; %s; connecting to %s", actor_id, config.model.name,
-             f"warm start from {init}" if init else "cold start", connect)
+             "cold start" if learner.head is None else "warm start (from the folder named above)", connect)
     keys = peer_keys(config, "drafter", log)
     served: list[DrafterActor] = []  # the actor, once made: what a scrape reads
     with serving_metrics(config, "drafter", actor_id,  # a port in use: MetricsBindError before connecting

@@ -48,6 +48,7 @@ def preflight(config: RunConfig, serving: bool = False) -> str | None:
         LaunchError: naming the key, the value and what was expected; or every checkpoint of the run
             directory has a file missing or cut short (named).
     """
+    check_not_in_use(Path(config.run_dir) / LOCK_FILENAME)  # before a line says what this launch resumes
     try:
         resolve_model(config.model.name)
     except CheckpointError as e:
@@ -184,6 +185,22 @@ def _check_drafter(config: RunConfig) -> None:
                           f"{config.model.name} ({model.vocab_size} tokens); expected at most {model.vocab_size}")
 
 
+def check_not_in_use(lock: Path) -> None:
+    """Nothing is claimed: only whether a live launcher holds ``lock`` (checked before anything is said
+    about the run, then again, atomically, by :func:`take_lock`).
+
+    Raises:
+        LaunchError: another live launcher holds it.
+    """
+    try:
+        holder = int(lock.read_text().strip() or 0)
+    except (OSError, ValueError):
+        return
+    if holder > 0 and holder != os.getpid() and _alive(holder):
+        raise LaunchError(f"run_dir {lock.parent} is in use by the launcher with pid {holder}; "
+                          f"expected a run_dir no running launch uses")
+
+
 def take_lock(lock: Path) -> None:
     """Claim the run directory for this launcher (O_EXCL), taking over a lock whose launcher is gone.
 
@@ -195,13 +212,7 @@ def take_lock(lock: Path) -> None:
         try:
             fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
-            try:
-                holder = int(lock.read_text().strip() or 0)
-            except (OSError, ValueError):
-                holder = 0
-            if holder > 0 and _alive(holder):
-                raise LaunchError(f"run_dir {lock.parent} is in use by the launcher with pid {holder}; "
-                                  f"expected a run_dir no running launch uses") from None
+            check_not_in_use(lock)
             lock.unlink(missing_ok=True)  # stale: its launcher is gone
             continue
         with os.fdopen(fd, "w") as f:

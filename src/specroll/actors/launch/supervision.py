@@ -110,8 +110,9 @@ class Supervisor:
             deaths = (f"{n} death{'s' if n != 1 else ''} within {limits.restart_window_s:g} s, more than "
                       f"launch.max_restarts = {limits.max_restarts}")
             if drafter:
+                again = " again" if role.restarts else ""
                 self.say(f"warning: the drafter trainer (pid {proc.pid}) {describe_exit(code)} ({deaths}): not "
-                         f"restarted again; generation and training go on with the last drafter version "
+                         f"restarted{again}; generation and training go on with the last drafter version "
                          f"(see {proc.log_path})")
                 return
             raise death_error(proc, code, f"({deaths})")
