@@ -1,8 +1,19 @@
 """Shared fixtures: tiny random-weight checkpoints written the way Hugging Face writes them.
 
-The builders behind them, and every other helper tests share, live in ``tests/helpers/``."""
+The builders behind them, and every other helper tests share, live in ``tests/helpers/``.
+
+``OMP_WAIT_POLICY=PASSIVE`` (unless already set) before anything imports torch: torch's OpenMP threads
+then sleep at a barrier instead of spinning on a core. The tiny models' ops are too short to pay for
+spinning, and beside other load a spinning thread burns CPU another process needed: the same
+tests take about half the CPU time. It only changes how idle threads wait, here and in the processes
+the tests start (they inherit the environment), never a result.
+"""
 
 from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when torch loads OpenMP: before any import of it
 
 from collections.abc import Callable
 from pathlib import Path
