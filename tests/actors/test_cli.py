@@ -2,18 +2,22 @@
 fails on bad input (non-zero exit, one error line naming the problem, no traceback, no output).
 
 Every run is started once, concurrently, by the module fixture ``runs`` (a Python start with torch
-costs ~2 s on the 2-core CI machine); each test then checks one run.
+costs ~2 s on the 2-core CI machine); each test then checks one run. Most bad inputs run the CLI's
+entry point in this process instead (``IN_A_PROCESS`` says which do not, and why).
 """
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import math
 import os
 import re
 import shutil
 import subprocess
 import sys
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +72,37 @@ def _run(argv: list[str], out: Path) -> Run:
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("TQDM")}, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(argv, capture_output=True, text=True, timeout=guard(300), env=env)
     return Run(argv, out, p.returncode, p.stdout, p.stderr)
+
+
+# What a process would print beside the CLI's own output, and this process does not: the warnings a
+# default interpreter shows and the log records Python's last-resort handler writes to stderr.
+_HIDDEN_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
+
+
+def _run_in_process(argv: list[str], out: Path, capfd: pytest.CaptureFixture[str]) -> Run:
+    """``specroll ARGV`` through ``specroll.actors.cli.main`` here: its exit code (argparse's
+    ``SystemExit`` too), what it wrote to stdout and stderr, and, as stderr lines, any warning or log
+    record of WARNING and above it raised (what the same run as a process would print)."""
+    from specroll.actors.cli import main
+
+    capfd.readouterr()
+    records = io.StringIO()
+    handler = logging.StreamHandler(records)
+    handler.setLevel(logging.WARNING)
+    logging.getLogger().addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                rc = main(argv)
+            except SystemExit as exit_:  # argparse's usage errors
+                rc = exit_.code
+    finally:
+        logging.getLogger().removeHandler(handler)
+    captured = capfd.readouterr()
+    shown = [warnings.formatwarning(w.message, w.category, w.filename, w.lineno)
+             for w in caught if not issubclass(w.category, _HIDDEN_WARNINGS)]
+    return Run(argv, out, rc, captured.out, captured.err + "".join(shown) + records.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +160,12 @@ BAD: dict[str, tuple[list[str], str, bool]] = {
 }
 if not torch.cuda.is_available():
     BAD["cuda_device_without_cuda"] = (["--device", "cuda"], r"(?i)cuda", False)
+IN_A_PROCESS = {"missing_checkpoint", *(name for name, (_, _, usage) in BAD.items() if usage)}
+"""The bad inputs run as real processes (the ``runs`` fixture): argparse's usage errors, refused before
+torch is imported (~0.1 s a process), and one refused at load, the proof of a real process's exit code
+and single stderr line. The rest run ``cli.main`` in this process (no process start with torch, ~3
+CPU-s each): each is refused before any generation, and none changes the process's state (no
+``--threads``, no logging set up) — ``keeps_existing``, refused after its engine is built, stays a process."""
 
 
 def _generate_args(w: Path, name: str, extra: list[str]) -> tuple[list[str], Path]:
@@ -142,8 +183,8 @@ def _generate_args(w: Path, name: str, extra: list[str]) -> tuple[list[str], Pat
 def runs(work: Path) -> dict[str, Run]:
     w = work
     jobs: dict[str, tuple[list[str], Path]] = {}
-    for name, (extra, _, _) in BAD.items():
-        args, out = _generate_args(w, name, extra)
+    for name in IN_A_PROCESS:
+        args, out = _generate_args(w, name, BAD[name][0])
         jobs[name] = ([sys.executable, "-m", "specroll.actors.cli", "generate", *args], out)
     jobs["gsm8k"] = _gsm8k_job(w, "gsm8k")
     greedy = ["generate", "--dtype", "float32", "--model", str(w / "tiny"),
@@ -207,10 +248,19 @@ def assert_clean_failure(run: Run, match: str, usage: bool) -> None:
     assert run.stdout == ""
 
 
+@pytest.mark.parametrize("name", [name for name in BAD if name not in IN_A_PROCESS])
+def test_bad_input_fails_cleanly_and_writes_nothing(work: Path, capfd: pytest.CaptureFixture[str], name: str) -> None:
+    args, out = _generate_args(work, name, BAD[name][0])
+    assert_bad_input_refused(_run_in_process(["generate", *args], out, capfd), name)
+
+
 @pytest.mark.integration
-@pytest.mark.parametrize("name", list(BAD))
-def test_bad_input_fails_cleanly_and_writes_nothing(runs: dict[str, Run], name: str) -> None:
-    run = runs[name]
+@pytest.mark.parametrize("name", sorted(IN_A_PROCESS))
+def test_a_bad_input_process_fails_cleanly_and_writes_nothing(runs: dict[str, Run], name: str) -> None:
+    assert_bad_input_refused(runs[name], name)
+
+
+def assert_bad_input_refused(run: Run, name: str) -> None:
     _, match, usage = BAD[name]
     assert_clean_failure(run, match, usage)
     if name == "out_is_a_directory":
@@ -332,7 +382,7 @@ def test_speculative_runs_emit_what_plain_greedy_emits(runs: dict[str, Run], nam
 
 @pytest.mark.integration
 def test_init_drafter_writes_a_loadable_drafter_and_refuses_bad_input(runs: dict[str, Run], work: Path,
-                                                                     tmp_path: Path) -> None:
+                                                                     tmp_path: Path, capfd) -> None:
     from specroll.drafter.eagle_head import EagleHead
 
     head = EagleHead.load(work / "drafter_tiny")  # made by the `runs` fixture with --draft-vocab-size 300
@@ -344,11 +394,12 @@ def test_init_drafter_writes_a_loadable_drafter_and_refuses_bad_input(runs: dict
     assert bad.rc == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.startswith("specroll init-drafter: error: ") and "no-such-model" in bad.stderr
     assert not out.exists()
-    for argv, words in ([["--out", ""], "--out is empty"],
+    for argv, words in ([["--out", ""], "--out is empty"],  # the entry point here: the process is proved above
                         [["--out", str(work / "gsm8k.jsonl" / "sub")], "cannot write the drafter"],
                         [["--out", str(out), "--draft-vocab-size", "321"], "exceeds the vocabulary"]):
-        bad = _run([str(SPECROLL), "init-drafter", "--model", str(work / "tiny"), *argv], out)
-        assert bad.rc == 2 and "Traceback" not in bad.stderr and words in bad.stderr, bad.stderr
+        bad = _run_in_process(["init-drafter", "--model", str(work / "tiny"), *argv], out, capfd)
+        assert bad.rc == 2 and bad.stderr.startswith("specroll init-drafter: error: "), bad.stderr
+        assert words in bad.stderr and bad.stderr.count("\n") == 1 and bad.stdout == "", bad.stderr
         assert not out.exists()
 
 

@@ -84,7 +84,7 @@ def test_quick_run_measures_every_variant_and_reads_its_cache(tmp_path: Path, ti
     assert proc.returncode == 2 and "variant 'eagle3' is in both" in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize(("args", "message"), [
+BAD_ARGUMENTS = [
     (["--variants", "eagle3,medusa"], "unknown or repeated ['medusa']"),
     (["--variants", "eagle3,eagle3"], "unknown or repeated"),
     (["--checkpoints", "5,2"], "'5,2': expected positive minutes in increasing order"),
@@ -96,7 +96,23 @@ def test_quick_run_measures_every_variant_and_reads_its_cache(tmp_path: Path, ti
     (["--json", "/nonexistent/x.json"], "/nonexistent does not exist"),
     (["--train-prompts", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
     (["--report", "/nonexistent.json"], "--report /nonexistent.json: expected a results file"),
-])
-def test_bad_arguments_are_refused_before_anything_loads(args: list[str], message: str) -> None:
+]
+
+
+@pytest.mark.integration
+def test_a_bad_argument_is_refused_by_the_script_with_exit_2() -> None:
+    args, message = BAD_ARGUMENTS[0]
     proc = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=guard(120))
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_ARGUMENTS)
+def test_bad_arguments_are_refused_before_anything_loads(args: list[str], message: str, capsys) -> None:
+    """The script's argument checks (``parse_args``, the first thing its ``main`` does) in this process:
+    the process above shows what the script does with their ``SystemExit``."""
+    from bench_drafter_curve import parse_args
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err, err

@@ -15,7 +15,6 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers
 from transformers import (
     AutoConfig,
-    AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -24,7 +23,6 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from specroll.engine.loaders.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from specroll.engine.loaders.registry import REGISTERED_MODELS, RegisteredModel, resolve_model
@@ -298,25 +296,11 @@ def test_registry_resolves_names_and_paths(tmp_path: Path, monkeypatch: pytest.M
         resolve_model("ghost")
 
 
-@pytest.fixture(scope="module")
-def smollm() -> Checkpoint:
-    return load_checkpoint("smollm2-135m")
-
-
-@pytest.fixture(scope="module")
-def transformers_smollm() -> tuple[PreTrainedModel, dict[str, torch.Tensor]]:
-    # transformers' own GGUF conversion (what from_pretrained(gguf_file=...) runs, minus accelerate).
-    path = resolve_model("smollm2-135m")
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
-    parsed = load_gguf_checkpoint(
-        str(path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
-    )
-    return model, parsed["tensors"]
-
-
 @pytest.mark.slow
-def test_smollm2_gguf_matches_transformers(smollm: Checkpoint, transformers_smollm) -> None:
-    model, tensors = transformers_smollm
+def test_smollm2_gguf_matches_transformers(smollm2: Checkpoint, smollm2_transformers: LlamaForCausalLM) -> None:
+    # transformers' conversion of the same file (tests/conftest.py): its state dict less the tied LM head
+    smollm, model = smollm2, smollm2_transformers
+    tensors = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     config = smollm.config
     assert config.architecture == "llama" and config.tie_word_embeddings and not config.attention_bias
     assert (config.vocab_size, config.hidden_size, config.intermediate_size, config.num_layers) == (

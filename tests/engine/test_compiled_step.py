@@ -1,7 +1,11 @@
 """The compiled decoder layer (``engine/compiled_step.py``) and the packed bf16 matmuls
 (``engine/cpu_linear.py``): the same tokens and logprobs as eager steps, across the batch sizes a run
 shrinks through, after a weight update, and from a second process that loads the compiled code from
-the disk cache instead of compiling it."""
+the disk cache instead of compiling it.
+
+Compiling from scratch costs ~30 CPU-s (Inductor's C++ builds); the module does it once, in the
+``first_compile`` fixture, whose disk cache the second process loads. Later engines of this process
+reuse what it compiled (Dynamo's and Inductor's in-memory caches), as any later engine of a run would."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import functools
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,7 +25,7 @@ from helpers.engines import K, k_drafts, repetitive_prompts, run
 from helpers.timeouts import guard
 
 from specroll.engine import cpu_linear
-from specroll.engine.compiled_step import CompileCacheError
+from specroll.engine.compiled_step import CompileCacheError, CompileCounters
 from specroll.engine.config import EngineConfig
 from specroll.engine.loaders.checkpoint import load_checkpoint
 from specroll.protocol.sampling import SamplingParams
@@ -39,14 +44,40 @@ def compiled(path: Path, cache: Path, proposer=None, **settings: object):
     return make_engine(path, proposer, compile="on", compile_cache_dir=str(cache), **settings)
 
 
+@dataclass(frozen=True)
+class FirstCompile:
+    cache: Path
+    """The compile cache folder it wrote (and the module's other compiled engines share)."""
+    tokens: dict
+    """``run`` of ``repetitive_prompts(3)`` at temperature 0, through JSON (as the second process prints it)."""
+    misses: int
+    hits: int
+    """FX-graph cache misses and hits of its compile."""
+
+
+@pytest.fixture(scope="module")
+def first_compile(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> FirstCompile:
+    """``tiny_llama``'s layers compiled from scratch — Dynamo's cache of this process cleared, a fresh cache
+    folder — by the engine the second process builds (``CHILD``), which then runs three prompts."""
+    torch._dynamo.reset()
+    cache = tmp_path_factory.mktemp("compile-cache")
+    before = CompileCounters.read()
+    engine = engines.make_engine(tiny_llama, compile="on", compile_cache_dir=str(cache), max_num_seqs=4)
+    tokens = run(engine, repetitive_prompts(3), 0.0)
+    after = CompileCounters.read()
+    return FirstCompile(cache, json.loads(json.dumps(tokens)), after.cache_misses - before.cache_misses,
+                        after.cache_hits - before.cache_hits)
+
+
 @pytest.mark.parametrize("speculative", [False, True])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_compiled_steps_emit_what_eager_steps_emit(tiny_checkpoint, tmp_path, speculative: bool, temperature: float):
+def test_compiled_steps_emit_what_eager_steps_emit(tiny_checkpoint, first_compile, speculative: bool,
+                                                  temperature: float):
     # prefill chunks, decodes of 7 shrinking to 1 sequence (T = 1 and T > 1 graphs) and verifies of K drafts
     path = tiny_checkpoint("llama")
     prompts = repetitive_prompts(7)
     eager = run(make_engine(path, k_drafts(speculative)), prompts, temperature)
-    engine = compiled(path, tmp_path / "cache", k_drafts(speculative))
+    engine = compiled(path, first_compile.cache, k_drafts(speculative))
     out = run(engine, prompts, temperature)
     assert {r: t for r, (t, _) in out.items()} == {r: t for r, (t, _) in eager.items()}
     for r, (_, logprobs) in out.items():
@@ -56,7 +87,7 @@ def test_compiled_steps_emit_what_eager_steps_emit(tiny_checkpoint, tmp_path, sp
         assert engine.spec_stats.num_accepted > 0
 
 
-def test_batch_sizes_across_a_graph_bucket_boundary(tiny_checkpoint, tmp_path):
+def test_batch_sizes_across_a_graph_bucket_boundary(tiny_checkpoint, first_compile):
     # 17 sequences finishing one by one: steps of 17, 16 and 15 decodes, padded to the buckets 17 and
     # 16 of the graph path (which shares the compiled layer), against eager unpadded steps
     path = tiny_checkpoint("llama")
@@ -74,16 +105,16 @@ def test_batch_sizes_across_a_graph_bucket_boundary(tiny_checkpoint, tmp_path):
         return sizes, out
 
     _, eager = by_length(make_engine(path, max_num_seqs=17))
-    engine = compiled(path, tmp_path / "cache", max_num_seqs=17, cuda_graphs="emulate")
+    engine = compiled(path, first_compile.cache, max_num_seqs=17, cuda_graphs="emulate")
     sizes, out = by_length(engine)
     assert {17, 16, 15} <= set(sizes) and out == eager
     assert {(17, 1), (16, 1)} <= set(engine.runner.graphs.captured())
 
 
-def test_a_weight_update_reaches_the_compiled_layers(tiny_checkpoint, tmp_path):
+def test_a_weight_update_reaches_the_compiled_layers(tiny_checkpoint, tmp_path, first_compile):
     path = tiny_checkpoint("llama")
     prompts = repetitive_prompts(4)
-    engine = compiled(path, tmp_path / "cache")
+    engine = compiled(path, first_compile.cache)
     before = run(engine, prompts, 0.0)
     other, new = other_checkpoint(tmp_path, 11)
     engine.update_weights(new, version=1)
@@ -145,19 +176,16 @@ print(json.dumps({"counters": CompileCounters.read().__dict__, "tokens": tokens}
 """
 
 
-def test_a_second_process_loads_the_compiled_code_from_the_cache(tiny_llama, tmp_path):
-    def child() -> dict:
-        env_path = str(Path(__file__).parents[1])
-        done = subprocess.run([sys.executable, "-c", CHILD, str(tiny_llama), str(tmp_path / "cache")],
-                              capture_output=True, text=True, timeout=guard(600),
-                              env={**_env(), "PYTHONPATH": env_path})
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    first, second = child(), child()
-    assert first["counters"]["cache_misses"] == 2 and first["counters"]["cache_hits"] == 0  # T = 1 and T > 1
+@pytest.mark.integration
+def test_a_second_process_loads_the_compiled_code_from_the_cache(tiny_llama, first_compile):
+    env_path = str(Path(__file__).parents[1])
+    done = subprocess.run([sys.executable, "-c", CHILD, str(tiny_llama), str(first_compile.cache)],
+                          capture_output=True, text=True, timeout=guard(600), env={**_env(), "PYTHONPATH": env_path})
+    assert done.returncode == 0, done.stderr[-3000:]
+    second = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (first_compile.misses, first_compile.hits) == (2, 0)  # T = 1 and T > 1, compiled and written
     assert second["counters"]["cache_hits"] == 2 and second["counters"]["cache_misses"] == 0
-    assert second["tokens"] == first["tokens"]
+    assert second["tokens"] == first_compile.tokens
 
 
 def _env() -> dict[str, str]:
@@ -166,7 +194,7 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
 
 
-def test_compiled_layers_tap_the_features_a_drafter_reads(tiny_checkpoint, tmp_path):
+def test_compiled_layers_tap_the_features_a_drafter_reads(tiny_checkpoint, first_compile):
     # EAGLE-3 taps residual streams inside the stack (and EAGLE-1 the final hidden state): the compiled
     # stack returns the same taps as the eager one
     from specroll.engine.batch import build_metadata
@@ -174,7 +202,7 @@ def test_compiled_layers_tap_the_features_a_drafter_reads(tiny_checkpoint, tmp_p
     path = tiny_checkpoint("llama")
     ids = torch.tensor(repetitive_prompts(1)[0])
     out = []
-    for engine in (make_engine(path), compiled(path, tmp_path / "cache")):
+    for engine in (make_engine(path), compiled(path, first_compile.cache)):
         meta = build_metadata([len(ids)], [len(ids)], [list(range(4))], engine.config.page_size)
         engine.backend.plan(meta)
         runner = engine.runner

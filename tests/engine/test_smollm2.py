@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, LlamaForCausalLM
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+from transformers import LlamaForCausalLM
 
 from specroll.engine.attention import allocate_kv_cache
 from specroll.engine.batch import build_metadata
 from specroll.engine.config import EngineConfig
 from specroll.engine.driver import run_to_completion
 from specroll.engine.engine import Engine
-from specroll.engine.loaders.checkpoint import Checkpoint, load_checkpoint
-from specroll.engine.loaders.registry import resolve_model
+from specroll.engine.loaders.checkpoint import Checkpoint
 from specroll.engine.model import CausalLM
 from specroll.engine.torch_attention import TorchAttention
 from specroll.protocol.sampling import SamplingParams
@@ -29,22 +27,13 @@ TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
-def checkpoint() -> Checkpoint:
-    return load_checkpoint("smollm2-135m")
+def checkpoint(smollm2: Checkpoint) -> Checkpoint:
+    return smollm2
 
 
 @pytest.fixture(scope="module")
-def reference() -> LlamaForCausalLM:
-    # What from_pretrained(gguf_file=...) does, minus accelerate: transformers' config and its own
-    # dequantized, un-permuted state dict for the same file.
-    path = resolve_model("smollm2-135m")
-    model = LlamaForCausalLM(AutoConfig.from_pretrained(path.parent, gguf_file=path.name)).eval()
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model,
-                                   torch_dtype=torch.float32)["tensors"]
-    result = model.load_state_dict(tensors, strict=False)
-    assert result.unexpected_keys == [] and result.missing_keys == ["lm_head.weight"]  # tied to the embedding
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    return model.float()
+def reference(smollm2_transformers: LlamaForCausalLM) -> LlamaForCausalLM:
+    return smollm2_transformers  # the session's (tests/conftest.py): transformers' own conversion of the file
 
 
 @pytest.fixture(scope="module")
