@@ -32,6 +32,7 @@ def test_quick_run_trains_every_arm(tmp_path: Path, tiny_checkpoint) -> None:
     assert "offstep/sync:" in log and "offstep/loop:" in log
 
 
+@pytest.mark.integration  # runs the script
 @pytest.mark.parametrize(("args", "message"), [
     (["--latency", "10:1"], "--latency '10:1'"), (["--latency", "x"], "--latency 'x'"),
     (["--arms", "offstep,trl"], "arms ['trl']"), (["--steps", "1"], "--steps 1"),

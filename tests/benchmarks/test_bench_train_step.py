@@ -35,6 +35,7 @@ def test_quick_run_times_every_arm_by_phase(tmp_path: Path, tiny_checkpoint) -> 
     assert "at 2 thread(s)" not in log  # no 2-thread baseline given, so no equal-thread ratio at 2
 
 
+@pytest.mark.integration  # runs the script
 @pytest.mark.parametrize(("args", "message"), [
     (["--arms", "fp16:0:1"], "precision 'fp16'"), (["--arms", "bf16:-1:1"], "chunk -1"),
     (["--arms", "bf16:8:0"], "threads 0"), (["--arms", "bf16:8:100000"], "threads 100000 (expected 1 to 1024)"),
