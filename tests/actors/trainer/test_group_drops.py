@@ -98,7 +98,7 @@ async def test_the_feeder_takes_a_group_the_hub_dropped_out_and_submits_its_prom
 
 async def test_an_episode_groups_failures_count_together_against_max_group_retries() -> None:
     """One rule for every group: two episodes failing once each are two failures of their group."""
-    runner = object.__new__(EpisodeRunner)  # only group()'s bookkeeping: the episodes are stubbed
+    runner = object.__new__(EpisodeRunner)  # group()'s retry rule alone: its episodes are the function below
     runner.failures, runner.last_failure = Counter(), ""
     failing = {episode_seed(0, 0, 0), episode_seed(0, 1, 0)}  # the first try of each episode
 
