@@ -14,7 +14,7 @@ from helpers.timeouts import guard
 
 from specroll.actors.config import load_config
 from specroll.actors.rollout.client import RolloutClient
-from specroll.actors.trainer.episodes import EpisodeFailed, EpisodeRunner, episode_seed
+from specroll.actors.trainer.episodes import EpisodeFailed, episode_seed, run_group
 from specroll.actors.trainer.feeder import Feeder
 from specroll.actors.trainer.generator_watch import GeneratorWatch
 from specroll.actors.trainer.group_drops import GroupDrops
@@ -23,6 +23,7 @@ from specroll.actors.trainer.setup import TrainerError
 from specroll.protocol.messages import Abort, Error, RolloutChunk, SubmitGroup
 from specroll.rl.admission import Admission
 from specroll.rl.episodes import Episode, Turn
+from specroll.rl.group_retries import GroupRetries
 from specroll.rl.tasks import builtin_prompts
 
 pytestmark = pytest.mark.anyio
@@ -98,19 +99,17 @@ async def test_the_feeder_takes_a_group_the_hub_dropped_out_and_submits_its_prom
 
 async def test_an_episode_groups_failures_count_together_against_max_group_retries() -> None:
     """One rule for every group: two episodes failing once each are two failures of their group."""
-    runner = object.__new__(EpisodeRunner)  # group()'s retry rule alone: its episodes are the function below
-    runner.failures, runner.last_failure = Counter(), ""
     failing = {episode_seed(0, 0, 0), episode_seed(0, 1, 0)}  # the first try of each episode
+    seen: list[str] = []
 
-    async def episode(prompt, seed, sampling, evaluation=False):
+    async def episode(seed: int) -> Episode:
         if seed in failing:
             raise EpisodeFailed("timeout: over task.episode_timeout_s")
-        return Episode([Turn([1], [2], [-1.0], [0])], 1.0)
+        return Episode([Turn([1], [2], [-1.0], [0])], float(seed))  # its reward says which try it was
 
-    runner.episode = episode
-    runner.max_group_retries = 1
-    assert await runner.group("g", PROMPTS[0], 2, seed=0, sampling={}) is None
-    runner.max_group_retries = 2
-    group = await runner.group("g", PROMPTS[0], 2, seed=0, sampling={})
-    assert group is not None and group.retries == 2 and len(group.episodes) == 2
-    assert runner.failures == {"timeout": 4}
+    assert await run_group(episode, "g", 2, 0, GroupRetries(1), lambda e: seen.append(str(e))) is None
+    retries = GroupRetries(2)
+    ran = await run_group(episode, "g", 2, 0, retries, lambda e: seen.append(str(e)))
+    assert ran is not None and retries.failures == 2
+    assert [e.reward for e in ran] == [episode_seed(0, 0, 1), episode_seed(0, 1, 1)]  # the second tries, in order
+    assert len(seen) == 4

@@ -25,7 +25,7 @@ import logging
 import math
 import uuid
 from collections import Counter, deque
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio
@@ -138,37 +138,62 @@ class EpisodeRunner:
 
     async def group(self, group_id: str, prompt: Prompt, n: int, seed: int,
                     sampling: Mapping[str, Any]) -> EpisodeGroup | None:
-        """n episodes of ``prompt`` at once, each failed one run again while the group's failures
-        number at most ``trainer.max_group_retries``; None (the group dropped) past that."""
-        episodes: list[Episode | None] = [None] * n
+        """n episodes of ``prompt`` at once under the retry rule (:func:`run_group`); None: the
+        group dropped."""
+
+        def failed(e: EpisodeFailed) -> None:
+            self.failures[str(e).partition(":")[0]] += 1
+            self.last_failure = str(e)
+
         retries = GroupRetries(self.max_group_retries)
+        ran = await run_group(lambda s: self.episode(prompt, s, sampling), group_id, n, seed, retries, failed)
+        return None if ran is None else EpisodeGroup(group_id, prompt, ran, retries.failures)
 
-        async def slot(i: int) -> None:
-            attempt = 0
-            while True:
-                try:
-                    episodes[i] = await self.episode(prompt, episode_seed(seed, i, attempt), sampling)
-                    return
-                except EpisodeFailed as e:
-                    reason = str(e).partition(":")[0]
-                    self.failures[reason] += 1
-                    self.last_failure = str(e)
-                    again = retries.fail("failed", str(e))
-                    log.warning("group %s episode %d (attempt %d) failed, failure %d of the group (at most %d "
-                                "retried): %s", group_id, i, attempt + 1, retries.failures, retries.limit, e)
-                    if not again:
-                        raise _GroupFailed from None
-                    attempt += 1
 
-        dropped = False
-        try:
-            async with anyio.create_task_group() as tg:
-                for i in range(n):
-                    tg.start_soon(slot, i)
-        except* _GroupFailed:
-            dropped = True  # the other episodes were cancelled
-        return None if dropped else EpisodeGroup(group_id, prompt, [e for e in episodes if e is not None],
-                                                 retries.failures)
+async def run_group(episode: Callable[[int], Awaitable[Episode]], group_id: str, n: int, seed: int,
+                    retries: GroupRetries, failed: Callable[[EpisodeFailed], None] = lambda e: None,
+                    ) -> list[Episode] | None:
+    """Run ``n`` episodes at once, ``episode(seed)`` each, every failed one run again with its next
+    seed (:func:`episode_seed`) while the group's failures number at most ``retries.limit``
+    (``specroll/rl/group_retries.py``); past that the others are cancelled and the group dropped.
+
+    Args:
+        episode: runs one episode from its seed; raises :class:`EpisodeFailed`.
+        group_id: for the log lines.
+        n: episodes in the group.
+        seed: the group's seed.
+        retries: the group's failures against the rule (counted here: ``retries.failures`` after
+            the run is the retries its episodes took).
+        failed: told of every failure.
+
+    Returns:
+        The ``n`` episodes in order, or None: the group dropped.
+    """
+    episodes: list[Episode | None] = [None] * n
+
+    async def slot(i: int) -> None:
+        attempt = 0
+        while True:
+            try:
+                episodes[i] = await episode(episode_seed(seed, i, attempt))
+                return
+            except EpisodeFailed as e:
+                failed(e)
+                again = retries.fail("failed", str(e))
+                log.warning("group %s episode %d (attempt %d) failed, failure %d of the group (at most %d "
+                            "retried): %s", group_id, i, attempt + 1, retries.failures, retries.limit, e)
+                if not again:
+                    raise _GroupFailed from None
+                attempt += 1
+
+    dropped = False
+    try:
+        async with anyio.create_task_group() as tg:
+            for i in range(n):
+                tg.start_soon(slot, i)
+    except* _GroupFailed:
+        dropped = True  # the other episodes were cancelled
+    return None if dropped else [e for e in episodes if e is not None]
 
 
 class EpisodeFeeder:
