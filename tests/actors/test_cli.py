@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.checkpoints import write_tiny_checkpoint
+from helpers.gsm8k_lines import GSM8K_LINES
 from helpers.timeouts import guard
 from transformers import (
     AutoModelForCausalLM,
@@ -41,19 +42,6 @@ RECORD_FIELDS = {
     "prompt_id", "sample_index", "prompt", "response", "prompt_token_ids", "token_ids", "logprobs", "versions",
     "finish_reason", "answer", "reward",
 }
-GSM8K_LINES = [
-    {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
-                 "May. How many clips did Natalia sell altogether in April and May?",
-     "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
-               "altogether in April and May.\n#### 72"},
-    {"question": "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
-                 "How much did she earn?",
-     "answer": "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned "
-               "0.2 x 50 = $<<0.2*50=10>>10.\n#### 10"},
-    {"id": "big", "question": "A shop sold 617 pens on Monday and twice as many on Tuesday. How many pens "
-                              "did it sell in total?",
-     "answer": "It sold 617*2 = <<617*2=1234>>1,234 pens on Tuesday... total\n#### 1,851"},
-]
 N, MAX_TOKENS = 4, 24
 TEMPERATURE, TOP_K, TOP_P = 1.0, 50, 0.95
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.gsm8k_lines import GSM8K_LINES
 from transformers import LlamaForCausalLM
 
 from specroll.engine.attention import allocate_kv_cache
@@ -21,8 +22,7 @@ from specroll.rl.tasks import format_question
 
 pytestmark = pytest.mark.slow
 
-QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-            "How many clips did Natalia sell altogether in April and May?")
+QUESTION = GSM8K_LINES[0]["question"]
 TOL = 1e-3
 
 
