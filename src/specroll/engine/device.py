@@ -23,6 +23,25 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def training_precision(name: str, device: torch.device) -> str:
+    """The training step's arithmetic ``name`` (``trainer.precision``) stands for on ``device``:
+    ``auto`` is ``bf16`` where bf16 is native (CUDA GPUs that support it; CPUs with AVX512-BF16 or
+    AMX) and ``fp32`` elsewhere — on a CPU without them torch emulates bf16 matmuls, about 35x slower
+    than float32 on an AVX2 EPYC (0.72 s against 0.021 s for a 1024² matmul); ``fp32`` and ``bf16``
+    stand for themselves.
+
+    Raises:
+        ValueError: ``name`` is none of ``auto``, ``fp32``, ``bf16``.
+    """
+    if name in ("fp32", "bf16"):
+        return name
+    if name != "auto":
+        raise ValueError(f"precision {name!r}, expected 'auto', 'fp32' or 'bf16'")
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    return "bf16" if _cpu_has_native_bf16() else "fp32"
+
+
 def _cpu_has_native_bf16() -> bool:
     try:
         with open("/proc/cpuinfo") as f:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from specroll.engine.device import training_precision
 from specroll.engine.model import CausalLM
 from specroll.rl.grpo import apply_staleness, policy_loss
 from specroll.rl.packing import RolloutBatch, build_batch
@@ -62,10 +63,11 @@ def response_logprobs(model: CausalLM, batch: RolloutBatch, rows: torch.Tensor, 
 def precision_context(precision: Precision, device: torch.device) -> contextlib.AbstractContextManager[None]:
     """Where the step's forward runs: ``bf16`` is autocast to bfloat16 on ``device`` (matmuls and
     attention in bf16, the float32 parameters as master weights, the log-softmax in float32 —
-    ``engine/head_logprobs.py``); ``fp32`` changes nothing (the parameters' own dtype).
+    ``engine/head_logprobs.py``); ``fp32`` changes nothing (the parameters' own dtype); ``auto`` is
+    :func:`~specroll.engine.device.training_precision` of ``device``.
     Mixed-precision training: Micikevicius et al. 2018, "Mixed Precision Training"; bf16 needs no
     loss scaling (Kalamkar et al. 2019, "A Study of BFLOAT16 for Deep Learning Training")."""
-    if precision == "fp32":
+    if training_precision(precision, device) == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)
 

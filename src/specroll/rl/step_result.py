@@ -11,7 +11,7 @@ import torch
 
 from specroll.rl.grpo import LossKind, StalenessPolicy
 
-Precision = Literal["fp32", "bf16"]
+Precision = Literal["auto", "fp32", "bf16"]
 
 
 @dataclass

@@ -309,7 +309,7 @@ OVERRIDE_ERRORS = [
     (["trainer.borrow_threads=1025"], ["trainer.borrow_threads=1025, expected an integer in [0, 1024]"]),
     (["generator.engine.num_threads=5000"], ["generator.engine.num_threads=5000, expected an integer in [1, 1024]"]),
     (["drafter.num_threads=4096"], ["drafter.num_threads=4096, expected an integer in [1, 1024]"]),
-    (['trainer.precision="fp16"'], ["trainer.precision='fp16', expected one of 'bf16', 'fp32'"]),
+    (['trainer.precision="fp16"'], ["trainer.precision='fp16', expected one of 'auto', 'bf16', 'fp32'"]),
     (["trainer.head_chunk=-1"], ["trainer.head_chunk=-1, expected an integer in [0, 1048576]"]),
 ]
 

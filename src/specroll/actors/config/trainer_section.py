@@ -112,11 +112,14 @@ class TrainerConfig(_Section):
     device: Literal["cpu", "cuda"] = "cpu"
     """Where the trainer trains: ``cpu`` (default; gloo between ranks) or ``cuda`` (rank r on
     ``cuda:LOCAL_RANK``, NCCL between ranks)."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """Arithmetic of the training step's forward and backward: ``fp32`` (default) runs them in the
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Arithmetic of the training step's forward and backward: ``fp32`` runs them in the
     parameters' dtype (``model.dtype``); ``bf16`` is mixed precision — matmuls and attention in
     bfloat16 under autocast, the float32 parameters and AdamW state as master weights, the LM head's
-    log-softmax in float32 — on the CPU (fast where it has AVX512-BF16 or AMX) and on CUDA. Its cost
+    log-softmax in float32 — on the CPU (fast only where it has AVX512-BF16 or AMX: elsewhere torch
+    emulates it, many times slower than ``fp32``) and on CUDA; ``auto`` (default) is ``bf16`` where
+    bf16 is native (those CPUs, CUDA GPUs that support it) and ``fp32`` elsewhere; the trainer's log
+    says which it chose. Its cost
     shows in the ``logprob_diff_mean`` / ``logprob_kl_k3`` metrics (the trainer's logprobs against
     the generators'); docs/running-rl.md, "Training precision"."""
     head_chunk: int = 512

@@ -4,6 +4,7 @@ from ``RUN_DIR/checkpoint`` when one is there; and the trainer's one error type.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,11 +26,14 @@ from specroll.actors.trainer.ranks.channel import RankChannel
 from specroll.actors.trainer.ranks.join import RankError, Ranks, join_group, rank_device
 from specroll.actors.trainer.ranks.sharded import ShardedModel
 from specroll.actors.trainer.task_load import load_task
+from specroll.engine.device import training_precision
 from specroll.engine.loaders.checkpoint import load_checkpoint
 from specroll.engine.loaders.tokenizer import Tokenizer
 from specroll.engine.model import CausalLM
 from specroll.rl.grpo_step import policy_optimizer
 from specroll.rl.tasks import Prompt, format_question
+
+log = logging.getLogger("specroll.trainer")
 
 
 class TrainerError(RuntimeError):
@@ -91,6 +95,9 @@ def load_setup(config: RunConfig, ranks: Ranks | None = None, store: dist.Store 
     token_ids = [encode(p) for p in split.train]
     eval_prompts = [(p, encode(p)) for p in split.eval] if config.eval.every else []
     state = TrainerState(step=0, policy_version=0, prompt_cursor=0, seed=config.seed, model=config.model.name)
+    precision = training_precision(tc.precision, device)
+    log.info("training precision: %s%s", precision, " (trainer.precision = auto: bf16 only where it is native)"
+             if tc.precision == "auto" else "")
     policy: Policy
     if ranks is None:
         model.to(device)
