@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from helpers.storage_faults import DISK_FULL, can_mount, disk_folder, run_child, run_to_stop
 
+from specroll.engine.loaders import sealed
 from specroll.engine.loaders.errors import ChecksumError
 from specroll.engine.loaders.sealed import CHECKSUMS_FILE, check_folder, read_newest, write_folder
 
@@ -145,6 +146,43 @@ def test_a_target_that_cannot_be_replaced_keeps_the_previous_folder(tmp_path: Pa
     with pytest.raises(FileExistsError, match="is not a folder" if what == "a file" else r"notes\.txt"):
         write_folder(target, writer(3), keep_previous=True)
     assert version_of(tmp_path / "out.prev") == 1 and leftovers(tmp_path, "out") == []
+
+
+def test_both_copies_stay_while_a_new_one_is_written_and_when_it_fails(tmp_path: Path) -> None:
+    """The previous folder goes only in the swap: a write that fails (a full disk) or is killed while
+    it writes its files loses neither the newest copy nor the one before it."""
+    target = tmp_path / "out"
+    for version in (1, 2):
+        write_folder(target, writer(version), keep_previous=True)
+    seen: list[tuple[int, int]] = []
+
+    def fill_the_disk(folder: Path) -> None:
+        seen.append((version_of(target), version_of(tmp_path / "out.prev")))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        write_folder(target, fill_the_disk, keep_previous=True)
+    assert seen == [(2, 1)]  # both, while it wrote
+    assert (version_of(target), version_of(tmp_path / "out.prev")) == (2, 1) and leftovers(tmp_path, "out") == []
+
+
+def test_a_newest_copy_that_cannot_move_keeps_the_one_before(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The swap's first rename fails (an immutable folder: EPERM even for root): the one before,
+    already out of sight, comes back; nothing is lost and nothing is left."""
+    target = tmp_path / "out"
+    for version in (1, 2):
+        write_folder(target, writer(version), keep_previous=True)
+    rename = os.rename
+
+    def immutable(src: os.PathLike[str] | str, dst: os.PathLike[str] | str) -> None:
+        if Path(src) == target:
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(src))
+        rename(src, dst)
+
+    monkeypatch.setattr(sealed.os, "rename", immutable)
+    with pytest.raises(PermissionError):
+        write_folder(target, writer(3), keep_previous=True)
+    assert (version_of(target), version_of(tmp_path / "out.prev")) == (2, 1) and leftovers(tmp_path, "out") == []
 
 
 # ---- a SIGKILL anywhere in a write ----------------------------------------------------------------

@@ -7,6 +7,7 @@ The trainer is the real one (``specroll.actors.trainer``); the launcher's hidden
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -27,6 +28,8 @@ from helpers.launch import (
     write_config,
 )
 from helpers.timeouts import guard
+
+from specroll.actors.launch.errors import LaunchError
 
 
 @pytest.mark.integration
@@ -299,6 +302,21 @@ def test_a_run_dir_in_use_is_refused_and_a_finished_run_starts_nothing(tmp_path:
     code, _, err = finish(launch(tmp_path, config))
     assert code == 0 and "nothing to train" in err and not (run_dir / "pids.json").exists(), err
     assert children_of(os.getpid()) <= before
+
+
+def test_a_run_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lock is the launcher's first write: a read-only or immutable run directory (EACCES, EPERM
+    even for root) is a LaunchError naming it, not a traceback."""
+    from specroll.actors.launch import preflight
+
+    def refuse(path: object, *args: object) -> int:
+        raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
+
+    monkeypatch.setattr(preflight.os, "open", refuse)
+    with pytest.raises(LaunchError, match=r"run_dir='.*/run': cannot write the run directory \(Operation not "
+                                          r"permitted\), expected a writable directory"):
+        preflight.take_lock(tmp_path / "run" / "launch.lock")
 
 
 def test_resume_replaces_the_metrics_of_steps_after_the_checkpoint(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ write leaves a checkpoint a resume takes. Tiny random-weight models; the faults 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from helpers.trainer_runs import free_port, generators, metrics, run_config, wai
 from specroll.actors.launch.errors import LaunchError
 from specroll.actors.launch.preflight import preflight
 from specroll.actors.trainer.checkpoint import CHECKPOINT_DIRNAME, MODEL_FILE, TrainerState, load_trainer_checkpoint
+from specroll.actors.trainer.checkpoint_schedule import CheckpointSchedule
 from specroll.actors.trainer.process import run_trainer
 from specroll.actors.trainer.setup import TrainerError, TrainerSetup, load_setup
 from specroll.engine.loaders.errors import ChecksumError
@@ -119,13 +121,18 @@ def test_a_checkpoint_named_explicitly_that_fails_its_checksums_loads_nothing(ti
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing half-loaded
 
 
-def test_a_checkpoint_written_before_checksums_still_loads(tiny_checkpoint, tmp_path: Path) -> None:
+def test_a_checkpoint_written_before_checksums_still_loads_with_a_warning(
+        tiny_checkpoint, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     run = tmp_path / "run"
     config = run_config(run, tiny_checkpoint("llama"))
     save_steps(load_setup(config), run, config.seed, 1)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     (run / CHECKPOINT_DIRNAME / CHECKSUMS_FILE).unlink()
     setup = load_setup(config)
     assert (setup.resumed_from, setup.state.step, setup.refused) == (run / CHECKPOINT_DIRNAME, 1, [])
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"{run / CHECKPOINT_DIRNAME} has no {CHECKSUMS_FILE}: its files are read unchecked (a checkpoint from "
+        "before checksums, or one whose list was removed)"]
 
 
 def test_a_damaged_checkpoint_written_before_checksums_is_passed_over_too(tiny_checkpoint, tmp_path: Path) -> None:
@@ -251,6 +258,28 @@ def test_a_full_disk_skips_a_checkpoint_in_one_line_and_the_run_resumes_from_the
         setup = load_setup(run_config(run, model, steps=3))
         assert (setup.resumed_from, setup.state.step, setup.refused) == (run / CHECKPOINT_DIRNAME, 1, [])
 
+
+
+@pytest.mark.parametrize("final", [False, True], ids=["mid-run", "final"])
+@pytest.mark.parametrize("code", [errno.EACCES, errno.EPERM, errno.EROFS], ids=errno.errorcode.get)
+def test_a_checkpoint_the_file_system_refuses_ends_the_trainer_as_a_refusal(tmp_path: Path, code: int,
+                                                                              final: bool) -> None:
+    """A read-only or immutable run directory fails every try the same: exit 2 at once (the launcher
+    does not restart a refusal), one line naming the file and the checkpoint a resume starts from."""
+    config = run_config(tmp_path / "run", tmp_path / "model", steps=3, trainer__checkpoint_every=1)
+    schedule = CheckpointSchedule(config, 1, tmp_path / "run" / CHECKPOINT_DIRNAME)
+    target = tmp_path / "run" / CHECKPOINT_DIRNAME
+
+    def save(run: Path, state: TrainerState) -> Path:
+        raise OSError(code, os.strerror(code), str(target))
+
+    with pytest.raises(TrainerError) as refused:
+        schedule.write(save, tmp_path / "run", TrainerState(step=2, policy_version=2, prompt_cursor=8, seed=0),
+                       final=final)
+    assert refused.value.exit_code == 2
+    assert str(refused.value) == (f"the checkpoint of step 2 cannot be written: {target}: {os.strerror(code)} "
+                                  f"(expected a writable run directory); a resume starts from step 1 ({target}); "
+                                  "make it writable and launch again")
 
 
 # ---- a SIGKILL in the middle of a checkpoint ---------------------------------------------------------

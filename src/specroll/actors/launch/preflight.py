@@ -205,19 +205,23 @@ def take_lock(lock: Path) -> None:
     """Claim the run directory for this launcher (O_EXCL), taking over a lock whose launcher is gone.
 
     Raises:
-        LaunchError: another live launcher holds it.
+        LaunchError: another live launcher holds it; the run directory cannot be written (exit 2).
     """
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            check_not_in_use(lock)
-            lock.unlink(missing_ok=True)  # stale: its launcher is gone
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
-        return
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(2):
+            try:
+                fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                check_not_in_use(lock)
+                lock.unlink(missing_ok=True)  # stale: its launcher is gone
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            return
+    except OSError as e:
+        raise LaunchError(f"run_dir={str(lock.parent)!r}: cannot write the run directory ({e.strerror or e}), "
+                          "expected a writable directory") from e
     raise LaunchError(f"could not claim {lock}")
 
 

@@ -26,6 +26,7 @@ unchecked, as it did then.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,10 +37,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from specroll.engine.loaders.checkpoint import CheckpointError, check_weights
-from specroll.engine.loaders.sealed import Newest, check_folder, read_newest, write_folder
+from specroll.engine.loaders.sealed import CHECKSUMS_FILE, Newest, check_folder, read_newest, write_folder
 from specroll.engine.loaders.tensor_files import save_tensors
 from specroll.engine.model import CausalLM
 from specroll.engine.model_config import ModelConfig
+
+log = logging.getLogger("specroll.trainer")
 
 CHECKPOINT_DIRNAME = "checkpoint"
 MODEL_FILE = "model.safetensors"
@@ -147,7 +150,9 @@ def read_checkpoint(path: str | Path, config: ModelConfig, param_shapes: Mapping
             malformed. The message names the file.
     """
     path = Path(path)
-    check_folder(path)
+    if not check_folder(path):
+        log.warning("%s has no %s: its files are read unchecked (a checkpoint from before checksums, or "
+                    "one whose list was removed)", path, CHECKSUMS_FILE)
     state = _read_state(path / STATE_FILE)
     weights = check_weights(config, _read_tensors(path / MODEL_FILE), str(path / MODEL_FILE))
     per_param: dict[str, dict[str, torch.Tensor]] = {}

@@ -11,21 +11,29 @@ EDQUOT, EFBIG) leaves no trace (``checkpoint.py``: the checkpoints before it sta
   trained weights would otherwise be lost without a word (``specroll launch`` restarts it within
   ``launch.max_restarts``, resuming from that checkpoint).
 
-Any other ``OSError`` (permissions, I/O errors) ends the run as before.
+A checkpoint the file system refuses for good (EACCES, EPERM, EROFS: :data:`NOT_ALLOWED` — a
+read-only or immutable folder) ends the trainer at once with one line naming the file, as a refusal
+(exit 2, which ``specroll launch`` does not restart: every try would fail the same). Any other
+``OSError`` (an I/O error) ends the run as before.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from specroll.actors.config import RunConfig
+from specroll.actors.shared.exit_codes import EXIT_REFUSED
 from specroll.actors.trainer.checkpoint import TrainerState
 from specroll.actors.trainer.setup import TrainerError
 from specroll.engine.loaders.sealed import OUT_OF_SPACE
 
 log = logging.getLogger("specroll.trainer")
+
+NOT_ALLOWED = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+"""``OSError.errno`` values of a write the file system refuses for good."""
 
 
 class CheckpointSchedule:
@@ -65,7 +73,8 @@ class CheckpointSchedule:
         worker thread) and log one line; a full disk is the module docstring's.
 
         Raises:
-            TrainerError: a full disk stopped the final checkpoint (exit 1).
+            TrainerError: a full disk stopped the final checkpoint (exit 1); the file system refused
+                it (:data:`NOT_ALLOWED`, exit 2).
             OSError: any other failure to write it.
         """
         try:
@@ -84,13 +93,18 @@ class CheckpointSchedule:
         warning unless ``final``.
 
         Raises:
+            TrainerError: the file system refused it (:data:`NOT_ALLOWED`; exit 2).
             OSError: ``error`` itself, unless it is a full disk.
         """
+        last = (f"a resume starts from step {self.last_step} ({self.last_path})" if self.last_path is not None
+                else "no checkpoint was written yet: a resume starts from step 0")
+        if error.errno in NOT_ALLOWED:
+            raise TrainerError(f"the checkpoint of step {step} cannot be written: {error.filename or ''}: "
+                               f"{error.strerror} (expected a writable run directory); {last}; make it "
+                               "writable and launch again", EXIT_REFUSED) from error
         if error.errno not in OUT_OF_SPACE:
             raise error
         where = f"{Path(error.filename).name}: " if error.filename else ""
-        last = (f"a resume starts from step {self.last_step} ({self.last_path})" if self.last_path is not None
-                else "no checkpoint was written yet: a resume starts from step 0")
         if final:
             return (f"the final checkpoint of step {step} was not written ({where}{error.strerror}); {last}; free "
                     "space and launch again to train the steps after it")

@@ -4,17 +4,19 @@ in ``checksums.json``, checked when it is read. Trainer checkpoints and drafters
 Writing ``NAME`` (:func:`write_folder`; one writer per folder at a time):
 
 1. a staging folder ``.NAME.staging-XXXX`` is made beside it (the staging and trash folders a
-   killed writer left are removed first) and a ``NAME.prev`` of the write before is moved to a
-   trash name and removed, so at most two copies of the folder are on disk at any time;
+   killed writer left are removed first);
 2. the caller writes its files into the staging folder; each is fsynced and hashed, then
    ``checksums.json`` is written (temporary name, fsync, rename) and the folder fsynced;
-3. the swap: an existing ``NAME`` is renamed ``NAME.prev``, the staging folder takes the name
-   ``NAME`` and the parent is fsynced; without ``keep_previous`` ``NAME.prev`` is then removed.
+3. the swap: the ``NAME.prev`` of the write before is moved to a trash name and removed, an
+   existing ``NAME`` is renamed ``NAME.prev``, the staging folder takes the name ``NAME`` and the
+   parent is fsynced; without ``keep_previous`` ``NAME.prev`` is then removed.
 
-A SIGKILL or a power cut at any point leaves ``NAME`` complete or, between the two renames of the
-swap, only ``NAME.prev``, complete (the next write first renames it back); besides them at most a
-staging or trash folder no reader looks at. A full disk (ENOSPC, EDQUOT, EFBIG: :data:`OUT_OF_SPACE`)
-fails in step 2: the staging folder is removed, the ``OSError`` raised and ``NAME`` left as it was.
+So the two complete copies stay while the new one is written (three are on disk until the swap),
+and a SIGKILL or a power cut at any point leaves ``NAME`` complete or, between the two renames of
+the swap, only ``NAME.prev``, complete (the next write first renames it back); besides them at most
+a staging or trash folder no reader looks at. A full disk (ENOSPC, EDQUOT, EFBIG:
+:data:`OUT_OF_SPACE`) fails in step 2: the staging folder is removed, the ``OSError`` raised and
+``NAME`` and ``NAME.prev`` left as they were.
 
 Reading: :func:`check_folder` compares each listed file's size and SHA-256 with ``checksums.json``
 and raises :class:`ChecksumError` naming the file; a folder without ``checksums.json`` (written
@@ -88,9 +90,7 @@ def write_folder(target: Path, write: Callable[[Path], object], *, keep_previous
         shutil.rmtree(stale, ignore_errors=True)  # a killed writer's: this is the folder's one writer
     if prev.exists() and not target.exists():  # a writer killed in the swap: prev is the newest
         os.rename(prev, target)
-    check_replaceable(target)  # before prev goes: a target this write cannot replace keeps both
-    if prev.exists():  # the one before the newest: the swap below makes the newest the previous
-        _remove(prev)
+    check_replaceable(target)  # before the write: a target it cannot replace fails it at once
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.staging-"))
     try:
         os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes 0700; a folder of the usual mode
@@ -98,7 +98,16 @@ def write_folder(target: Path, write: Callable[[Path], object], *, keep_previous
         seal(staging)
         if target.exists():
             _check_replaceable(target, staging)
-            os.rename(target, prev)
+            old = _trash(prev) if prev.exists() else None  # the one before: the newest becomes the previous
+            try:
+                os.rename(target, prev)
+            except BaseException:
+                if old is not None:  # the newest cannot move (EPERM, EXDEV): the one before stays
+                    os.rename(old / prev.name, prev)
+                    old.rmdir()
+                raise
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
         os.rename(staging, target)
         _fsync(target.parent)
     except BaseException:
@@ -262,9 +271,15 @@ def _check_replaceable(target: Path, staging: Path) -> None:
 
 def _remove(folder: Path) -> None:
     """Remove ``folder`` at once for a reader: renamed to a trash name, then deleted."""
+    shutil.rmtree(_trash(folder), ignore_errors=True)
+
+
+def _trash(folder: Path) -> Path:
+    """Move ``folder`` out of readers' sight, into a new trash folder beside it (returned), which the
+    next write removes if this one does not."""
     trash = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name.removesuffix(PREV_SUFFIX)}.trash-"))
     os.rename(folder, trash / folder.name)
-    shutil.rmtree(trash, ignore_errors=True)
+    return trash
 
 
 def _umask() -> int:
