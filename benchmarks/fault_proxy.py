@@ -322,3 +322,10 @@ def _read_identity(link: _Link, data: bytes) -> bytes | None:
     if len(link.sniffed) < start + size:
         return None
     return link.sniffed[start:start + size]
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit("fault_proxy.py is a module for the tests and bench_chaos.py --network, not a command: "
+             "import FaultProxy (its docstring says how), or run bench_chaos.py --network")
