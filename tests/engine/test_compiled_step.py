@@ -126,6 +126,11 @@ def test_a_weight_update_reaches_the_compiled_layers(tiny_checkpoint, tmp_path, 
         assert logprobs == pytest.approx(expected[r][1], abs=1e-5)
 
 
+CPU_PROBLEM = cpu_linear.packing_problem(torch.device("cpu"), torch.bfloat16)
+"""Why this CPU packs no bf16 weight (an AVX2-only one), or None."""
+
+
+@pytest.mark.skipif(CPU_PROBLEM is not None, reason=str(CPU_PROBLEM))
 def test_packed_matmuls_multiply_as_linear_and_follow_updates(tiny_checkpoint, tmp_path):
     weight = torch.randn(48, 32, dtype=torch.bfloat16)
     x = torch.randn(5, 32, dtype=torch.bfloat16)
@@ -146,9 +151,17 @@ def test_packed_matmuls_multiply_as_linear_and_follow_updates(tiny_checkpoint, t
     engine.update_weights(new, version=1)
     prompts = repetitive_prompts(3)
     assert run(engine, prompts, 0.0) == run(make_engine(other, dtype="bfloat16"), prompts, 0.0)
+
+
+def test_float32_and_a_cpu_without_the_packed_path_pack_nothing(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
     assert make_engine(path).runner.packed_bytes == 0  # float32: the reference path
     problem = cpu_linear.packing_problem(torch.device("cpu"), torch.float32)
     assert problem == "the dtype is float32 (packing is for bfloat16)"
+    if CPU_PROBLEM is not None:  # this CPU (AVX2 only): a bf16 engine runs F.linear instead of failing to pack
+        assert CPU_PROBLEM.startswith("this CPU has no oneDNN bf16 packed linear")
+        engine = make_engine(path, dtype="bfloat16")
+        assert engine.runner.packed_bytes == 0 and run(engine, repetitive_prompts(2), 0.0)
 
 
 def test_compile_settings_are_checked(tiny_llama, tmp_path):

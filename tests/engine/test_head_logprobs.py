@@ -42,8 +42,8 @@ def test_chunked_head_equals_the_whole_head_in_fp32(chunk: int) -> None:
     full_lp, full_dh, full_dw = _run(0)
     lp, dh, dw = _run(chunk)
     assert lp.dtype == torch.float32 and lp.shape == (N,)
-    torch.testing.assert_close(lp, full_lp, rtol=0, atol=1e-6)
-    torch.testing.assert_close(dh, full_dh, rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(lp, full_lp, rtol=1e-6, atol=1e-6)  # logprobs ~7: a few float32 ulps, which
+    torch.testing.assert_close(dh, full_dh, rtol=2e-6, atol=1e-6)  # the CPU's matmul kernels (AVX2, AVX512) set
     torch.testing.assert_close(dw, full_dw, rtol=2e-6, atol=1e-6)  # entries up to ~5: a few float32 ulps
 
 
@@ -54,7 +54,7 @@ def test_only_the_wanted_gradients_are_computed() -> None:
     full = hidden.detach().clone().requires_grad_(True)
     (head_logprobs(full, weight, targets, 0) * grad_out).sum().backward()
     assert weight.grad is None
-    torch.testing.assert_close(hidden.grad, full.grad, rtol=0, atol=1e-6)
+    torch.testing.assert_close(hidden.grad, full.grad, rtol=2e-6, atol=1e-6)
 
 
 def test_bad_shapes_and_chunks_are_refused() -> None:

@@ -19,6 +19,7 @@ takes ``F.linear``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -39,6 +40,17 @@ def packing_problem(device: torch.device, dtype: torch.dtype) -> str | None:
         return f"the dtype is {str(dtype).removeprefix('torch.')} (packing is for bfloat16)"
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return "this torch has no oneDNN packed linear"
+    return _cpu_problem()
+
+
+@functools.cache
+def _cpu_problem() -> str | None:
+    """Whether this CPU runs oneDNN's bf16 packed linear: it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT
+    (an AVX2-only CPU raises at the first pack); tried once on a 1 × 1 weight."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(1, 1, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return "this CPU has no oneDNN bf16 packed linear (it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT)"
     return None
 
 
