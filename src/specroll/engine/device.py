@@ -37,9 +37,7 @@ def training_precision(name: str, device: torch.device) -> str:
         return name
     if name != "auto":
         raise ValueError(f"precision {name!r}, expected 'auto', 'fp32' or 'bf16'")
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-    return "bf16" if _cpu_has_native_bf16() else "fp32"
+    return "bf16" if resolve_dtype("auto", device) == torch.bfloat16 else "fp32"  # an engine's float16: fp32
 
 
 def _cpu_has_native_bf16() -> bool:

@@ -7,7 +7,6 @@ The trainer is the real one (``specroll.actors.trainer``); the launcher's hidden
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import signal
@@ -28,8 +27,6 @@ from helpers.launch import (
     write_config,
 )
 from helpers.timeouts import guard
-
-from specroll.actors.launch.errors import LaunchError
 
 
 @pytest.mark.integration
@@ -285,38 +282,6 @@ def test_missing_inputs_and_a_taken_port_exit_2_before_anything_starts(tmp_path:
             code, err = refused(tmp_path, config, extra, capsys, in_process=i > 0)
             assert code == 2 and key in err and err.count("\n") == 1, err
             assert "Traceback" not in err and not (tmp_path / "run").exists()
-
-
-@pytest.mark.integration
-def test_a_run_dir_in_use_is_refused_and_a_finished_run_starts_nothing(tmp_path: Path, tiny_checkpoint) -> None:
-    config = write_config(tmp_path, tiny_checkpoint(), steps=3)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "launch.lock").write_text(str(os.getpid()))  # a live launcher holds it
-    code, _, err = finish(launch(tmp_path, config))
-    assert code == 2 and "in use by the launcher with pid" in err, err
-    (run_dir / "launch.lock").write_text("999999999")  # a stale lock is taken over...
-    (run_dir / "checkpoint").mkdir()
-    (run_dir / "checkpoint" / "trainer_state.json").write_text('{"step": 3}')  # ...and the run is already done
-    before = children_of(os.getpid())
-    code, _, err = finish(launch(tmp_path, config))
-    assert code == 0 and "nothing to train" in err and not (run_dir / "pids.json").exists(), err
-    assert children_of(os.getpid()) <= before
-
-
-def test_a_run_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """The lock is the launcher's first write: a read-only or immutable run directory (EACCES, EPERM
-    even for root) is a LaunchError naming it, not a traceback."""
-    from specroll.actors.launch import preflight
-
-    def refuse(path: object, *args: object) -> int:
-        raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
-
-    monkeypatch.setattr(preflight.os, "open", refuse)
-    with pytest.raises(LaunchError, match=r"run_dir='.*/run': cannot write the run directory \(Operation not "
-                                          r"permitted\), expected a writable directory"):
-        preflight.take_lock(tmp_path / "run" / "launch.lock")
 
 
 def test_resume_replaces_the_metrics_of_steps_after_the_checkpoint(tmp_path: Path) -> None:
