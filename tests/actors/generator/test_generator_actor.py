@@ -27,6 +27,7 @@ from specroll.protocol.messages import (
     AckWeights,
     Error,
     FetchWeights,
+    Hello,
     RolloutChunk,
     SampleResume,
     SubmitGroup,
@@ -274,4 +275,39 @@ async def test_a_prompt_longer_than_the_prefill_budget_with_speculation_on(tiny_
                 assert chunks[i][-1].finish_reason == "length"
             await trainer.send(SubmitGroup(group_id="g2", prompt_token_ids=prompt[:50], n=1, sampling=sampling))
             assert len(joined((await collect(trainer, "g2", {0}))[0])[0]) == sampling.max_tokens
+            assert proc.poll() is None
+
+
+async def test_registering_again_drops_the_live_groups_so_the_trainer_can_resume_them_here(
+        tiny_checkpoint, tmp_path: Path) -> None:
+    """Told ``unknown_peer`` (a trainer that declared it gone resumes its groups from what it holds), the
+    generator registers again and drops its live groups without another chunk: the same group sent
+    back to it resumes at the offset the trainer holds. Before, the old copy kept streaming after
+    ``Hello`` (its chunks then count as refusals of the resumed copy) and the resubmit was refused as
+    "already live here"."""
+    model = tiny_checkpoint("llama", max_position_embeddings=LONG_CONTEXT)
+    prompt = [5, 17, 42, 9, 77, 3]
+    sampling = SamplingParams(temperature=0.0, max_tokens=LONG_CONTEXT - len(prompt), ignore_eos=True)
+    async with fake_trainer() as trainer:
+        with generator_process(trainer.endpoint, model, tmp_path / "gen.log", "--stream-every", "2") as proc:
+            await trainer.handshake()
+            await trainer.send(SubmitGroup(group_id="g", prompt_token_ids=prompt, n=1, sampling=sampling))
+            first = await trainer.expect(RolloutChunk)
+            held = first.token_ids  # what the trainer keeps of the old copy: its first chunk only
+            await trainer.send(Error(code="unknown_peer", message="your messages 2..9 never arrived"))
+            while not isinstance(msg := await trainer.next(), Hello):  # the old copy's chunks sent before it
+                assert isinstance(msg, RolloutChunk) and msg.group_id == "g" and not msg.finished, f"{msg!r:.300}"
+            await trainer.send(Welcome(protocol_version=PROTOCOL_VERSION, actor_id="trainer"))
+            done = SampleResume(index=0, token_ids=held, logprobs=list(first.logprobs), versions=list(first.versions))
+            await trainer.send(SubmitGroup(group_id="g", prompt_token_ids=prompt, n=1, sampling=sampling,
+                                           resume=(done,)))
+            resumed = await trainer.expect(RolloutChunk)  # no old chunk, no "already live" Error before it
+            assert (resumed.group_id, resumed.offset) == ("g", len(held))
+            await trainer.send(Abort(group_id="g"))
+            rest = await collect(trainer, "g", {0}, first_offset=len(held) + len(resumed.token_ids))
+            assert rest[0][-1].finish_reason == "abort"
+            tokens = held + resumed.token_ids + joined(rest[0])[0]
+            expected = reference_tokens(local_engine(model), prompt,
+                                        SamplingParams(temperature=0.0, max_tokens=len(tokens), ignore_eos=True))
+            assert tokens == expected  # greedy: the resumed copy goes on where the trainer's tokens end
             assert proc.poll() is None

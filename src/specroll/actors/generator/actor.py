@@ -174,10 +174,16 @@ class GeneratorActor:
         """A restarted trainer numbers its own policy and drafter versions and never answers the old
         incarnation's fetches: forget those fetches and announcements, and drop the complete versions
         not yet applied (a new trainer may publish other weights under the same number). Live and
-        queued groups stay: the new trainer aborts each as foreign at its first chunk."""
+        queued groups are dropped without another chunk: the trainer no longer counts them as ours (a
+        trainer that declared us gone resumes them, perhaps here under the same ids, and the old copy's
+        chunks would then count as refusals of the new one; a new trainer never knew them)."""
         self.policy_updates.reset()
         self.drafter_updates.reset()
-        self._inbox = deque(op for op in self._inbox if not isinstance(op, ReadyWeights | ReadyDrafter))
+        old_incarnation = ReadyWeights | ReadyDrafter | SubmitGroup | Abort
+        self._inbox = deque(op for op in self._inbox if not isinstance(op, old_incarnation))
+        dropped = self.samples.abandon()
+        if dropped:
+            log.info("%d live groups dropped: the trainer resumes them from what it holds", dropped)
 
     def flush(self) -> None:
         """A graceful stop: chunks of what was emitted, and the last ``Stats``."""
@@ -289,6 +295,7 @@ class GeneratorActor:
             self.samples.on_outputs(outputs)
 
     async def _apply_inbox(self) -> None:
+        self.samples.drop_abandoned()
         while self._inbox and not self.peer.stopping:
             op = self._inbox.popleft()
             match op:

@@ -8,6 +8,7 @@ tokens come from one policy version and its draft counts from one drafter versio
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 
@@ -55,6 +56,8 @@ class LiveSamples:
         """group id → its live samples by index."""
         self.num_tokens = 0
         """Response tokens emitted since the start."""
+        self._abandoned: set[str] = set()
+        """Request ids forgotten by :meth:`abandon`, still to be aborted in the engine."""
         self.latency = latency
 
     def submit(self, msg: SubmitGroup) -> None:
@@ -106,6 +109,30 @@ class LiveSamples:
             assert stream.engine_base + len(done.token_ids) == stream.num_response_tokens, stream.request_id
             self._finish(stream, "abort")
 
+    def abandon(self) -> int:
+        """Forget every live sample without another chunk: the generator registers again, and the trainer
+        no longer counts them as its own (one that declared it gone resumes them elsewhere, maybe here
+        under the same group ids; a new trainer never knew them). Their engine requests end at
+        :meth:`drop_abandoned`, between engine steps; a step's outputs for them are ignored until then.
+        Returns the number of groups forgotten."""
+        groups = len(self.groups)
+        if self.latency is not None:
+            now = time.monotonic()
+            for request_id in self.streams:
+                self.latency.finished_now(request_id, "abort", now)
+        self._abandoned.update(self.streams)
+        self.streams.clear()
+        self.groups.clear()
+        return groups
+
+    def drop_abandoned(self) -> None:
+        """End the engine requests :meth:`abandon` forgot (between engine steps, before any new submit:
+        a resumed sample may reuse a request id)."""
+        for request_id in self._abandoned:
+            with contextlib.suppress(KeyError):  # it finished in the step that ran meanwhile
+                self.engine.abort(request_id)
+        self._abandoned.clear()
+
     def on_outputs(self, outputs: Sequence[StepOutput]) -> None:
         """Take one engine step's deltas: extend the streams, send what is due."""
         counter = self.drafter.counter
@@ -113,6 +140,8 @@ class LiveSamples:
         latency = self.latency
         now = time.monotonic() if latency is not None else 0.0  # metrics off: nothing more per step
         for out in outputs:
+            if out.request_id in self._abandoned:
+                continue
             stream = self.streams[out.request_id]
             if latency is not None and out.new_token_ids:
                 latency.emitted(out.request_id, now)

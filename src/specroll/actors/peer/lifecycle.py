@@ -30,9 +30,9 @@ session alone is not: a trainer sending from stray sessions is refused, not re-r
 Either way the peer is no longer welcomed: it drops its outbox (nothing in it is
 for the new trainer) and starts its stream over (a fresh credit window), sends no heartbeat and
 queues nothing but ``Hello`` until the next ``Welcome``, which it takes as the new trainer's; the role
-drops what it held of the old incarnation (:meth:`PeerRole.on_new_trainer`). Groups still live here
-are the old trainer's: the new one aborts each when its first chunk arrives
-(``actors/rollout/foreign_groups.py``).
+drops what it held of the old incarnation (:meth:`PeerRole.on_new_trainer`; a generator drops its live
+groups, which that trainer resumes from what it holds). A chunk that was on its way still reaches a
+new trainer as foreign, and is aborted there (``actors/rollout/foreign_groups.py``).
 """
 
 from __future__ import annotations
