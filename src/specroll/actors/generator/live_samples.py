@@ -139,9 +139,9 @@ class LiveSamples:
         drafted = counter.drafted if counter is not None else {}
         latency = self.latency
         now = time.monotonic() if latency is not None else 0.0  # metrics off: nothing more per step
+        if self._abandoned:  # the step ran while abandon() forgot these: once per step, not per output
+            outputs = [out for out in outputs if out.request_id not in self._abandoned]
         for out in outputs:
-            if out.request_id in self._abandoned:
-                continue
             stream = self.streams[out.request_id]
             if latency is not None and out.new_token_ids:
                 latency.emitted(out.request_id, now)
