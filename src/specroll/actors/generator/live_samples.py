@@ -67,6 +67,7 @@ class LiveSamples:
             SampleRefused: the group is live here already, or the engine refused a sample (nothing
                 of the group is added then).
         """
+        self.drop_abandoned()  # a resumed sample reuses its request id; abandon() may have run mid-inbox
         if msg.group_id in self.groups:
             raise SampleRefused("bad_request", f"group {msg.group_id!r} is already live here")
         resumed = {r.index: r for r in msg.resume}
@@ -128,6 +129,8 @@ class LiveSamples:
     def drop_abandoned(self) -> None:
         """End the engine requests :meth:`abandon` forgot (between engine steps, before any new submit:
         a resumed sample may reuse a request id)."""
+        if not self._abandoned:
+            return
         for request_id in self._abandoned:
             with contextlib.suppress(KeyError):  # it finished in the step that ran meanwhile
                 self.engine.abort(request_id)
