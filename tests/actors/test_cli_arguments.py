@@ -30,6 +30,17 @@ def test_a_bad_connect_endpoint_is_refused_before_anything_waits(tmp_path: Path,
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("command", [["launch"], ["serve", "--config"]])
+def test_a_missing_config_is_named_by_the_command_that_read_it(tmp_path: Path, capsys, command: list[str]) -> None:
+    """``specroll serve`` runs the launcher's checks; its errors still say ``specroll serve``."""
+    from specroll.actors.cli import main
+
+    missing = tmp_path / "nope.toml"
+    assert main([*command, str(missing)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"specroll {command[0]}: error: {missing}: config file not found", err
+
+
 @pytest.mark.parametrize("argv, usage", [
     (["drafter", "init", "--bogus"], "specroll drafter init"),
     (["launch", "run.toml", "--bogus"], "specroll launch"),

@@ -40,12 +40,13 @@ def prepare_keys(config: RunConfig) -> str | None:
 def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = TRAINER_MODULE,
                startup_timeout_s: float = 300.0, grace_s: float = 15.0, serving: bool = False) -> int:
     """``specroll launch``: validate the config (one error line and exit 2, nothing started), run.
-    ``serving``: ``specroll serve`` (``trainer_module`` is the server's; nothing is trained)."""
-
+    ``serving``: ``specroll serve`` (``trainer_module`` is the server's; nothing is trained); its
+    errors say so."""
+    prog = "specroll serve" if serving else "specroll launch"
     try:
         config = load_config(config_path, overrides)  # every role reads this same config: checked once here
     except ConfigError as e:
-        print(f"specroll launch: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_REFUSED
     on_ray = config.cluster.backend == "ray"
     if on_ray:
@@ -53,7 +54,7 @@ def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = 
             check_supported(config)
             import_ray()
         except LaunchError as e:
-            print(f"specroll launch: error: {e}", file=sys.stderr)
+            print(f"{prog}: error: {e}", file=sys.stderr)
             return e.code
     forker = None
     if config.launch.fork_roles and fork_supported() and not on_ray:  # before the preflight touches a tensor
@@ -61,7 +62,7 @@ def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = 
     try:
         done = preflight(config, serving)
     except LaunchError as e:
-        print(f"specroll launch: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_REFUSED
     if done is not None:
         print(f"specroll launch: {done}", file=sys.stderr)
@@ -70,7 +71,7 @@ def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = 
     try:
         take_lock(lock)
     except LaunchError as e:
-        print(f"specroll launch: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_REFUSED
     cores = available_cores()
     config = with_ray_threads(config) if on_ray else with_cpu_budget(config, cores)
@@ -78,7 +79,7 @@ def run_launch(config_path: str, overrides: list[str], *, trainer_module: str = 
         try:
             keys_line = prepare_keys(config)
         except KeysError as e:
-            print(f"specroll launch: error: {e}", file=sys.stderr)
+            print(f"{prog}: error: {e}", file=sys.stderr)
             return EXIT_REFUSED
         launcher = Launcher(config, trainer_module=trainer_module, startup_timeout_s=startup_timeout_s,
                             grace_s=grace_s, forker=forker, warm_start=not serving)
