@@ -18,6 +18,13 @@ PROMPT = [5, 17, 42, 9, 77, 3]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
+def live(model: Path) -> tuple[LiveSamples, list[RolloutChunk]]:
+    """Live samples on a fresh engine of ``model``, and the chunks they send."""
+    engine = Engine(EngineConfig(model=str(model), dtype="float32", kv_cache_memory_gb=0.02))
+    chunks: list[RolloutChunk] = []
+    return LiveSamples(engine, DrafterSlot(engine, None), chunks.append, stream_every=1, speculative=False), chunks
+
+
 def serve(samples: LiveSamples) -> None:
     """Step the engine until it holds nothing, handing each step's outputs to ``samples``."""
     while samples.engine.has_unfinished():
@@ -29,12 +36,10 @@ def test_a_group_resubmitted_before_the_inbox_pass_ends_replaces_the_abandoned_c
     thread), and the same group can arrive again from the trainer in that pass: its samples reuse the
     abandoned ones' request ids. The submit must end those engine requests first, not be refused as
     "already live" (one more failure counted against the group), and only the new copy streams."""
-    engine = Engine(EngineConfig(model=str(tiny_llama), dtype="float32", kv_cache_memory_gb=0.02))
+    samples, chunks = live(tiny_llama)
+    engine = samples.engine
     engine.add_request(PROMPT, GREEDY, "ref")
     expected = run_to_completion(engine)["ref"].token_ids
-
-    chunks: list[RolloutChunk] = []
-    samples = LiveSamples(engine, DrafterSlot(engine, None), chunks.append, stream_every=1, speculative=False)
     group = SubmitGroup(group_id="g", prompt_token_ids=PROMPT, n=2, sampling=GREEDY)
     samples.submit(group)
     for _ in range(3):
@@ -58,9 +63,8 @@ def test_a_group_resubmitted_before_the_inbox_pass_ends_replaces_the_abandoned_c
 def test_outputs_of_a_step_that_ran_during_abandon_are_ignored(tiny_llama: Path) -> None:
     """A step running in its thread while ``abandon`` forgets the samples hands back their outputs:
     they make no chunk, and the engine requests end at the next inbox pass."""
-    engine = Engine(EngineConfig(model=str(tiny_llama), dtype="float32", kv_cache_memory_gb=0.02))
-    chunks: list[RolloutChunk] = []
-    samples = LiveSamples(engine, DrafterSlot(engine, None), chunks.append, stream_every=1, speculative=False)
+    samples, chunks = live(tiny_llama)
+    engine = samples.engine
     samples.submit(SubmitGroup(group_id="g", prompt_token_ids=PROMPT, n=2, sampling=GREEDY))
     samples.on_outputs(engine.step())
     sent = len(chunks)
