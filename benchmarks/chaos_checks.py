@@ -6,8 +6,10 @@ The sources are the run's own records, not the launcher's word:
 
 * ``timeline.jsonl`` — ``trainer_start`` (each trainer process: the step it starts from),
   ``step_groups`` (the groups each step consumed, with their positions in the prompt order and, for
-  resumed groups, their samples' token ids as trained) and ``group_resumed`` (what each resume
-  carried: every token the trainer held when the generator died);
+  resumed groups, their samples' token ids as trained), ``group_resumed`` (what each resume
+  carried: every token the trainer held when the generator died) and ``group_dropped`` (a group
+  that failed past ``trainer.max_group_retries``: the bench's run serves its prompt again,
+  ``trainer.dropped_prompts = "retry"``, so its position must still be trained once);
 * ``checkpoint/trainer_state.json`` — the final prompt cursor and the positions still untrained;
 * ``metrics.jsonl`` — ``max_lag`` of the trained tokens of each step (after a trainer restart the
   lines of steps past its checkpoint are replaced, so the file is the surviving lineage).
@@ -40,6 +42,10 @@ class ChaosChecks:
     """Group ids trained more than once."""
     resumes: int = 0
     """Resume messages sent (a group continued on another generator)."""
+    most_resumes: int = 0
+    """The most resumes of one group."""
+    dropped: dict[str, int] = field(default_factory=dict)
+    """Groups dropped whole by the retry rule, by their last failure's reason."""
     resumes_checked: int = 0
     """Resumed samples whose trained tokens could be compared with what the resume carried."""
     resume_mismatches: list[str] = field(default_factory=list)
@@ -79,6 +85,8 @@ def check_run(run_dir: Path) -> ChaosChecks:
     lineage: list[dict[str, object]] = []
     every_step: list[dict[str, object]] = []  # also the steps a killed trainer ran past its checkpoint
     held: list[tuple[str, int, list[int]]] = []
+    resumed_by_group: Counter[str] = Counter()
+    dropped: Counter[str] = Counter()
     for e in events:
         kind = e.get("event")
         if kind == "trainer_start":
@@ -90,8 +98,13 @@ def check_run(run_dir: Path) -> ChaosChecks:
             every_step.append(e)
         elif kind == "group_resumed":
             out.resumes += 1
+            resumed_by_group[str(e["group_id"])] += 1
             for index, ids in dict(e["held"]).items():  # type: ignore[arg-type]
                 held.append((str(e["group_id"]), int(index), list(ids)))
+        elif kind == "group_dropped" and e.get("lane") == "train":
+            dropped[str(e.get("reason"))] += 1
+    out.most_resumes = max(resumed_by_group.values(), default=0)
+    out.dropped = dict(dropped)
     out.steps = len(lineage)
     positions = [int(p) for s in lineage for p in s.get("positions", [])]  # type: ignore[union-attr]
     group_ids = [str(g) for s in lineage for g in s["group_ids"]]  # type: ignore[union-attr]

@@ -117,6 +117,7 @@ max_groups_in_flight = {2 * plan.batch_groups}
 max_staleness = {plan.max_staleness}
 checkpoint_every = 1
 train_threads = 1
+dropped_prompts = "retry"
 
 [generator]
 count = {plan.generators}

@@ -57,3 +57,15 @@ def test_steps_a_killed_trainer_ran_past_its_checkpoint_are_replaced(tmp_path: P
               {"event": "trainer_start", "step": 2, "policy_version": 4}, *steps((3, ["b0"], [2]))]
     checks = check_run(write_run(tmp_path, events, cursor=4, untrained=[3]))
     assert checks.ok and checks.steps == 3 and checks.trainer_starts == 2
+
+
+def test_a_dropped_group_whose_prompt_was_served_again_is_counted_not_lost(tmp_path: Path) -> None:
+    # g1 (position 1) failed past max_group_retries: dropped; its prompt was served again as g2.
+    resumes = [{"event": "group_resumed", "group_id": "g1", "actor": f"generator-{i}", "held": {}} for i in range(3)]
+    dropped = {"event": "group_dropped", "group_id": "g1", "lane": "train", "reason": "lost", "failures": 4}
+    events = [START, *resumes, dropped, *steps((1, ["g0", "g2"], [0, 1]))]
+    checks = check_run(write_run(tmp_path / "served", events, cursor=2, untrained=[]))
+    assert checks.ok and checks.dropped == {"lost": 1} and (checks.resumes, checks.most_resumes) == (3, 3)
+    only_g0 = [START, dropped, *steps((1, ["g0"], [0]))]
+    skipped = check_run(write_run(tmp_path / "skipped", only_g0, cursor=2, untrained=[]))
+    assert skipped.lost == [1] and not skipped.ok  # dropped and never served again: lost
