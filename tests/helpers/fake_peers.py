@@ -82,6 +82,11 @@ class FakeTrainer:
     async def send(self, msg: Any, tensors: list[torch.Tensor] | None = None) -> None:
         await self.channel.send(msg, peer=PEER, tensors=tensors or ())
 
+    def lose(self, count: int) -> None:
+        """Number the next ``count`` messages to the generator as sent, and send none: what a ROUTER
+        does to messages for a peer whose connection is gone."""
+        self.channel._state(PEER).next_seq += count
+
     async def next_heartbeat(self, count: int = 1, timeout: float = HANG_S) -> Heartbeat:
         """The ``count``-th heartbeat that arrives from now on. The generator sleeps ``--heartbeat-s``
         between two, so ``count`` of them span at least ``count - 1`` intervals of its own running

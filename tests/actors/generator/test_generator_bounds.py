@@ -28,17 +28,20 @@ from specroll.engine.loaders.checkpoint import load_checkpoint
 from specroll.engine.model_config import expected_weight_shapes
 from specroll.protocol.codec import pack_tensors
 from specroll.protocol.messages import (
+    PROTOCOL_VERSION,
     Abort,
     AckDrafter,
     DrafterAvailable,
     DrafterWeights,
     Error,
     FetchDrafter,
+    Hello,
     RolloutChunk,
     SampleResume,
     SubmitGroup,
     TensorSpec,
     WeightsAvailable,
+    Welcome,
 )
 from specroll.protocol.sampling import SamplingParams
 
@@ -232,7 +235,8 @@ async def test_a_huge_resume_list_costs_a_generator_no_memory_and_it_keeps_servi
     """A 3M-token resume (a 33 MB frame) is over what this generator accepts as a message (its
     context and sequences: ``SubmitLimits.max_header_bytes``) and over any tensor of its model, so
     its socket drops the frame unread (``MAXMSGSIZE``); decoded, its lists would take ~160 MB. The
-    trainer's next message reports the lost one (a sequence gap), and the generator serves it."""
+    trainer's next message reports the lost one (a sequence gap): the generator registers again (the
+    trainer writes off the group it never got) and serves what comes after the ``Welcome``."""
     model = tiny_checkpoint("llama")
     tokens = 3_000_000
     huge = SubmitGroup(group_id="huge", prompt_token_ids=[5, 6, 7], n=1, sampling=SAMPLING,
@@ -249,9 +253,13 @@ async def test_a_huge_resume_list_costs_a_generator_no_memory_and_it_keeps_servi
             with anyio.fail_after(guard(60)):  # dropped unread, the connection is made afresh
                 while log.read_text().count("connected to the trainer") < 2:
                     await anyio.sleep(0.05)
-            await trainer.send(SubmitGroup(group_id="after", prompt_token_ids=[5, 6, 7], n=2, sampling=SAMPLING))
+            after = SubmitGroup(group_id="after", prompt_token_ids=[5, 6, 7], n=2, sampling=SAMPLING)
+            await trainer.send(after)
             err = await trainer.expect(Error)
             assert err.code == "sequence" and "gap" in err.message, err
+            await trainer.expect(Hello)  # not the group after the gap
+            await trainer.send(Welcome(protocol_version=PROTOCOL_VERSION, actor_id="trainer"))
+            await trainer.send(after)
             await finish(trainer, "after", {0, 1})
             grown = peak_rss_mb(proc.pid) - before
             assert grown < 40, f"the generator's peak memory grew by {grown:.0f} MiB"

@@ -126,3 +126,26 @@ async def test_a_generator_whose_messages_were_lost_registers_again_and_its_grou
         await gen.channel.send(Heartbeat(policy_version=0, batch_size=0, free_groups=1, free_seqs=4))
         sub = await gen.expect(SubmitGroup)
         assert sub.group_id == group_id and [len(r.token_ids) for r in sub.resume if r.index == 0] == [3]
+
+
+async def test_a_generator_the_client_cannot_route_to_is_declared_gone_at_once() -> None:
+    """A message for a peer whose connection is gone cannot be routed (``EHOSTUNREACH``) and is
+    dropped. It may carry a group the client would then wait for without end (a chaos run hung so),
+    so the peer is declared gone there and then — not after the disconnect grace, here 600 s — and
+    its groups queue again to resume elsewhere."""
+    async with RolloutClient(heartbeat_timeout_s=600, disconnect_grace_s=600) as client:
+        async with fake_generator(client.endpoint) as gen:
+            await gen.channel.send(Hello(protocol_version=PROTOCOL_VERSION, role="generator", actor_id="fake-gen"))
+            await gen.expect(Welcome)
+            await gen.channel.send(Heartbeat(policy_version=0, batch_size=0, free_groups=2, free_seqs=8))
+            first = await client.submit([5, 6, 7], 2, SamplingParams(max_tokens=8))
+            assert (await gen.expect(SubmitGroup)).group_id == first
+        with anyio.fail_after(guard(30)):  # its connection closed: the monitor reports it
+            while client.peers.liveness._peers["fake-gen"].closed_at is None:
+                await anyio.sleep(0.02)
+        second = await client.submit([5, 6, 7], 2, SamplingParams(max_tokens=8))  # sent to it: unroutable
+        with anyio.fail_after(guard(30)):
+            while "fake-gen" in client.coordinator.generators:
+                await anyio.sleep(0.02)
+        assert client.peers.dead_generators == ["fake-gen"]
+        assert all(client.coordinator.groups[g].generator is None for g in (first, second))  # queued again

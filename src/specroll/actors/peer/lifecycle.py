@@ -27,7 +27,13 @@ exiting trainer that its ``Dead`` was read: it may close now) and again as the f
 connection carries; after a trainer that died without ``Dead``, the sign is the new trainer's
 ``unknown_peer`` answer to what reached it, as from a trainer that forgot this peer (a new trainer
 session alone is not: a trainer sending from stray sessions is refused, not re-registered with).
-Either way the peer is no longer welcomed: it drops its outbox (nothing in it is
+A gap in the trainer's stream is the third sign: the trainer dropped messages to this peer while its
+connection was gone (``EHOSTUNREACH``), or a reset connection lost what was under way. They may have
+carried work (a generator's ``SubmitGroup``) that the trainer counts as this peer's and would wait
+for without end, so the peer registers again instead of reading on; the message after the gap is
+not read (the trainer writes off, then resends, what it gave this peer). A gap no wider than the
+messages just refused as malformed is not a loss (they arrived, and the trainer was told).
+In each case the peer is no longer welcomed: it drops its outbox (nothing in it is
 for the new trainer) and starts its stream over (a fresh credit window), sends no heartbeat and
 queues nothing but ``Hello`` until the next ``Welcome``, which it takes as the new trainer's; the role
 drops what it held of the old incarnation (:meth:`PeerRole.on_new_trainer`; a generator drops its live
@@ -157,6 +163,8 @@ class PeerConnection(Generic[M]):
         """The send of the outbox's first message, while it is under way."""
         self._welcomed = anyio.Event()
         self._last_hello = 0.0
+        self._malformed = 0
+        """Messages refused as malformed since the last one read: their numbers show as a gap, not lost."""
         self._hello_on_connect = False
         """The trainer said ``Dead``: a new connection is a new trainer, to greet with ``Hello``."""
         self._role: PeerRole[M] | None = None
@@ -318,10 +326,16 @@ class PeerConnection(Generic[M]):
                 await self.refuse("sequence", str(e), e.seq)
                 if e.seq < e.expected:
                     continue  # a duplicate: already handled
-                received = e.received  # a gap: the message itself is fine
+                refused, self._malformed = self._malformed, 0
+                if self.welcomed and e.seq - e.expected > refused:  # lost: what the trainer thinks we hold, we do not
+                    self._register_again(f"messages {e.expected}..{e.seq - 1} from the trainer never arrived")
+                    continue
+                received = e.received  # the gap is what we refused (the trainer was told), or before the Welcome
             except ProtocolError as e:
                 await self.refuse("malformed", str(e), e.seq)
+                self._malformed += 1
                 continue
+            self._malformed = 0
             msg = received.msg
             self.trainer.heard(dead=isinstance(msg, Dead))
             if received.first and self.welcomed:

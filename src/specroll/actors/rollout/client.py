@@ -137,7 +137,9 @@ class RolloutClient(GroupResults):
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.actor_id = actor_id
         self.timeline = timeline
-        self.mail = Mail(lambda actor: self.peers.registered(actor))
+        self.mail = Mail(lambda actor: self.peers.registered(actor),
+                         lambda actor, what: self.peers.gone(actor, f"a {what} to it could not be routed: its "
+                                                                     "connection is gone"))
         self._ticker = Ticker(self.coordinator, self.mail.send, timeline, lambda: self._closing)
         self.drafters = DrafterRelay(self.mail.send, timeline=timeline)
         """Drafter trainers, the current drafter version and acceptance per (drafter, policy) version."""

@@ -2,10 +2,12 @@
 peer that grants no credit (slow, or gone) holds up its own messages only; and best-effort replies
 to peers that are not (or no longer) connected.
 
-A message to a peer whose connection is gone (``EHOSTUNREACH``) is dropped; that is logged once per
-change of state — when the peer becomes unreachable, and when a message reaches it again — not once
-per message, as the client keeps sending (``Capacity`` twice a second to a drafter trainer) until it
-declares the peer gone and forgets it.
+A message to a peer whose connection is gone (``EHOSTUNREACH``) is dropped, and the peer is declared
+gone at once (``unroutable``): the message may have carried work (a generator's ``SubmitGroup``) that
+the hub would otherwise wait for without end, and the peer, once it connects again, would see the gap
+in our sequence numbers and register again anyway (``actors/peer/lifecycle.py``). What follows for it
+is dropped, logged once per change of state — when the peer becomes unreachable, and when a message
+reaches it again — not once per message.
 """
 
 from __future__ import annotations
@@ -39,10 +41,12 @@ class Outboxes:
     Args:
         channel: the channel messages go out on.
         task_group: where the sender tasks run (cancelled with it).
+        unroutable: called with a peer and what could not be routed to it (module docstring).
     """
 
-    def __init__(self, channel: Channel[Any], task_group: TaskGroup) -> None:
-        self._channel, self._tg = channel, task_group
+    def __init__(self, channel: Channel[Any], task_group: TaskGroup,
+                 unroutable: Callable[[str, str], None] = lambda actor, what: None) -> None:
+        self._channel, self._tg, self._unroutable = channel, task_group, unroutable
         self._boxes: dict[str, MemoryObjectSendStream[Outgoing]] = {}
         self.unreachable: set[str] = set()
         """Peers whose last message could not be routed (their connection is gone)."""
@@ -114,6 +118,7 @@ class Outboxes:
                         self.unreachable.add(actor)
                         log.info("peer %s is unreachable (its connection is gone); dropping %s and what follows "
                                  "until it is back or declared gone", actor, type(msg).__name__)
+                        self._unroutable(actor, type(msg).__name__)
                     continue
                 if actor in self.unreachable:
                     self.unreachable.discard(actor)
@@ -126,10 +131,12 @@ class Mail:
 
     Args:
         registered: whether an actor id is a registered generator or drafter trainer.
+        unroutable: called with a registered peer and the message that could not be routed to it.
     """
 
-    def __init__(self, registered: Callable[[str], bool]) -> None:
-        self._registered = registered
+    def __init__(self, registered: Callable[[str], bool],
+                 unroutable: Callable[[str, str], None] = lambda actor, what: None) -> None:
+        self._registered, self._unroutable = registered, unroutable
         self._channel: Channel[Any] | None = None
         self.errors_sent: Counter[str] = Counter()
         """``Error`` replies sent, by code: messages refused (``specroll:refusals``)."""
@@ -138,7 +145,7 @@ class Mail:
     def open(self, channel: Channel[Any], task_group: TaskGroup) -> None:
         """Send over ``channel`` from now on, the senders running in ``task_group``."""
         self._channel = channel
-        self.outboxes = Outboxes(channel, task_group)
+        self.outboxes = Outboxes(channel, task_group, self._unroutable)
 
     def send(self, actor: str, msg: Any, tensors: list[torch.Tensor] | None = None) -> None:
         """Queue ``msg`` (with the tensors sent as its frames) for ``actor``."""
