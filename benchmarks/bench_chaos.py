@@ -201,7 +201,7 @@ def report(plan: Plan, chaos: RunOutcome, baseline: RunOutcome | None, json_path
         print(f"chaos: {checks.groups_trained} groups in {checks.steps} steps; lost {len(checks.lost)}, "
               f"duplicated {len(checks.duplicated) + len(checks.duplicated_groups)}; {checks.resumes} resumes "
               f"(at most {checks.most_resumes} of one group), {sum(checks.dropped.values())} groups dropped "
-              f"{checks.dropped or ''} and their prompts served again, "
+              f"{f'{checks.dropped} ' if checks.dropped else ''}(their prompts served again), "
               f"{checks.resumes_checked} resumed samples checked, {len(checks.resume_mismatches)} mismatched; "
               f"max staleness {checks.max_staleness} (eta {plan.max_staleness}); "
               f"{checks.trainer_starts} trainer starts ({planned_starts} planned)")
