@@ -278,49 +278,17 @@ async def test_a_prompt_longer_than_the_prefill_budget_with_speculation_on(tiny_
             assert proc.poll() is None
 
 
-async def test_a_gap_in_the_trainers_stream_makes_the_generator_register_again(tiny_checkpoint, tmp_path: Path) -> None:
-    """Messages of the trainer's that never arrived (a ROUTER drops those for a peer whose connection is
-    gone) may have carried groups the trainer now counts as this generator's and would wait for
-    without end (a chaos run hung so): the generator that sees the gap says ``Hello`` again (the
-    trainer resumes what it gave it) instead of reading on — the group after the gap is not started,
-    the live one is dropped and resumes here at the offset the trainer holds."""
-    model = tiny_checkpoint("llama", max_position_embeddings=LONG_CONTEXT)
-    prompt = [5, 17, 42, 9, 77, 3]
-    sampling = SamplingParams(temperature=0.0, max_tokens=LONG_CONTEXT - len(prompt), ignore_eos=True)
-    async with fake_trainer() as trainer:
-        with generator_process(trainer.endpoint, model, tmp_path / "gen.log", "--stream-every", "2") as proc:
-            await trainer.handshake()
-            await trainer.send(SubmitGroup(group_id="g", prompt_token_ids=prompt, n=1, sampling=sampling))
-            first = await trainer.expect(RolloutChunk)
-            trainer.lose(1)  # a SubmitGroup the generator never gets
-            await trainer.send(SubmitGroup(group_id="after", prompt_token_ids=prompt, n=1, sampling=sampling))
-            refusals = []
-            while not isinstance(msg := await trainer.next(), Hello):
-                if isinstance(msg, Error):
-                    refusals.append(msg.code)
-                else:  # the old copy's chunks sent before it; nothing of the group after the gap
-                    assert isinstance(msg, RolloutChunk) and msg.group_id == "g" and not msg.finished, f"{msg!r:.300}"
-            assert refusals == ["sequence"]
-            await trainer.send(Welcome(protocol_version=PROTOCOL_VERSION, actor_id="trainer"))
-            done = SampleResume(index=0, token_ids=first.token_ids, logprobs=list(first.logprobs),
-                                versions=list(first.versions))
-            await trainer.send(SubmitGroup(group_id="g", prompt_token_ids=prompt, n=1, sampling=sampling,
-                                           resume=(done,)))
-            resumed = await trainer.expect(RolloutChunk)  # the old copy was dropped: no "already live" Error
-            assert (resumed.group_id, resumed.offset) == ("g", len(first.token_ids))
-            await trainer.send(Abort(group_id="g"))
-            rest = await collect(trainer, "g", {0}, first_offset=len(first.token_ids) + len(resumed.token_ids))
-            assert rest[0][-1].finish_reason == "abort"
-            assert proc.poll() is None
-
-
+@pytest.mark.parametrize("sign", ["unknown_peer", "gap"])
 async def test_registering_again_drops_the_live_groups_so_the_trainer_can_resume_them_here(
-        tiny_checkpoint, tmp_path: Path) -> None:
-    """Told ``unknown_peer`` (a trainer that declared it gone resumes its groups from what it holds), the
-    generator registers again and drops its live groups without another chunk: the same group sent
+        tiny_checkpoint, tmp_path: Path, sign: str) -> None:
+    """A generator registers again when the trainer says ``unknown_peer`` (it declared the generator
+    gone) or when the trainer's stream shows a gap: messages that never arrived (a ROUTER drops those
+    for a peer whose connection is gone) may have carried groups the trainer counts as this
+    generator's and would wait for without end (a chaos run hung so); the message after the gap is
+    not read. Either way it drops its live groups without another chunk, and the same group sent
     back to it resumes at the offset the trainer holds. Before, the old copy kept streaming after
     ``Hello`` (its chunks then count as refusals of the resumed copy) and the resubmit was refused as
-    "already live here"."""
+    "already live here"; and on a gap the generator read on and started the group after it."""
     model = tiny_checkpoint("llama", max_position_embeddings=LONG_CONTEXT)
     prompt = [5, 17, 42, 9, 77, 3]
     sampling = SamplingParams(temperature=0.0, max_tokens=LONG_CONTEXT - len(prompt), ignore_eos=True)
@@ -330,9 +298,18 @@ async def test_registering_again_drops_the_live_groups_so_the_trainer_can_resume
             await trainer.send(SubmitGroup(group_id="g", prompt_token_ids=prompt, n=1, sampling=sampling))
             first = await trainer.expect(RolloutChunk)
             held = first.token_ids  # what the trainer keeps of the old copy: its first chunk only
-            await trainer.send(Error(code="unknown_peer", message="your messages 2..9 never arrived"))
-            while not isinstance(msg := await trainer.next(), Hello):  # the old copy's chunks sent before it
-                assert isinstance(msg, RolloutChunk) and msg.group_id == "g" and not msg.finished, f"{msg!r:.300}"
+            if sign == "gap":
+                trainer.lose(1)  # a SubmitGroup the generator never gets
+                await trainer.send(SubmitGroup(group_id="after", prompt_token_ids=prompt, n=1, sampling=sampling))
+            else:
+                await trainer.send(Error(code="unknown_peer", message="your messages 2..9 never arrived"))
+            refusals = []
+            while not isinstance(msg := await trainer.next(), Hello):
+                if isinstance(msg, Error):
+                    refusals.append(msg.code)
+                else:  # the old copy's chunks sent before it; nothing of the group after the gap
+                    assert isinstance(msg, RolloutChunk) and msg.group_id == "g" and not msg.finished, f"{msg!r:.300}"
+            assert refusals == (["sequence"] if sign == "gap" else [])
             await trainer.send(Welcome(protocol_version=PROTOCOL_VERSION, actor_id="trainer"))
             done = SampleResume(index=0, token_ids=held, logprobs=list(first.logprobs), versions=list(first.versions))
             await trainer.send(SubmitGroup(group_id="g", prompt_token_ids=prompt, n=1, sampling=sampling,
