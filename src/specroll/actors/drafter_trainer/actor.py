@@ -36,7 +36,8 @@ import anyio.abc
 import torch
 
 from specroll.actors.config import RunConfig
-from specroll.actors.peer.lifecycle import PeerConnection, trainer_channel
+from specroll.actors.peer.lifecycle import PeerConnection
+from specroll.actors.peer.trainer_channel import trainer_channel
 from specroll.actors.peer.weights_fetch import FetchAbandoned, WeightsFetch, check_announcement
 from specroll.actors.shared.exit_codes import EXIT_REFUSED
 from specroll.actors.shared.security import peer_keys

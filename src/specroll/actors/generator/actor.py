@@ -54,7 +54,8 @@ from specroll.actors.generator.live_samples import LiveSamples, SampleRefused
 from specroll.actors.generator.policy_updates import PolicyUpdates, ReadyWeights
 from specroll.actors.generator.rollout_stream import DraftCounter
 from specroll.actors.generator.submit_limits import SubmitLimits
-from specroll.actors.peer.lifecycle import PeerConnection, trainer_channel
+from specroll.actors.peer.lifecycle import PeerConnection
+from specroll.actors.peer.trainer_channel import trainer_channel
 from specroll.actors.shared.security import peer_keys
 from specroll.actors.telemetry.endpoint import serving_metrics
 from specroll.actors.telemetry.generator_metrics import RequestLatency, SyncCounters, collect_generator

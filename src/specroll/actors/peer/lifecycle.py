@@ -21,50 +21,43 @@ Handshake: ``Hello`` → ``Welcome`` (same protocol version: the role's main loo
 Whatever ends the actor, the trainer is told why with ``Dead`` (:func:`report_exit`) and the first
 reason given decides the exit code (:mod:`specroll.actors.shared.exit_codes`).
 
-A new trainer on the same endpoint (restarted on its run directory) knows nothing of this peer, so
-the peer registers again. After the trainer's ``Dead`` it answers ``Hello`` at once (which tells the
-exiting trainer that its ``Dead`` was read: it may close now) and again as the first thing the next
-connection carries; after a trainer that died without ``Dead``, the sign is the new trainer's
-``unknown_peer`` answer to what reached it, as from a trainer that forgot this peer (a new trainer
-session alone is not: a trainer sending from stray sessions is refused, not re-registered with).
-A gap in the trainer's stream is the third sign: the trainer dropped messages to this peer while its
-connection was gone (``EHOSTUNREACH``), or a reset connection lost what was under way. They may have
-carried work (a generator's ``SubmitGroup``) that the trainer counts as this peer's and would wait
-for without end, so the peer registers again instead of reading on; the message after the gap is
-not read (the trainer writes off, then resends, what it gave this peer). A gap no wider than the
-messages just refused as malformed is not a loss (they arrived, and the trainer was told).
-In each case the peer is no longer welcomed: it drops its outbox (nothing in it is
-for the new trainer) and starts its stream over (a fresh credit window), sends no heartbeat and
-queues nothing but ``Hello`` until the next ``Welcome``, which it takes as the new trainer's; the role
-drops what it held of the old incarnation (:meth:`PeerRole.on_new_trainer`; a generator drops its live
-groups, which that trainer resumes from what it holds). A chunk that was on its way still reaches a
-new trainer as foreign, and is aborted there (``actors/rollout/foreign_groups.py``).
+A new trainer on the same endpoint (restarted on its run directory) knows nothing of this peer, so the
+peer registers again. After the trainer's ``Dead`` it answers ``Hello`` at once (which tells the exiting
+trainer that its ``Dead`` was read: it may close now) and again as the first thing the next connection
+carries; after a trainer that died without ``Dead``, the sign is the new trainer's ``unknown_peer``
+answer to what reached it, as from a trainer that forgot this peer (a new trainer session alone is not:
+a trainer sending from stray sessions is refused, not re-registered with). A gap in the trainer's stream
+is the third sign: messages the trainer could not route while this peer's connection was gone, or lost
+with a reset one, may have carried work (a ``SubmitGroup``) it counts as this peer's and would wait for
+without end; the message after the gap is not read (the trainer writes off, then resends, what it gave
+this peer). A gap no wider than the messages just refused as malformed is no loss. In each case the peer
+is no longer welcomed: it drops its outbox (nothing in it is for the new trainer) and starts its stream
+over (a fresh window), sends no heartbeat and queues nothing but ``Hello`` until the next ``Welcome``,
+which it takes as the new trainer's; the role drops what it held of the old incarnation
+(:meth:`PeerRole.on_new_trainer`; a generator drops its live groups, which that trainer resumes from
+what it holds). A chunk that was on its way still reaches a new trainer as foreign, and is aborted there
+(``actors/rollout/foreign_groups.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import signal
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Sequence
-from typing import Any, Generic, Protocol, TypeVar, assert_never
+from collections.abc import Sequence
+from typing import Generic, Protocol, TypeVar, assert_never
 
 import anyio
 import anyio.abc
 import torch
-import zmq
-import zmq.asyncio
 
 from specroll.actors.peer.exit import failure, report_exit
-from specroll.actors.peer.trainer_liveness import MONITOR_EVENTS, TrainerLiveness
+from specroll.actors.peer.trainer_liveness import TrainerLiveness
 from specroll.actors.shared.exit_codes import EXIT_OK, EXIT_PEER_LOST, EXIT_REFUSED
 from specroll.actors.shared.wakeup import Wakeup
 from specroll.protocol.channel import Channel, Received, SequenceError
-from specroll.protocol.codec import MAX_HEADER_BYTES, ProtocolError
-from specroll.protocol.curve import ClientKeys
-from specroll.protocol.limits import DEFAULT_MAX_FRAME_BYTES, frame_limit
+from specroll.protocol.codec import ProtocolError
 from specroll.protocol.messages import (
     PROTOCOL_VERSION,
     Credit,
@@ -76,7 +69,6 @@ from specroll.protocol.messages import (
     Refuse,
     Welcome,
 )
-from specroll.protocol.sockets import close_socket, make_socket
 
 M = TypeVar("M")
 
@@ -163,8 +155,7 @@ class PeerConnection(Generic[M]):
         """The send of the outbox's first message, while it is under way."""
         self._welcomed = anyio.Event()
         self._last_hello = 0.0
-        self._malformed = 0
-        """Messages refused as malformed since the last one read: their numbers show as a gap, not lost."""
+        self._malformed = 0  # messages refused as malformed since the last one read: a gap that is no loss
         self._hello_on_connect = False
         """The trainer said ``Dead``: a new connection is a new trainer, to greet with ``Hello``."""
         self._role: PeerRole[M] | None = None
@@ -382,25 +373,3 @@ class PeerConnection(Generic[M]):
             case _:
                 assert_never(msg)
 
-
-@contextlib.asynccontextmanager
-async def trainer_channel(endpoint: str, actor_id: str, inbound: Any, window: int,
-                          linger_s: float, curve: ClientKeys | None = None, *,
-                          max_header_bytes: int = MAX_HEADER_BYTES,
-                          max_tensor_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> AsyncIterator[Channel[Any]]:
-    """A DEALER channel connected to the trainer at ``endpoint`` (ZeroMQ identity ``actor_id``; a
-    CURVE client with ``curve``); closed on exit with ``linger_s`` for the final ``Dead`` still queued.
-
-    ``max_header_bytes`` bounds a message's header before it is decoded (the codec), and the socket
-    takes no frame longer than that or ``max_tensor_bytes`` (``MAXMSGSIZE``): the largest message
-    and tensor this peer accepts, so the trainer cannot make it buffer or decode more."""
-    ctx = zmq.asyncio.Context()
-    sock = make_socket(ctx, zmq.DEALER, connect=endpoint, identity=actor_id.encode(), curve=curve,
-                       monitor_events=MONITOR_EVENTS, max_frame_bytes=frame_limit(max_header_bytes, max_tensor_bytes))
-    monitor = sock.get_monitor_socket()  # the one attached before the connect (TrainerLiveness reads it)
-    try:
-        yield Channel(sock, inbound, window=window, max_header_bytes=max_header_bytes)
-    finally:
-        monitor.close(linger=0)
-        close_socket(sock, linger_ms=int(linger_s * 1000))
-        ctx.term()
