@@ -260,7 +260,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     from specroll.actors.config import load_config, toml_value
     from specroll.actors.generator.actor import GeneratorActor
-    from specroll.actors.peer.lifecycle import trainer_channel
+    from specroll.actors.peer.trainer_channel import trainer_channel
     from specroll.engine.engine import Engine
     from specroll.protocol.messages import ToGenerator
 
