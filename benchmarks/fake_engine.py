@@ -47,6 +47,7 @@ from typing import IO, TYPE_CHECKING, cast
 
 import torch
 
+from specroll.engine.block_manager import PrefixCacheCounters
 from specroll.engine.model_config import ModelConfig
 from specroll.engine.sequence import Completion, StepOutput
 from specroll.protocol.messages import FinishReason
@@ -125,6 +126,17 @@ class Timeline:
         return cls([(a, b, int(n)) for a, b, n in d["steps"]], [(a, b) for a, b in d["idle"]], int(d["max_num_seqs"]))
 
 
+class _FakeBlocks:
+    """The block manager's face the generator reads: prefix-cache counters (each prompt counted at
+    admission, none cached: a fake engine keeps no K/V) and a cache that has nothing to forget."""
+
+    def __init__(self) -> None:
+        self.prefix_counters = PrefixCacheCounters()
+
+    def forget_cached(self) -> int:
+        return 0
+
+
 class FakeEngine:
     """The Engine API at a fixed cost per step (see the module docstring).
 
@@ -143,6 +155,7 @@ class FakeEngine:
         self.weight_version = 0
         self.device = torch.device("cpu")  # the generator picks its weights transport by it
         self.timeline = Timeline(max_num_seqs=max_num_seqs)
+        self.block_manager = _FakeBlocks()
         self._requests: dict[str, _Request] = {}  # arrival order: dicts keep insertion order
         self._idle_since: float | None = time.monotonic()
 
@@ -163,6 +176,7 @@ class FakeEngine:
         i = int(index) if index.isdigit() else hash(request_id)
         target = lengths[i % len(lengths)] - (len(prompt) - header)
         self._requests[request_id] = _Request(request_id, group_id, prompt, max(1, target), sampling.max_tokens)
+        self.block_manager.prefix_counters.prompt_tokens += len(prompt)
         if self._idle_since is not None:
             self.timeline.idle.append((self._idle_since, time.monotonic()))
             self._idle_since = None
