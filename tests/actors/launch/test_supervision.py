@@ -59,24 +59,33 @@ def welcomed_again(run_dir: Path, role: str, offset: int) -> bool:
 @pytest.mark.integration
 @pytest.mark.slow
 def test_a_killed_generator_is_restarted_and_the_run_trains_every_group_once(tmp_path: Path, tiny_checkpoint) -> None:
-    config = supervised_config(tmp_path, tiny_checkpoint(), steps=12, max_restarts=3)
+    config = supervised_config(tmp_path, tiny_checkpoint(), steps=30, max_restarts=3)
     before = children_of(os.getpid())
     proc = launch(tmp_path, config)
     run_dir = tmp_path / "run"
     wait_for(lambda: generators_connected(run_dir, 2) and len(metrics(run_dir)) >= 2, "two steps", proc)
-    victim = started_pids(run_dir)["generator-1"]
-    os.kill(victim, signal.SIGKILL)  # its groups resume on generator-0 (and on it, if it rejoins in time)
+    # A tiny model trains a step in ~40 ms: with generator-0 running, the run could end inside the
+    # restart's back-off. Paused, it holds the run until generator-1's restart has joined, so the
+    # restart is always part of the run; its groups then resume on either generator.
+    survivor, victim = started_pids(run_dir)["generator-0"], started_pids(run_dir)["generator-1"]
+    os.killpg(survivor, signal.SIGSTOP)
+    try:
+        offset = (run_dir / "logs" / "generator-1.log").stat().st_size
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: welcomed_again(run_dir, "generator-1", offset), "generator-1 to rejoin", proc)
+    finally:
+        os.killpg(survivor, signal.SIGCONT)
     code, _, err = finish(proc, timeout=guard(300))
     assert code == 0, err
     assert f"generator-1 (pid {victim}) was killed by SIGKILL; restart 1 of generator-1 in 0.2 s" in err, err
     assert started_pids(run_dir)["generator-1"] != victim
     last = metrics(run_dir)[-1]
-    assert (last["step"], last["restarts"], last["restarts_by_role"]) == (12, 1, {"generator-1": 1})
+    assert (last["step"], last["restarts"], last["restarts_by_role"]) == (30, 1, {"generator-1": 1})
     checks = check_run(run_dir)
     assert checks.ok and not checks.lost and not checks.duplicated, checks
     # One group a batch; a skipped batch (its data too stale, on a loaded machine) is drawn again for its step.
     skipped = sum(1 for m in metrics(run_dir) if m.get("skipped"))
-    assert checks.groups_trained == 12 + skipped and checks.max_staleness <= 1
+    assert checks.groups_trained == 30 + skipped and checks.max_staleness <= 1
     assert_nothing_left(run_dir, before)
 
 
