@@ -150,6 +150,10 @@ class Scraper:
         if self._error is not None:
             raise RuntimeError(f"a scrape of {self.url} failed") from self._error
 
+    def alive(self) -> bool:
+        """The thread runs and no scrape has failed."""
+        return self._thread.is_alive() and self._error is None
+
     def close(self) -> None:
         self._closed = True
         self._on.set()
@@ -203,13 +207,19 @@ class Round:
 
 
 def run_round(loop: StepLoop, batch: int, seconds: float, scraper: Scraper | None) -> Round:
-    """Steps for ``seconds``, scraped by ``scraper`` if one is given."""
+    """Steps for ``seconds``, scraped by ``scraper`` if one is given — then on until its first scrape
+    of the round has landed (a starved scraper thread must not make a scraped round an unscraped one),
+    or its thread failed (:meth:`Scraper.pause` raises that)."""
     if scraper is not None:
         scraper.resume()
     first = len(scraper.spans) if scraper is not None else 0
+
+    def unscraped() -> bool:
+        return scraper is not None and len(scraper.spans) == first and scraper.alive()
+
     start = time.perf_counter()
     steps: list[tuple[float, float, float]] = []
-    while time.perf_counter() < start + seconds:
+    while time.perf_counter() < start + seconds or unscraped():
         loop.refill(batch)
         steps.append(loop.step())
     if scraper is None:

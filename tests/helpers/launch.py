@@ -175,9 +175,21 @@ def wait_for(predicate: Callable[[], bool], what: str, proc: subprocess.Popen[st
         time.sleep(0.1)
 
 
+def welcomed(run_dir: Path, role: str, offset: int = 0) -> bool:
+    """Peer ``role``'s log shows a welcome by the trainer past its first ``offset`` bytes (a restarted
+    process joined: pass the log's size before the restart). Its actor is made by then."""
+    log = run_dir / "logs" / f"{role}.log"
+    return log.exists() and "welcomed by" in log.read_bytes()[offset:].decode(errors="replace")
+
+
+def model_loaded(run_dir: Path, role: str) -> bool:
+    """Generator ``role``'s log says its model is loaded (it handles a stop itself from before that)."""
+    log = run_dir / "logs" / f"{role}.log"
+    return log.exists() and "; connecting to " in log.read_text(errors="replace")
+
+
 def generators_connected(run_dir: Path, count: int) -> bool:
-    logs = [run_dir / "logs" / f"generator-{i}.log" for i in range(count)]
-    return all(log.exists() and "welcomed by" in log.read_text(errors="replace") for log in logs)
+    return all(welcomed(run_dir, f"generator-{i}") for i in range(count))
 
 
 def launched_episode_run(tmp_path: Path, model: Path, task_toml: str) -> tuple[list[dict], list[dict]]:

@@ -21,6 +21,7 @@ from helpers.launch import (
     finish,
     generators_connected,
     launch,
+    model_loaded,
     started_pids,
     wait_for,
     with_drafter,
@@ -36,8 +37,21 @@ def test_launch_runs_three_steps_and_leaves_nothing(tmp_path: Path, tiny_checkpo
     config = write_config(tmp_path, tiny_checkpoint(), steps=3, count=2, eval_every=2)
     config.write_text(config.read_text() + f"\n[launch]\nfork_roles = {str(fork_roles).lower()}\n")
     before = children_of(os.getpid())
-    code, out, err = finish(launch(tmp_path, config))
+    proc = launch(tmp_path, config)
     run_dir = tmp_path / "run"
+    if not fork_roles:
+        # A fresh interpreter spends seconds importing torch before it handles SIGTERM itself, and the
+        # trainer needs one generator to finish this short run: the launcher's SIGTERM could end the
+        # other mid-import. The trainer is held (its endpoint written, before any generator can join)
+        # until both generators handle a stop, so neither can die of it.
+        wait_for(lambda: (run_dir / "trainer.endpoint").exists(), "the trainer's endpoint", proc)
+        trainer = started_pids(run_dir)["trainer"]
+        os.killpg(trainer, signal.SIGSTOP)
+        try:
+            wait_for(lambda: all(model_loaded(run_dir, f"generator-{i}") for i in range(2)), "both models", proc)
+        finally:
+            os.killpg(trainer, signal.SIGCONT)
+    code, out, err = finish(proc)
     assert code == 0, err
     assert set(started_pids(run_dir)) == {"trainer", "generator-0", "generator-1"}
     assert_nothing_left(run_dir, before)
@@ -53,8 +67,8 @@ def test_launch_runs_three_steps_and_leaves_nothing(tmp_path: Path, tiny_checkpo
     assert "eval_accuracy=" in out.splitlines()[0]
     assert (run_dir / "config.toml").exists() and (run_dir / "trainer.endpoint").exists()
     logs = [(run_dir / "logs" / f"generator-{i}.log").read_text() for i in range(2)]
-    # Each is stopped by the launcher's SIGTERM (not by the SIGKILL fallback) — also one still loading
-    # its model when the short run ended, which a loaded machine makes possible; at least one served.
+    # Each is stopped by the launcher's SIGTERM (not by the SIGKILL fallback) — also a forked one still
+    # loading its model when the short run ended, which a loaded machine makes possible; one served.
     assert all("exits with code 0: received SIGTERM" in log for log in logs), logs
     assert any("welcomed by" in log for log in logs), logs
     assert all(log.startswith(f"==== specroll launch: generator-{i} {'forked' if fork_roles else 'started'} ")

@@ -20,6 +20,7 @@ from helpers.launch import (
     launch,
     started_pids,
     wait_for,
+    welcomed,
     write_config,
 )
 from helpers.timeouts import guard
@@ -50,12 +51,6 @@ def reaped(run_dir: Path, pid: int) -> bool:
     return not (fields[0] == "Z" and int(fields[1]) == pids["launcher"])  # else: a new process took the pid
 
 
-def welcomed_again(run_dir: Path, role: str, offset: int) -> bool:
-    """The role's log shows a welcome after ``offset`` bytes (its restarted process joined)."""
-    log = run_dir / "logs" / f"{role}.log"
-    return log.exists() and "welcomed by" in log.read_bytes()[offset:].decode(errors="replace")
-
-
 @pytest.mark.integration
 @pytest.mark.slow
 def test_a_killed_generator_is_restarted_and_the_run_trains_every_group_once(tmp_path: Path, tiny_checkpoint) -> None:
@@ -72,7 +67,7 @@ def test_a_killed_generator_is_restarted_and_the_run_trains_every_group_once(tmp
     try:
         offset = (run_dir / "logs" / "generator-1.log").stat().st_size
         os.kill(victim, signal.SIGKILL)
-        wait_for(lambda: welcomed_again(run_dir, "generator-1", offset), "generator-1 to rejoin", proc)
+        wait_for(lambda: welcomed(run_dir, "generator-1", offset), "generator-1 to rejoin", proc)
     finally:
         os.killpg(survivor, signal.SIGCONT)
     code, _, err = finish(proc, timeout=guard(300))
@@ -100,7 +95,7 @@ def test_a_generator_dying_past_max_restarts_ends_the_run_naming_it(tmp_path: Pa
     first = started_pids(run_dir)["generator-0"]
     offset = (run_dir / "logs" / "generator-0.log").stat().st_size
     os.kill(first, signal.SIGKILL)
-    wait_for(lambda: welcomed_again(run_dir, "generator-0", offset), "generator-0 to rejoin", proc)
+    wait_for(lambda: welcomed(run_dir, "generator-0", offset), "generator-0 to rejoin", proc)
     # the dead process is reaped while the run goes on (no zombie until the end), and pids.json says so
     wait_for(lambda: reaped(run_dir, first), f"the launcher to reap generator-0's first process {first}", proc)
     second = started_pids(run_dir)["generator-0"]

@@ -79,9 +79,11 @@ async def finish(client: RolloutClient, chunks: Chunks, group: str) -> None:
     assert client.num_finished == 0 and client.num_pending == 0
 
 
-async def start_group(client: RolloutClient, chunks: Chunks, actor: str) -> str:
-    await client.wait_for_generators(1, timeout=guard(HANG_S))
-    group = await client.submit([5, 6, 7, 8], 2, SAMPLING)
+async def start_group(client: RolloutClient, chunks: Chunks, actor: str, generators: int = 1) -> str:
+    """Submit the group once ``generators`` are connected, on ``actor`` (pinned: the pin lapses once
+    ``actor`` is gone); return its id after ``actor``'s first chunk."""
+    await client.wait_for_generators(generators, timeout=guard(HANG_S))
+    group = await client.submit([5, 6, 7, 8], 2, SAMPLING, pin=actor)
     await wait_until(lambda: chunks.count(actor) > 0, guard(HANG_S), f"{actor}'s first chunk")
     return group
 
@@ -144,15 +146,16 @@ async def test_a_half_open_connection_is_found_by_heartbeats_and_its_group_resum
     chunks = Chunks()
     caplog.set_level(logging.WARNING, logger="specroll.client")
     async with RolloutClient(heartbeat_timeout_s=TIMEOUT_S, on_chunk=chunks) as client:
+        # gen-b is connected before gen-a starts the group: the cut comes at gen-a's first chunk, not
+        # after gen-b's start-up, which a fast CPU could let gen-a's whole rollout outlast
         with FaultProxy(client.endpoint) as proxy, \
-                generator_process(proxy.endpoint, model, tmp_path / "gen-a.log", actor_id="gen-a"):
-            group = await start_group(client, chunks, "gen-a")
-            with generator_process(client.endpoint, model, tmp_path / "gen-b.log", actor_id="gen-b"):
-                await client.wait_for_generators(2, timeout=guard(HANG_S))
-                proxy.refuse_new()
-                assert proxy.cut("half-open") == 1
-                await wait_until(declared_gone(client, "gen-a"), guard(HANG_S), "the hub to declare gen-a gone")
-                await finish(client, chunks, group)
+                generator_process(proxy.endpoint, model, tmp_path / "gen-a.log", actor_id="gen-a"), \
+                generator_process(client.endpoint, model, tmp_path / "gen-b.log", actor_id="gen-b"):
+            group = await start_group(client, chunks, "gen-a", generators=2)
+            proxy.refuse_new()
+            assert proxy.cut("half-open") == 1
+            await wait_until(declared_gone(client, "gen-a"), guard(HANG_S), "the hub to declare gen-a gone")
+            await finish(client, chunks, group)
     taken = chunks.taken_over("gen-b", group)
     assert len(taken) == 2 and all(0 < offset == before for offset, before in taken.values())
     assert any("generator gen-a is gone (silent for" in r.getMessage() for r in caplog.records)

@@ -18,6 +18,7 @@ from helpers.launch import (
     launch,
     started_pids,
     wait_for,
+    welcomed,
     with_drafter,
     write_config,
 )
@@ -65,8 +66,11 @@ tensorboard = true
     proc = launch(tmp_path, config)
     run_dir = tmp_path / "run"
     try:
-        wait_for(lambda: all(target(run_dir, a) for a in ROLES) and (run_dir / "metrics.jsonl").exists()
-                 and len(trained(run_dir)) >= 3, "every role's endpoint and 3 trained steps", proc, timeout=guard(300))
+        # welcomed: each peer's actor is made (a scrape before reads an endpoint with no actor behind it yet)
+        wait_for(lambda: all(target(run_dir, a) for a in ROLES)
+                 and all(welcomed(run_dir, log) for log in ("generator-0", "generator-1", "drafter"))
+                 and (run_dir / "metrics.jsonl").exists() and len(trained(run_dir)) >= 3,
+                 "every role's endpoint, every peer welcomed and 3 trained steps", proc, timeout=guard(300))
 
         # every listed metric, with its type, on every role
         first = {actor: scrape(run_dir, actor) for actor in ROLES}
@@ -98,9 +102,12 @@ tensorboard = true
         old_target = target(run_dir, "generator-1")
         step_at_kill = value(before_kill["trainer"][1], "specroll:trainer_step")
         victim = started_pids(run_dir)["generator-1"]
+        offset = (run_dir / "logs" / "generator-1.log").stat().st_size
         os.kill(victim, signal.SIGKILL)
+        # welcomed again: the restart's actor is made and the trainer has counted the old one gone
         wait_for(lambda: started_pids(run_dir)["generator-1"] != victim and target(run_dir, "generator-1")
-                 not in (None, old_target) and answers(run_dir, "generator-1"), "generator-1's restart", proc)
+                 not in (None, old_target) and welcomed(run_dir, "generator-1", offset)
+                 and answers(run_dir, "generator-1"), "generator-1's restart", proc)
         _, new = scrape(run_dir, "generator-1")
         step_now = value(scrape(run_dir, "trainer")[1], "specroll:trainer_step")
         # a fresh process applies the version it joined at and those published since: its count started again
